@@ -1,0 +1,58 @@
+"""accumjax: exact, fast gradient accumulation for JAX.
+
+Gradient accumulation as pure ``optax`` transformations with pytree state, a Flax
+linen ``AccumBatchNorm`` whose running statistics see the whole accumulated batch,
+and a jitted ``make_train_step`` factory (stream or scan, mixed precision, data
+parallel with one all-reduce per window).
+"""
+
+from accumjax.accumulation import (
+    AccumulationState,
+    AccumulationStats,
+    accumulate,
+    accumulated_gradients,
+    has_updated,
+    reset,
+    should_update,
+    stats,
+)
+from accumjax.batch_norm import AccumBatchNorm, convert_batch_norm_variables
+from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
+from accumjax.distributed import count_collectives
+from accumjax.loss_scale import (
+    DynamicLossScale,
+    adjust_loss_scale,
+    all_finite,
+    dynamic_loss_scale,
+    scale_loss,
+    unscale_grads,
+)
+from accumjax.train_step import TrainState, make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumBatchNorm",
+    "AccumulationState",
+    "AccumulationStats",
+    "DynamicLossScale",
+    "TrainState",
+    "accumulate",
+    "accumulated_gradients",
+    "adaptive_clip",
+    "adaptive_clip_grad",
+    "adjust_loss_scale",
+    "all_finite",
+    "compute_norm",
+    "convert_batch_norm_variables",
+    "count_collectives",
+    "dynamic_loss_scale",
+    "has_updated",
+    "make_train_step",
+    "reset",
+    "scale_loss",
+    "should_update",
+    "stats",
+    "unitwise_norm",
+    "unscale_grads",
+]
