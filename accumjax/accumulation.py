@@ -301,6 +301,13 @@ def accumulate(
                     lambda a, x: (a / denom.astype(a.dtype)).astype(x.dtype), acc, grads
                 )
                 updates, new_inner = inner.update(g, state.inner_state, params, **extra_args)
+                # Keep the state's dtypes (an f16 param with f32 grads would promote adam's
+                # moments), so the state is a fixed pytree type under scan/jit carries.
+                new_inner = jax.tree.map(
+                    lambda new, old: jnp.asarray(new).astype(jnp.asarray(old).dtype),
+                    new_inner,
+                    state.inner_state,
+                )
                 return updates, new_inner, numerics.safe_increment(state.update_count)
 
             def skip_inner(_):

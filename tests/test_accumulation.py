@@ -1,0 +1,493 @@
+"""Tests of `accumjax.accumulate` and the free functions on its state.
+
+References: the bare optimizer on the full batch (float64 under ``jax.enable_x64``), and
+``optax.MultiSteps`` for the semantics its own test-suite checks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import accumjax
+from accumjax import accumulation
+
+K = 4
+MICRO = 8
+
+
+def _data(seed=0, n=K * MICRO, dim=5, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, dim)).astype(dtype)
+    y = (np.sin(x @ rng.normal(size=(dim,))) + 0.1 * rng.normal(size=n)).astype(dtype)
+    return x, y
+
+
+def _params(dtype=jnp.float32, dim=5, hidden=7):
+    rng = np.random.default_rng(42)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(dim, hidden)) * 0.5, dtype),
+        "b1": jnp.zeros((hidden,), dtype),
+        "w2": jnp.asarray(rng.normal(size=(hidden,)) * 0.5, dtype),
+    }
+
+
+def _loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+_grad = jax.jit(jax.grad(_loss))
+
+
+def _full_batch_reference(opt, steps, x, y):
+    """The bare optimizer on the whole batch, in float64: the exact answer."""
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), _params())
+        x64, y64 = jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.float64)
+        state = opt.init(params)
+        for _ in range(steps):
+            updates, state = opt.update(jax.grad(_loss)(params, x64, y64), state, params)
+            params = optax.apply_updates(params, updates)
+        return jax.tree.map(np.asarray, params)
+
+
+def _run_accumulated(tx, steps, x, y, k=K, jit=True):
+    params = _params()
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    for _ in range(steps):
+        for i in range(k):
+            sl = slice(i * MICRO, (i + 1) * MICRO)
+            updates, state = update(_grad(params, x[sl], y[sl]), state, params)
+            params = optax.apply_updates(params, updates)
+    return params, state
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.05),
+    "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_k_microbatches_equal_full_batch_float64(name):
+    x, y = _data()
+    steps = 25
+    ref = _full_batch_reference(OPTIMIZERS[name](), steps, x, y)
+    got, state = _run_accumulated(accumjax.accumulate(OPTIMIZERS[name](), K), steps, x, y)
+    assert int(state.update_count) == steps
+    # float32 arithmetic against a float64 reference: each gradient carries ~1e-7 relative
+    # rounding, 25 steps of sgd/momentum/adam (lr <= 0.05) amplify it to well under 1e-5.
+    for key in ref:
+        np.testing.assert_allclose(got[key], ref[key], rtol=2e-5, atol=2e-6)
+    # The check is sharp: updating every K/2 microbatches (half batches) is far off.
+    wrong, _ = _run_accumulated(accumjax.accumulate(OPTIMIZERS[name](), K // 2), steps, x, y)
+    assert max(float(np.max(np.abs(wrong[k] - ref[k]))) for k in ref) > 1e-3
+
+
+def test_non_update_calls_return_zeros_and_leave_inner_state_bit_identical():
+    x, y = _data()
+    tx = accumjax.accumulate(optax.adam(1e-2), K)
+    params = _params()
+    state = tx.init(params)
+    updates, state = tx.update(_grad(params, x[:8], y[:8]), state, params)
+    params = optax.apply_updates(params, updates)
+    for _ in range(3):  # close the first window so adam's moments are non-zero
+        updates, state = tx.update(_grad(params, x[:8], y[:8]), state, params)
+        params = optax.apply_updates(params, updates)
+    inner_before = state.inner_state
+    for step in range(1, K):
+        updates, state = jax.jit(tx.update)(_grad(params, x[:8], y[:8]), state, params)
+        assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+        assert int(state.micro_step) == step
+        assert not bool(accumjax.has_updated(state))
+        for a, b in zip(
+            jax.tree.leaves(inner_before), jax.tree.leaves(state.inner_state), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The inner count equals real updates, so schedules inside inner see optimizer steps.
+    assert int(state.inner_state[0].count) == 1
+
+
+def test_matches_optax_multisteps_with_stateful_param_dependent_inner():
+    """MultiSteps' own test: updates only every K, has_updated, same trajectory."""
+    inner = lambda: optax.chain(
+        optax.scale_by_adam(), optax.add_decayed_weights(1e-2), optax.scale(-1e-2)
+    )
+    ours = accumjax.accumulate(inner(), K)
+    ms = optax.MultiSteps(inner(), K)
+    x, y = _data()
+    p_ours, p_ms = _params(), _params()
+    s_ours, s_ms = ours.init(p_ours), ms.init(p_ms)
+    ours_update, ms_update = jax.jit(ours.update), jax.jit(ms.update)
+    for idx in range(5 * K):
+        sl = slice((idx % K) * MICRO, (idx % K + 1) * MICRO)
+        u, s_ours = ours_update(_grad(p_ours, x[sl], y[sl]), s_ours, p_ours)
+        new_ours = optax.apply_updates(p_ours, u)
+        u, s_ms = ms_update(_grad(p_ms, x[sl], y[sl]), s_ms, p_ms)
+        p_ms = optax.apply_updates(p_ms, u)
+        is_update = idx % K == K - 1
+        assert bool(accumjax.has_updated(s_ours)) == is_update == bool(ms.has_updated(s_ms))
+        if not is_update:
+            jax.tree.map(np.testing.assert_array_equal, new_ours, p_ours)
+        p_ours = new_ours
+        # MultiSteps keeps a running (Welford) mean, we keep a sum divided once: both are
+        # float32 roundings of the same mean, a few ulp apart.
+        jax.tree.map(
+            functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), p_ours, p_ms
+        )
+
+
+def test_every_k_schedule_as_multisteps():
+    tx = accumjax.accumulate(optax.sgd(1e-4), lambda step: jnp.where(step < 2, 1, 3))
+    params = {"a": jnp.zeros([])}
+    state = tx.init(params)
+    tx = tx._replace(update=jax.jit(tx.update))
+    grad = {"a": jnp.zeros([])}
+    assert not bool(accumjax.has_updated(state))
+    for _ in range(2):
+        _, state = tx.update(grad, state, params)
+        assert bool(accumjax.has_updated(state))
+    for _ in range(5):
+        for _ in range(2):
+            _, state = tx.update(grad, state, params)
+            assert not bool(accumjax.has_updated(state))
+            assert int(accumjax.stats(state).accumulation_steps) == 3
+        assert bool(accumjax.should_update(state))
+        _, state = tx.update(grad, state, params)
+        assert bool(accumjax.has_updated(state))
+
+
+def test_computes_mean_exactly():
+    tx = accumjax.accumulate(optax.scale(1.0), 4)
+    params = {"a": jnp.zeros([])}
+    state = tx.init(params)
+    for i in (1, 2, 3):
+        updates, state = tx.update({"a": jnp.asarray(float(i))}, state, params)
+        assert float(updates["a"]) == 0.0
+    updates, state = tx.update({"a": jnp.asarray(4.0)}, state, params)
+    assert float(updates["a"]) == 2.5
+
+
+def test_scan_dtype_stability_with_bf16_grads():
+    tx = accumjax.accumulate(optax.sgd(1e-4), 2)
+    params = {"a": jnp.zeros([], jnp.bfloat16)}
+
+    def body(state, _):
+        updates, state = tx.update({"a": jnp.ones([], jnp.bfloat16)}, state, params)
+        return state, updates
+
+    final, updates = jax.lax.scan(body, tx.init(params), jnp.arange(4))
+    assert final.acc_grads["a"].dtype == jnp.float32
+    assert updates["a"].dtype == jnp.bfloat16
+
+
+def test_compatible_with_zero_nans():
+    tx = accumjax.accumulate(optax.chain(optax.zero_nans(), optax.sgd(1e-4)), 2)
+    params = {"a": jnp.zeros([])}
+    tx.update({"a": jnp.zeros([])}, tx.init(params), params)
+
+
+@pytest.mark.parametrize("upd_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_output_dtype_equals_inner_optimizers(upd_dtype, param_dtype):
+    params = {"w": jnp.ones((3, 2), param_dtype), "b": jnp.ones((2,), param_dtype)}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, upd_dtype), params)
+    inner = optax.adam(1e-3)
+    plain, _ = inner.update(grads, inner.init(params), params)
+    tx = accumjax.accumulate(optax.adam(1e-3), 2)
+    state = tx.init(params)
+    for _ in range(2):
+        ours, state = tx.update(grads, state, params)
+        assert jax.tree.map(lambda a: a.dtype, ours) == jax.tree.map(lambda a: a.dtype, plain)
+    assert state.acc_grads["w"].dtype == jnp.float32
+
+
+def test_float32_accumulator_for_bf16_grads_is_accurate():
+    # 300 bf16 gradients of bf16(1/3) (8 significant bits): their float32 sum needs 17 bits, so
+    # it and the mean are exact; a bf16 running sum has a spacing of 0.5 past 64 and drifts.
+    k = 300
+    g = {"a": jnp.asarray(1.0 / 3.0, jnp.bfloat16)}
+    tx = accumjax.accumulate(optax.scale(1.0), k)
+    state = tx.init({"a": jnp.zeros([], jnp.bfloat16)})
+    update = jax.jit(tx.update)
+    for _ in range(k):
+        out, state = update(g, state)
+    assert out["a"].dtype == jnp.bfloat16
+    assert float(out["a"]) == float(g["a"])
+    # A bf16 accumulator loses it: the sum stalls once it reaches 256.
+    bf16 = accumjax.accumulate(optax.scale(1.0), k, accumulator_dtype=None)
+    state = bf16.init({"a": jnp.zeros([], jnp.bfloat16)})
+    for _ in range(k):
+        bad, state = jax.jit(bf16.update)(g, state)
+    assert float(bad["a"]) != float(g["a"])
+
+
+def test_count_scaling_ignores_dropped_microbatch():
+    tx = accumjax.accumulate(optax.scale(1.0), 3, scaling="count")
+    mean_tx = accumjax.accumulate(optax.scale(1.0), 3, scaling="mean")
+    params = {"a": jnp.zeros(2)}
+    grads = [jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 0.0]), jnp.array([3.0, 6.0])]
+    s, s_mean = tx.init(params), mean_tx.init(params)
+    for g in grads:
+        out, s = tx.update({"a": g}, s, params)
+        out_mean, s_mean = mean_tx.update({"a": g}, s_mean, params)
+    np.testing.assert_array_equal(out["a"], [2.0, 4.0])  # (1+3)/2, (2+6)/2: exact in binary
+    np.testing.assert_array_equal(out_mean["a"], np.array([4.0, 8.0], np.float32) / np.float32(3))
+    assert int(s.nonfinite_count) == 1 and bool(accumjax.stats(s).overflow_detected)
+
+
+def test_weighted_token_mean_is_exact():
+    """Microbatches of per-token-mean losses, weighted by token count = full token-mean loss."""
+    rng = np.random.default_rng(1)
+    lengths = [3, 11, 1, 17]
+    xs = [rng.normal(size=(n, 5)) for n in lengths]
+    ys = [rng.normal(size=(n,)) for n in lengths]
+    tx = accumjax.accumulate(optax.sgd(0.1), len(lengths), scaling="weighted")
+    params = _params()
+    state = tx.init(params)
+    for x, y in zip(xs, ys, strict=True):
+        g = _grad(params, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+        updates, state = jax.jit(tx.update)(g, state, params, weight=jnp.asarray(len(x)))
+    got = optax.apply_updates(params, updates)
+    ref = _full_batch_reference(optax.sgd(0.1), 1, np.concatenate(xs), np.concatenate(ys))
+    # float32 vs float64 for one sgd step: ~1e-7 relative on gradients of order 1.
+    for key in ref:
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-6, atol=1e-6)
+    # Plain mean over microbatches (equal weights) is visibly different for ragged lengths.
+    tx_mean = accumjax.accumulate(optax.sgd(0.1), len(lengths))
+    s = tx_mean.init(params)
+    for x, y in zip(xs, ys, strict=True):
+        g = _grad(params, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+        u_mean, s = tx_mean.update(g, s, params)
+    wrong = optax.apply_updates(params, u_mean)
+    assert max(float(np.max(np.abs(wrong[k] - ref[k]))) for k in ref) > 1e-3
+
+
+def test_max_norm_clips_each_microbatch():
+    grads = [{"a": jnp.array([3.0, 4.0])}, {"a": jnp.array([0.3, 0.4])}]  # norms 5 and 0.5
+    tx = accumjax.accumulate(optax.scale(1.0), 2, max_norm=1.0)
+    state = tx.init({"a": jnp.zeros(2)})
+    for g in grads:
+        out, state = tx.update(g, state)
+    clip = optax.clip_by_global_norm(1.0)
+    ref = sum(clip.update(g, clip.init(g))[0]["a"] for g in grads) / 2
+    np.testing.assert_allclose(out["a"], ref, rtol=1e-7)
+    assert float(state.max_grad_norm) == pytest.approx(5.0)  # stats see the raw norm
+
+
+def test_skip_window_drops_whole_window_and_keeps_inner_state():
+    tx = accumjax.accumulate(optax.sgd(1.0, momentum=0.9), 2, on_nonfinite="skip_window")
+    params = {"a": jnp.zeros(2)}
+    state = tx.init(params)
+    for g in ([1.0, 1.0], [1.0, 1.0]):
+        u, state = tx.update({"a": jnp.array(g)}, state, params)
+        params = optax.apply_updates(params, u)
+    inner = state.inner_state
+    for g in ([jnp.inf, 1.0], [1.0, 1.0]):
+        u, state = tx.update({"a": jnp.array(g)}, state, params)
+        assert all(bool(jnp.all(v == 0)) for v in jax.tree.leaves(u))
+    assert not bool(accumjax.has_updated(state)) and int(state.update_count) == 1
+    jax.tree.map(np.testing.assert_array_equal, inner, state.inner_state)
+    assert int(state.micro_step) == 0 and float(jnp.sum(state.acc_grads["a"])) == 0.0
+    assert bool(jnp.all(jnp.isfinite(params["a"])))
+
+
+def test_skip_microbatch_keeps_params_and_inner_state_finite_when_window_all_bad():
+    tx = accumjax.accumulate(optax.adam(1.0), 2)
+    params = {"a": jnp.zeros(2)}
+    state = tx.init(params)
+    for _ in range(2):
+        u, state = jax.jit(tx.update)({"a": jnp.array([jnp.nan, 1.0])}, state, params)
+    # Nothing was added: no update at all (adam on a zero gradient would still move params).
+    assert not bool(accumjax.has_updated(state)) and int(state.inner_state[0].count) == 0
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves((u, state)))
+
+
+def test_propagate_passes_nan_through():
+    tx = accumjax.accumulate(optax.sgd(1.0), 1, on_nonfinite="propagate")
+    u, state = tx.update({"a": jnp.array([jnp.nan])}, tx.init({"a": jnp.zeros(1)}))
+    assert bool(jnp.isnan(u["a"][0])) and int(state.nonfinite_count) == 1
+
+
+def test_traced_invalid_weight_is_skipped_and_counted():
+    tx = accumjax.accumulate(optax.scale(1.0), 2, scaling="weighted")
+    update = jax.jit(tx.update)
+    state = tx.init({"a": jnp.zeros(())})
+    _, state = update({"a": jnp.array(5.0)}, state, weight=jnp.array(-1.0))
+    out, state = update({"a": jnp.array(2.0)}, state, weight=jnp.array(3.0))
+    assert float(out["a"]) == 2.0 and int(state.nonfinite_count) == 1
+
+
+def test_free_functions_on_state():
+    tx = accumjax.accumulate(optax.sgd(1.0), 3, scaling="weighted")
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3, jnp.bfloat16)}
+    state = tx.init(params)
+    assert not bool(accumjax.should_update(state))
+    g = jax.tree.map(jnp.ones_like, params)
+    _, state = tx.update(g, state, params, weight=1.0)
+    _, state = tx.update(jax.tree.map(lambda x: 4 * x, g), state, params, weight=3.0)
+    assert bool(accumjax.should_update(state))
+    acc = accumjax.accumulated_gradients(state)
+    np.testing.assert_allclose(acc["w"], np.full((2, 3), 13.0 / 4.0))
+    s = accumjax.stats(state)
+    assert (int(s.current_step), int(s.total_cycles), s.num_parameters) == (2, 0, 9)
+    assert s.memory_bytes == 9 * 4  # bf16 leaf accumulates in float32
+    assert float(s.max_grad_norm) == pytest.approx(4 * 3.0)
+    cleared = accumjax.reset(state)
+    assert int(cleared.micro_step) == 0 and float(cleared.weight_sum) == 0.0
+    assert all(
+        float(jnp.sum(x)) == 0 for x in jax.tree.leaves(accumjax.accumulated_gradients(cleared))
+    )
+    assert cleared.inner_state is state.inner_state
+
+
+def test_vmap_over_independent_states():
+    tx = accumjax.accumulate(optax.adam(0.1), 2)
+    params = {"a": jnp.zeros((4, 3))}  # 4 independent problems
+    state = jax.vmap(tx.init)(params)
+    grads = {"a": jnp.arange(12.0).reshape(4, 3) + 1}
+    update = jax.jit(jax.vmap(tx.update))
+    for _ in range(4):
+        u, state = update(grads, state, params)
+        params = optax.apply_updates(params, u)
+    ref_p = {"a": jnp.zeros(3)}
+    ref_tx = accumjax.accumulate(optax.adam(0.1), 2)
+    rs = ref_tx.init(ref_p)
+    ref_update = jax.jit(ref_tx.update)
+    for _ in range(4):
+        u, rs = ref_update({"a": grads["a"][1]}, rs, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+    # vmap may fuse adam's arithmetic differently: equal to an ulp, not bit for bit.
+    np.testing.assert_allclose(params["a"][1], ref_p["a"], rtol=1e-6)
+    np.testing.assert_array_equal(state.update_count, [2, 2, 2, 2])
+
+
+def test_pmap_all_reduces_once_per_window_and_matches_full_batch():
+    n_dev = 4
+    assert jax.device_count() >= n_dev
+    x, y = _data(n=n_dev * K * MICRO)
+    steps = 3
+    ref = _full_batch_reference(optax.adam(1e-2), steps, x, y)
+    tx = accumjax.accumulate(optax.adam(1e-2), K, axis_name="d")
+
+    @functools.partial(jax.pmap, axis_name="d", devices=jax.devices()[:n_dev])
+    def step(params, state, xb, yb):
+        updates, state = tx.update(jax.grad(_loss)(params, xb, yb), state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = jax.tree.map(lambda p: jnp.stack([p] * n_dev), _params())
+    state = jax.pmap(tx.init, devices=jax.devices()[:n_dev])(params)
+    xs = x.reshape(n_dev, K, MICRO, -1)
+    ys = y.reshape(n_dev, K, MICRO)
+    for _ in range(steps):
+        for i in range(K):
+            params, state = step(params, state, xs[:, i], ys[:, i])
+    # Same float32-vs-float64 reasoning as the single-device exactness test.
+    for key in ref:
+        np.testing.assert_allclose(params[key][0], ref[key], rtol=2e-5, atol=2e-6)
+        np.testing.assert_array_equal(params[key][0], params[key][n_dev - 1])
+    hlo = step.lower(params, state, xs[:, 0], ys[:, 0]).compile().as_text()
+    assert accumjax.count_collectives(hlo)["all-reduce"] == 1
+
+
+def test_orbax_checkpoint_mid_window_resumes_bit_identical(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    x, y = _data()
+    tx = accumjax.accumulate(optax.adam(1e-2), K)
+    update = jax.jit(tx.update)
+
+    def run(params, state, calls):
+        for c in calls:
+            sl = slice((c % K) * MICRO, (c % K + 1) * MICRO)
+            updates, state = update(_grad(params, x[sl], y[sl]), state, params)
+            params = optax.apply_updates(params, updates)
+        return params, state
+
+    p0 = _params()
+    full_p, _ = run(p0, tx.init(p0), range(3 * K))
+    mid_p, mid_s = run(p0, tx.init(p0), range(K + 2))  # stop inside the second window
+    assert int(mid_s.micro_step) == 2
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt", {"params": mid_p, "opt": mid_s})
+    ckptr.wait_until_finished()
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": mid_p, "opt": mid_s})
+    restored = ckptr.restore(tmp_path / "ckpt", target)
+    assert isinstance(restored["opt"], accumjax.AccumulationState)
+    resumed_p, _ = run(restored["params"], restored["opt"], range(K + 2, 3 * K))
+    jax.tree.map(np.testing.assert_array_equal, resumed_p, full_p)
+
+
+@pytest.mark.parametrize("every_k", [0, -1, 2.0, True, "4", None])
+def test_bad_every_k(every_k):
+    with pytest.raises((ValueError, TypeError), match="every_k"):
+        accumjax.accumulate(optax.sgd(1.0), every_k)
+
+
+def test_bad_schedule_value():
+    with pytest.raises(ValueError, match="K >= 1"):
+        accumjax.accumulate(optax.sgd(1.0), lambda step: 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"scaling": "median"}, "scaling"),
+        ({"on_nonfinite": "ignore"}, "on_nonfinite"),
+        ({"max_norm": 0.0}, "max_norm"),
+        ({"max_norm": -1.0}, "max_norm"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        accumjax.accumulate(optax.sgd(1.0), 2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("weight", "error", "match"),
+    [
+        (None, ValueError, "needs update"),
+        (-1.0, ValueError, ">= 0"),
+        (float("inf"), ValueError, "finite"),
+        (float("nan"), ValueError, "finite"),
+        (jnp.ones(2), ValueError, "scalar"),
+        (jnp.array(True), TypeError, "real number"),
+    ],
+)
+def test_bad_weight(weight, error, match):
+    tx = accumjax.accumulate(optax.sgd(1.0), 2, scaling="weighted")
+    state = tx.init({"a": jnp.zeros(2)})
+    with pytest.raises(error, match=match):
+        tx.update({"a": jnp.ones(2)}, state, weight=weight)
+
+
+def test_weight_without_weighted_scaling_is_an_error():
+    tx = accumjax.accumulate(optax.sgd(1.0), 2)
+    with pytest.raises(ValueError, match="only taken with scaling='weighted'"):
+        tx.update({"a": jnp.ones(2)}, tx.init({"a": jnp.zeros(2)}), weight=1.0)
+
+
+def test_bad_grads_are_rejected_at_trace_time():
+    tx = accumjax.accumulate(optax.sgd(1.0), 2)
+    state = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(3)})
+    update = jax.jit(tx.update)
+    with pytest.raises(ValueError, match="structure"):
+        update({"a": jnp.ones(2)}, state)
+    with pytest.raises(ValueError, match="shape"):
+        update({"a": jnp.ones(2), "b": jnp.ones(4)}, state)
+    with pytest.raises(TypeError, match="floating point"):
+        update({"a": jnp.ones(2), "b": jnp.ones(3, jnp.int32)}, state)
+    with pytest.raises(TypeError, match="floating-point parameters"):
+        tx.init({"a": jnp.zeros(2, jnp.int32)})
+
+
+def test_accumulator_never_narrower_than_params():
+    with jax.enable_x64(True):
+        state = accumjax.accumulate(optax.sgd(1.0), 2).init({"a": jnp.zeros(2, jnp.float64)})
+        assert state.acc_grads["a"].dtype == jnp.float64
+    assert accumulation._accumulator_dtype(jnp.float16, None) == jnp.float16
