@@ -229,17 +229,17 @@ def accumulate(
         )
         update_count = jnp.zeros((), jnp.int32)
         k = _k_at(schedule, update_count)
-        zero_f = jnp.zeros((), jnp.float32)
+        zero_f = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: donatable
         return AccumulationState(
             micro_step=jnp.zeros((), jnp.int32),
             every_k=k,
             update_count=update_count,
             acc_grads=acc,
-            weight_sum=zero_f,
+            weight_sum=zero_f(),
             fixed_denominator=scaling_lib.fixed_denominator(scaling, k),
             inner_state=inner.init(params),
-            window_max_norm=zero_f,
-            max_grad_norm=zero_f,
+            window_max_norm=zero_f(),
+            max_grad_norm=zero_f(),
             nonfinite_count=jnp.zeros((), jnp.int32),
             window_nonfinite=jnp.zeros((), jnp.bool_),
             updated=jnp.zeros((), jnp.bool_),
@@ -272,59 +272,54 @@ def accumulate(
             window_nonfinite=state.window_nonfinite | ~ok,
         )
 
+    def end_window(grads, state: AccumulationState, params, extra_args):
+        """Reduces the window, applies ``inner`` if the window is usable, and empties it."""
+        acc, weight_sum = state.acc_grads, state.weight_sum
+        nonfinite, fixed = state.window_nonfinite, state.fixed_denominator
+        if axis_name is not None:
+            acc, weight_sum, n_bad = jax.lax.psum(
+                (acc, weight_sum, nonfinite.astype(jnp.int32)), axis_name
+            )
+            nonfinite = n_bad > 0
+            fixed = fixed * jax.lax.psum(1, axis_name) if scaling == "mean" else fixed
+        denom = scaling_lib.denominator(fixed, weight_sum)
+        apply = (weight_sum > 0) & ~(nonfinite & (on_nonfinite == "skip_window"))
+        g = jax.tree.map(lambda a, x: (a / denom.astype(a.dtype)).astype(x.dtype), acc, grads)
+        updates, new_inner = inner.update(g, state.inner_state, params, **extra_args)
+        # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments),
+        # so the state is a fixed pytree type under scan/jit carries. This branch runs once per
+        # window, so selecting (rather than a nested cond) costs nothing per microbatch.
+        keep = lambda new, old: jnp.where(apply, new, old).astype(jnp.asarray(old).dtype)
+        inner_state = jax.tree.map(keep, new_inner, state.inner_state)
+        updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+        update_count = jnp.where(
+            apply, numerics.safe_increment(state.update_count), state.update_count
+        )
+        k = _k_at(schedule, update_count)
+        return updates, reset(state)._replace(
+            every_k=k,
+            update_count=update_count,
+            fixed_denominator=scaling_lib.fixed_denominator(scaling, k),
+            inner_state=inner_state,
+            updated=apply,
+        )
+
     def update_fn(grads, state: Any, params=None, *, weight=None, **extra_args):
         _check_grads(grads, state.acc_grads)
-        state = add_microbatch(grads, state, weight)
+        state = add_microbatch(grads, state, weight)._replace(updated=jnp.zeros((), jnp.bool_))
         zeros = _zeros_like_updates(inner, grads, state.inner_state, params, extra_args)
 
-        def keep_going(state: AccumulationState):
-            return zeros, state._replace(updated=jnp.zeros((), jnp.bool_))
+        # A loop that runs once at the end of a window and not at all otherwise: unlike
+        # lax.cond, XLA updates a while loop's carry in place, so the inner state and the
+        # accumulator are not copied on every microbatch.
+        def body(carry):
+            _, state, _ = carry
+            updates, state = end_window(grads, state, params, extra_args)
+            return updates, state, jnp.zeros((), jnp.bool_)
 
-        def end_window(state: AccumulationState):
-            acc, weight_sum, nonfinite, fixed = (
-                state.acc_grads,
-                state.weight_sum,
-                state.window_nonfinite,
-                state.fixed_denominator,
-            )
-            if axis_name is not None:
-                acc, weight_sum, n_bad = jax.lax.psum(
-                    (acc, weight_sum, nonfinite.astype(jnp.int32)), axis_name
-                )
-                nonfinite = n_bad > 0
-                fixed = fixed * jax.lax.psum(1, axis_name) if scaling == "mean" else fixed
-            denom = scaling_lib.denominator(fixed, weight_sum)
-            apply = (weight_sum > 0) & ~(nonfinite & (on_nonfinite == "skip_window"))
-
-            def apply_inner(_):
-                g = jax.tree.map(
-                    lambda a, x: (a / denom.astype(a.dtype)).astype(x.dtype), acc, grads
-                )
-                updates, new_inner = inner.update(g, state.inner_state, params, **extra_args)
-                # Keep the state's dtypes (an f16 param with f32 grads would promote adam's
-                # moments), so the state is a fixed pytree type under scan/jit carries.
-                new_inner = jax.tree.map(
-                    lambda new, old: jnp.asarray(new).astype(jnp.asarray(old).dtype),
-                    new_inner,
-                    state.inner_state,
-                )
-                return updates, new_inner, numerics.safe_increment(state.update_count)
-
-            def skip_inner(_):
-                return zeros, state.inner_state, state.update_count
-
-            updates, inner_state, update_count = jax.lax.cond(apply, apply_inner, skip_inner, None)
-            k = _k_at(schedule, update_count)
-            new_state = reset(state)._replace(
-                every_k=k,
-                update_count=update_count,
-                fixed_denominator=scaling_lib.fixed_denominator(scaling, k),
-                inner_state=inner_state,
-                updated=apply,
-            )
-            return updates, new_state
-
-        return jax.lax.cond(state.micro_step >= state.every_k, end_window, keep_going, state)
+        emit = state.micro_step >= state.every_k
+        updates, state, _ = jax.lax.while_loop(lambda c: c[2], body, (zeros, state, emit))
+        return updates, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
@@ -397,12 +392,11 @@ def reset(state: AccumulationState) -> AccumulationState:
     Returns:
       The state with a zero accumulator, ``micro_step == 0`` and cleared window statistics.
     """
-    zero_f = jnp.zeros_like(state.weight_sum)
     return state._replace(
         micro_step=jnp.zeros_like(state.micro_step),
         acc_grads=jax.tree.map(jnp.zeros_like, state.acc_grads),
-        weight_sum=zero_f,
-        window_max_norm=zero_f,
+        weight_sum=jnp.zeros_like(state.weight_sum),
+        window_max_norm=jnp.zeros_like(state.window_max_norm),
         window_nonfinite=jnp.zeros_like(state.window_nonfinite),
     )
 
