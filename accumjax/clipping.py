@@ -1,14 +1,369 @@
-"""Placeholder: being written."""
+"""Adaptive gradient clipping (AGC) and the unit-wise norms it is built on.
 
-def adaptive_clip(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+AGC (Brock et al. 2021) rescales each *unit* of a gradient so that its L2 norm is at most
+``clip_factor * max(||param unit||, eps)``. A unit is the slice of a parameter that feeds one
+output: a column of a ``(in, out)`` Dense kernel, one output channel of a ``HWIO`` conv kernel,
+or a whole bias/scale vector. See :func:`unitwise_norm` for the exact convention.
 
-def adaptive_clip_grad(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+Two public entry points do the same arithmetic:
 
-def compute_norm(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+- :func:`adaptive_clip_grad` is a plain function ``(params, grads) -> grads``.
+- :func:`adaptive_clip` is an ``optax`` transformation; it needs ``params`` in ``update``.
 
-def unitwise_norm(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+Where to clip when accumulating gradients
+------------------------------------------
+**On the accumulated gradient** (the usual choice, and the one that reproduces large-batch
+training): put the transform in the inner optimizer,
+``optax.chain(accumjax.adaptive_clip(0.01), optax.adam(1e-3))``. For a mean loss and
+equal-sized microbatches the accumulated (mean) gradient equals the full-batch gradient, so
+this clips exactly what a single large batch would have clipped.
 
+**Per microbatch** (call :func:`adaptive_clip_grad` on each microbatch gradient before summing)
+is a different algorithm, for two reasons:
+
+- Clipping is nonlinear: ``sum_k clip(g_k) != clip(sum_k g_k)`` whenever any unit is clipped,
+  so per-microbatch clipping does not reproduce the large-batch update (small-batch gradients
+  are also noisier, hence larger, and get clipped more often).
+- Scale: if each microbatch computes the gradient of ``loss / K`` (so that the K gradients
+  *sum* to the full-batch gradient of a mean loss), each one is K times smaller than the
+  gradient of that microbatch's own mean loss. Since
+  ``clip(g / K, c) == clip(g, K * c) / K``, per-microbatch clipping at ``clip_factor=c`` is
+  then K times looser than it looks. Divide ``clip_factor`` by K to compensate for the scale
+  (the nonlinearity remains).
+
+Differences from other implementations
+--------------------------------------
+- ``optax.adaptive_grad_clip``: same arithmetic and, for ranks 0 to 4, the same units
+  (tested: bit-exact op by op, within 2 ulp under ``jax.jit``, where XLA may turn a division
+  into a multiplication by a reciprocal in one graph and not the other), except that:
+  (a) we reject rank > 4, where optax treats rank 5 as Conv3D; (b) our division guard is the
+  smallest normal number of the compute dtype, not ``1e-6``, so clipping stays exact when
+  ``clip_factor * eps < 1e-6``; (c) norms of ``float16``/``bfloat16`` arrays are computed and
+  compared in ``float32``.
+- ``andreped/GradientAccumulator`` (TensorFlow, ``agc.py``): its ``unitwise_norm`` reduces axis
+  0 for rank 2 and 3 and axes ``[0, 1, 2]`` for rank 4 with ``keepdims=True``, and returns a
+  scalar (``keepdims=False``) for rank 0-1. Kernels there are ``(in, out)`` like Flax, so ranks
+  2 to 4 agree with ours; a ``(1, n)`` kernel is ``n`` units there and one unit here (as in
+  optax), and our vector norms keep their (size-1) axes, so the result always broadcasts.
+
+References:
+  Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
+  <https://arxiv.org/abs/2102.06171>`_, 2021
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = ["adaptive_clip", "adaptive_clip_grad", "compute_norm", "unitwise_norm"]
+
+# A pytree of bools (or a prefix of params), or a callable params -> such a pytree, or None.
+Mask = Any
+
+_MAX_RANK = 4
+
+
+def _check_hyperparams(clip_factor: float, eps: float) -> tuple[float, float]:
+    """Validates ``clip_factor`` (> 0) and ``eps`` (>= 0); returns them as Python floats."""
+    checked = []
+    for name, value, lower_ok in (("clip_factor", clip_factor, False), ("eps", eps, True)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"`{name}` must be a real Python number, got {value!r}.")
+        value = float(value)
+        if not math.isfinite(value) or value < 0 or (value == 0 and not lower_ok):
+            bound = ">= 0" if lower_ok else "> 0"
+            raise ValueError(f"`{name}` must be finite and {bound}, got {value}.")
+        checked.append(value)
+    return checked[0], checked[1]
+
+
+def _compute_dtype(dtype: Any) -> np.dtype:
+    """Real dtype in which norms of ``dtype`` arrays are accumulated (at least float32)."""
+    real = jnp.finfo(dtype).dtype  # complex64 -> float32, bfloat16 -> bfloat16, ...
+    return jnp.promote_types(real, jnp.float32)
+
+
+def compute_norm(
+    x: jax.typing.ArrayLike,
+    axis: int | tuple[int, ...] | None = None,
+    keepdims: bool = False,
+) -> jax.Array:
+    """Computes the L2 norm of ``x`` over ``axis``, accumulating in at least float32.
+
+    Args:
+      x: A floating point (or complex) array.
+      axis: Axis or axes to reduce; ``None`` reduces all of them.
+      keepdims: Whether to keep the reduced axes with size 1 (as ``jnp.sum`` does).
+
+    Returns:
+      ``sqrt(sum(|x|**2, axis, keepdims))``. Its dtype is ``float32`` for ``float16``,
+      ``bfloat16`` (and other sub-32-bit) inputs, and the real dtype of ``x`` otherwise
+      (``float32``, ``float64``; ``complex64 -> float32``). Its shape is that of ``jnp.sum``.
+
+    Raises:
+      TypeError: if ``x`` is not floating point or complex.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import compute_norm
+      >>> compute_norm(jnp.array([[3.0, 0.0], [4.0, 1.0]], jnp.bfloat16), axis=0)
+      Array([5., 1.], dtype=float32)
+
+    References:
+      Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
+      <https://arxiv.org/abs/2102.06171>`_, 2021
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise TypeError(f"`compute_norm` needs a floating point array, got dtype {x.dtype}.")
+    x = x.astype(jnp.promote_types(x.dtype, _compute_dtype(x.dtype)))
+    squared = (jnp.conj(x) * x).real if jnp.iscomplexobj(x) else x * x
+    return jnp.sqrt(jnp.sum(squared, axis=axis, keepdims=keepdims))
+
+
+def _unit_axes(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Axes reduced by :func:`unitwise_norm` for an array of ``shape``; ``None`` means all."""
+    if len(shape) > _MAX_RANK:
+        raise ValueError(
+            f"`unitwise_norm` supports arrays of rank 0 to {_MAX_RANK}, got shape {shape}. "
+            "Exclude such leaves from clipping with `mask`."
+        )
+    if sum(d != 1 for d in shape) <= 1:  # Scalars and vectors, also shaped (1, n) etc.
+        return None
+    if len(shape) <= 3:  # Dense (in, out) and 3-D kernels (in, heads, head_dim): per axis 0.
+        return (0,)
+    return (0, 1, 2)  # HWIO conv kernels: per output channel.
+
+
+def unitwise_norm(x: jax.typing.ArrayLike) -> jax.Array:
+    """Computes the L2 norm of each output unit of a parameter (or gradient) array.
+
+    The reduced axes depend only on the shape of ``x``:
+
+    - at most one dimension larger than 1 (scalars, biases, shapes like ``(1, n)``): one unit,
+      the whole array (``optax`` uses the same squeeze rule);
+    - rank 2, Dense kernel ``(in, out)``: per output unit, reduce axis 0;
+    - rank 3, e.g. a multi-head kernel ``(in, heads, head_dim)``: reduce axis 0;
+    - rank 4, conv kernel ``HWIO``: per output channel, reduce axes ``(0, 1, 2)``.
+
+    This is ``optax.adaptive_grad_clip``'s default norm and the TensorFlow
+    ``andreped/GradientAccumulator`` library's units (which keep the axis dims for ranks 2-4
+    and return a bare scalar for ranks 0-1; we always keep dims so the result broadcasts).
+
+    Args:
+      x: A floating point array of rank 0 to 4.
+
+    Returns:
+      The norms with ``keepdims=True``: shape ``x.shape`` with every reduced axis set to 1 (so
+      it broadcasts against ``x``; ``()`` for a scalar). Dtype as in :func:`compute_norm`:
+      ``float32`` for ``float16``/``bfloat16`` inputs, the real dtype of ``x`` otherwise.
+
+    Raises:
+      ValueError: if ``x`` has rank above 4.
+      TypeError: if ``x`` is not floating point or complex.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import unitwise_norm
+      >>> kernel = jnp.array([[3.0, 0.0], [4.0, 2.0]])  # Dense (in=2, out=2)
+      >>> unitwise_norm(kernel)
+      Array([[5., 2.]], dtype=float32)
+
+    References:
+      Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
+      <https://arxiv.org/abs/2102.06171>`_, 2021
+    """
+    x = jnp.asarray(x)
+    return compute_norm(x, axis=_unit_axes(x.shape), keepdims=True)
+
+
+def _clip_leaf(
+    param: jax.typing.ArrayLike, grad: jax.typing.ArrayLike, clip_factor: float, eps: float
+) -> jax.Array:
+    """AGC of one gradient leaf, returned in ``grad``'s dtype."""
+    param, grad = jnp.asarray(param), jnp.asarray(grad)
+    p_norm, g_norm = unitwise_norm(param), unitwise_norm(grad)
+    dtype = jnp.promote_types(p_norm.dtype, g_norm.dtype)
+    p_norm, g_norm = p_norm.astype(dtype), g_norm.astype(dtype)
+    max_norm = clip_factor * jnp.maximum(p_norm, eps)
+    # The floor only guards 0 / 0: when clipping is selected, g_norm >= max_norm > 0 unless
+    # clip_factor * eps underflows.
+    scale = max_norm / jnp.maximum(g_norm, jnp.finfo(dtype).tiny)
+    clipped = (grad * scale).astype(grad.dtype)
+    return jnp.where(g_norm < max_norm, grad, clipped)
+
+
+def _mask_leaves(mask: Mask, params: Any) -> list[bool]:
+    """Resolves ``mask`` (pytree, prefix pytree or callable) to one bool per params leaf."""
+    if mask is None:
+        return [True] * len(jax.tree.leaves(params))
+    mask_tree = mask(params) if callable(mask) else mask
+    try:
+        full = jax.tree.broadcast(mask_tree, params)
+    except ValueError as err:
+        raise ValueError(
+            "`mask` must be a pytree of bools with the structure of params (or a prefix of it), "
+            f"got mask structure {jax.tree.structure(mask_tree)} for params structure "
+            f"{jax.tree.structure(params)}."
+        ) from err
+    return _check_mask_leaves(jax.tree.leaves(full))
+
+
+def _check_mask_leaves(leaves: list[Any]) -> list[bool]:
+    """Checks that mask leaves are static bools (jit needs to know which leaves to clip)."""
+    bad = [m for m in leaves if not isinstance(m, bool | np.bool_)]
+    if bad:
+        raise TypeError(
+            f"`mask` leaves must be Python bools (static, not arrays), got {type(bad[0])}."
+        )
+    return [bool(m) for m in leaves]
+
+
+def adaptive_clip_grad(
+    params: Any,
+    grads: Any,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+    mask: Mask = None,
+) -> Any:
+    """Clips each unit of ``grads`` to ``clip_factor`` times the norm of its parameter unit.
+
+    For every leaf and every unit (see :func:`unitwise_norm`), with
+    ``max_norm = clip_factor * max(unitwise_norm(param), eps)``, a gradient unit with
+    ``unitwise_norm(grad) >= max_norm`` is scaled by ``max_norm / unitwise_norm(grad)``; other
+    units are returned as they are. Comparisons and scales use the norms' dtype (at least
+    float32); each output leaf has the dtype of its gradient leaf. A unit with an ``inf`` or
+    ``NaN`` entry comes out with ``NaN`` entries (it is not silently repaired).
+
+    Args:
+      params: Pytree of parameters (floating point arrays of rank 0 to 4).
+      grads: Pytree of gradients with exactly the structure and leaf shapes of ``params``.
+      clip_factor: Maximum ratio of gradient to parameter unit norm; > 0.
+      eps: Lower bound on the parameter unit norm, so zero-initialised parameters (biases) can
+        still move; >= 0.
+      mask: ``None`` (clip every leaf), a pytree of Python bools with the structure of
+        ``params`` or a prefix of it, or a callable ``params -> such a pytree`` (as in
+        ``optax.masked``). ``True`` means clip; ``False`` leaves are returned unchanged and
+        are not checked for dtype or rank (use it for the final classifier layer, as the NFNets
+        paper does, or for integer/rank-5 leaves).
+
+    Returns:
+      A pytree like ``grads`` with the clipped gradients.
+
+    Raises:
+      ValueError: on mismatched pytree structures or leaf shapes, or bad hyperparameters.
+      TypeError: on integer (or other non-floating) leaves that are to be clipped.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import adaptive_clip_grad
+      >>> params = {"w": jnp.array([[3.0, 0.0], [4.0, 10.0]]), "b": jnp.zeros(2)}
+      >>> grads = {"w": jnp.array([[0.6, 0.0], [0.8, 0.05]]), "b": jnp.ones(2)}
+      >>> clipped = adaptive_clip_grad(params, grads, clip_factor=0.1)
+      >>> clipped["w"]  # Column 0 had norm 1.0 > 0.1 * 5 and is scaled to 0.5.
+      Array([[0.3 , 0.  ],
+             [0.4 , 0.05]], dtype=float32)
+
+    References:
+      Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
+      <https://arxiv.org/abs/2102.06171>`_, 2021
+    """
+    clip_factor, eps = _check_hyperparams(clip_factor, eps)
+    p_paths, p_def = jax.tree_util.tree_flatten_with_path(params)
+    g_leaves, g_def = jax.tree.flatten(grads)
+    if p_def != g_def:
+        raise ValueError(
+            f"`grads` must have the pytree structure of `params`; got grads {g_def} "
+            f"and params {p_def}."
+        )
+    out = []
+    for (path, param), grad, clip in zip(
+        p_paths, g_leaves, _mask_leaves(mask, params), strict=True
+    ):
+        if not clip:
+            out.append(grad)
+            continue
+        where = jax.tree_util.keystr(path) or "<root>"
+        for name, leaf in (("grads", grad), ("params", param)):
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                raise TypeError(
+                    f"AGC needs floating point {name}; leaf {where} has dtype "
+                    f"{jnp.result_type(leaf)}. Exclude it with `mask`."
+                )
+        if jnp.shape(grad) != jnp.shape(param):
+            raise ValueError(
+                f"Leaf {where}: grads shape {jnp.shape(grad)} != params shape {jnp.shape(param)}."
+            )
+        out.append(_clip_leaf(param, grad, clip_factor, eps))
+    return jax.tree.unflatten(g_def, out)
+
+
+def adaptive_clip(
+    clip_factor: float = 0.01, eps: float = 1e-3, mask: Mask = None
+) -> optax.GradientTransformationExtraArgs:
+    """Adaptive gradient clipping as an ``optax`` transformation.
+
+    Applies :func:`adaptive_clip_grad` to the updates; ``params`` must be passed to ``update``.
+    Placed in the inner optimizer of gradient accumulation it clips the accumulated gradient
+    (see the module docstring for per-microbatch clipping).
+
+    Args:
+      clip_factor: Maximum ratio of gradient to parameter unit norm; > 0.
+      eps: Lower bound on the parameter unit norm; >= 0.
+      mask: ``None``, a pytree of Python bools (``True`` = clip) matching params or a prefix of
+        them, or a callable ``params -> mask``; excluded leaves pass through unchanged.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` with an empty state.
+
+    Raises:
+      ValueError: from ``update`` if ``params`` is not given, and at construction on bad
+        hyperparameters.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import accumjax
+      >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+      >>> tx = optax.chain(accumjax.adaptive_clip(0.01), optax.sgd(1.0))
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.full((3, 2), 10.0), "b": jnp.zeros(2)}
+      >>> updates, state = tx.update(grads, state, params)
+      >>> ratio = jnp.linalg.norm(updates["w"][:, 0]) / jnp.linalg.norm(params["w"][:, 0])
+      >>> round(float(ratio), 6)  # The update is -1.0 * (grads clipped to 0.01 * |param unit|).
+      0.01
+
+    References:
+      Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
+      <https://arxiv.org/abs/2102.06171>`_, 2021
+    """
+    clip_factor, eps = _check_hyperparams(clip_factor, eps)
+    if mask is not None and not callable(mask):
+        _check_mask_leaves(jax.tree.leaves(mask))  # Fail at construction, not in update.
+
+    def init_fn(params: optax.Params) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
+        del extra_args
+        if params is None:
+            raise ValueError(
+                "`adaptive_clip` needs the current parameters: call "
+                "`update(updates, state, params)`."
+            )
+        return adaptive_clip_grad(params, updates, clip_factor, eps, mask), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

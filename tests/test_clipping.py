@@ -1,0 +1,545 @@
+"""Tests for accumjax.clipping: norms, adaptive gradient clipping and its placement."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.transforms
+import pytest
+
+from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
+
+# float32 results compared with float64 numpy references. A float32 sum of n positive terms has
+# relative error <= n * u (u = 2**-24 ~ 6e-8) in any summation order; with n <= 64 squares per
+# norm here the norm is within 32 u ~ 1.9e-6, and AGC (n <= 18, two norms, a divide and a
+# multiply) within ~25 u. 2e-6 covers both worst cases, yet any wrong axis, wrong eps or result
+# rounded to 16 bits (unit roundoff 2**-11 ~ 5e-4 or worse) fails by orders of magnitude.
+F32_RTOL = 2e-6
+# float64 vs float64: the same formulas in a different summation order, error ~ 1e-16.
+F64_RTOL = 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent float64 references.
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_unit_norms(x: np.ndarray) -> np.ndarray:
+    """Per-unit L2 norms by looping over output units, broadcast to x.shape (float64)."""
+    x = np.asarray(x, np.float64)
+    if np.count_nonzero(np.array(x.shape) != 1) <= 1:  # Scalar / vector: one unit.
+        return np.full(x.shape, np.sqrt(np.sum(x * x)))
+    out = np.empty_like(x)
+    if x.ndim == 4:  # HWIO: each output channel is the slice x[..., o].
+        for o in range(x.shape[-1]):
+            out[..., o] = np.sqrt(np.sum(x[..., o] ** 2))
+        return out
+    for idx in np.ndindex(*x.shape[1:]):  # Ranks 2-3: each unit is the column x[:, *idx].
+        out[(slice(None), *idx)] = np.sqrt(np.sum(x[(slice(None), *idx)] ** 2))
+    return out
+
+
+def ref_agc(param, grad, clip_factor: float, eps: float) -> np.ndarray:
+    """AGC in float64 numpy, straight from the paper's definition."""
+    p_norm, g_norm = ref_unit_norms(param), ref_unit_norms(grad)
+    max_norm = clip_factor * np.maximum(p_norm, eps)
+    grad = np.asarray(grad, np.float64)
+    return np.where(g_norm < max_norm, grad, grad * max_norm / np.maximum(g_norm, 1e-300))
+
+
+def grads_with_ratios(params: dict, ratios: dict, clip_factor: float, eps: float, seed: int):
+    """Random grads whose unit norms are ratios[leaf] (one per unit) times the AGC threshold.
+
+    Ratios well away from 1 make the clip/no-clip decision independent of rounding.
+    """
+    rng = np.random.default_rng(seed)
+    grads = {}
+    for name, p in params.items():
+        p = np.asarray(p)
+        g = rng.normal(size=p.shape)
+        threshold = clip_factor * np.maximum(ref_unit_norms(p), eps)
+        g = g / ref_unit_norms(g) * threshold * np.asarray(ratios[name])
+        grads[name] = jnp.asarray(g, jnp.float32)
+    return grads
+
+
+def make_params(seed: int = 0, only: tuple[str, ...] | None = None) -> dict:
+    """A pytree with one leaf of each kind; `only` keeps a subset (fewer compilations)."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "dense": jnp.asarray(rng.normal(size=(5, 4)), jnp.float32),  # Flax Dense (in, out).
+        "bias": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+        "zero_bias": jnp.zeros((3,), jnp.float32),  # Norm 0: eps decides the threshold.
+        "conv": jnp.asarray(rng.normal(size=(3, 3, 2, 6)), jnp.float32),  # HWIO.
+        "scale": jnp.asarray(0.7, jnp.float32),  # Rank 0.
+        "row": jnp.asarray(rng.normal(size=(1, 7)), jnp.float32),  # Dense with in=1.
+    }
+    return {k: v for k, v in params.items() if only is None or k in only}
+
+
+# Per-unit ratio of grad norm to threshold: > 1 is clipped, < 1 is not.
+RATIOS = {
+    "dense": [3.0, 0.5, 2.0, 0.25],
+    "bias": 4.0,
+    "zero_bias": 10.0,
+    "conv": [0.5, 3.0, 0.3, 5.0, 0.7, 1.5],
+    "scale": 0.5,
+    "row": 2.0,
+    "conv1d": [3.0, 0.5, 2.0, 0.3],
+}
+
+
+def max_ulp_diff(a, b) -> int:
+    a = np.asarray(a, np.float32).ravel().view(np.int32).astype(np.int64)
+    b = np.asarray(b, np.float32).ravel().view(np.int32).astype(np.int64)
+    return int(np.max(np.abs(a - b), initial=0))
+
+
+# Most tests jit one function that computes everything they check: each XLA compilation costs
+# far more than the arithmetic, and eager mode compiles every op separately.
+
+# ---------------------------------------------------------------------------------------------
+# compute_norm
+# ---------------------------------------------------------------------------------------------
+
+AXES = [(None, False), (None, True), (0, False), ((0, 1), True), (-1, True)]
+
+
+def test_compute_norm_matches_numpy():
+    x = np.random.default_rng(1).normal(size=(3, 4, 5)).astype(np.float32)
+    norms = jax.jit(lambda x: [compute_norm(x, axis=a, keepdims=k) for a, k in AXES])(x)
+    for (axis, keepdims), got in zip(AXES, norms, strict=True):
+        want = np.sqrt(np.sum(x.astype(np.float64) ** 2, axis=axis, keepdims=keepdims))
+        assert got.dtype == jnp.float32
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=F32_RTOL)
+
+
+def test_compute_norm_low_precision_returns_float32():
+    x = np.random.default_rng(2).normal(size=(64, 3)) * 30.0
+    xs = {"bf16": jnp.asarray(x, jnp.bfloat16), "f16": jnp.asarray(x, jnp.float16)}
+    big = jnp.full((4,), 300.0, jnp.float16)  # Squares (9e4) overflow float16 (max 65504).
+    norms, big_norm = jax.jit(
+        lambda xs, b: (jax.tree.map(lambda t: compute_norm(t, 0), xs), compute_norm(b))
+    )(xs, big)
+    np.testing.assert_allclose(big_norm, 600.0, rtol=F32_RTOL)
+    for name, x16 in xs.items():
+        want = np.sqrt(np.sum(np.asarray(x16, np.float64) ** 2, axis=0))
+        # Guard: the true norms are not representable in 16 bits, so a result rounded to 16
+        # bits would miss F32_RTOL by orders of magnitude and this test can fail.
+        as_16 = np.asarray(jnp.asarray(want, x16.dtype), np.float64)
+        assert np.all(np.abs(as_16 - want) / want > 10 * F32_RTOL)
+        assert norms[name].dtype == jnp.float32
+        np.testing.assert_allclose(norms[name], want, rtol=F32_RTOL, err_msg=name)
+
+
+def test_compute_norm_float64_and_complex():
+    with jax.enable_x64(True):
+        x = np.random.default_rng(3).normal(size=(4, 6))
+        got = compute_norm(jnp.asarray(x), axis=1)
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, np.linalg.norm(x, axis=1), rtol=F64_RTOL)
+    rng = np.random.default_rng(4)
+    z = (rng.normal(size=(5, 2)) + 1j * rng.normal(size=(5, 2))).astype(np.complex64)
+    got = compute_norm(jnp.asarray(z), axis=0)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, np.linalg.norm(z.astype(np.complex128), axis=0), rtol=F32_RTOL)
+
+
+def test_compute_norm_rejects_integers():
+    with pytest.raises(TypeError, match="floating point"):
+        compute_norm(jnp.arange(4))
+
+
+# ---------------------------------------------------------------------------------------------
+# unitwise_norm
+# ---------------------------------------------------------------------------------------------
+
+# name: (shape, shape of the norms).
+UNIT_SHAPES = {
+    "scalar": ((), ()),
+    "vector": ((7,), (1,)),
+    "row": ((1, 7), (1, 1)),  # A single unit, as in optax's squeeze rule.
+    "dense": ((5, 4), (1, 4)),  # Flax Dense (in, out).
+    "conv1d": ((3, 5, 4), (1, 5, 4)),  # Rank 3: per axis 0, as optax and the TF library.
+    "conv": ((3, 3, 2, 6), (1, 1, 1, 6)),  # HWIO.
+}
+
+
+def test_unitwise_norm_per_output_unit_and_vs_optax():
+    rng = np.random.default_rng(6)
+    xs = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, (s, _) in UNIT_SHAPES.items()}
+    xs["bf16_dense"] = jnp.asarray(rng.normal(size=(6, 3)), jnp.bfloat16)
+
+    @jax.jit
+    def norms(xs):
+        ours = jax.tree.map(unitwise_norm, xs)
+        optax_default = jax.tree.map(optax.transforms.unitwise_norm, xs)
+        return ours, optax_default
+
+    ours, optax_default = norms(xs)
+    for k, x in xs.items():
+        norm_shape = UNIT_SHAPES.get(k, (None, (1, 3)))[1]
+        assert ours[k].shape == norm_shape, k
+        assert ours[k].dtype == jnp.float32, k  # bfloat16 too.
+        full = np.broadcast_to(ours[k], x.shape)
+        np.testing.assert_allclose(full, ref_unit_norms(np.asarray(x)), rtol=F32_RTOL, err_msg=k)
+        if k != "bf16_dense":
+            # Same reduction over the same float32 values: bit-exact.
+            np.testing.assert_array_equal(full, optax_default[k], err_msg=k)
+
+
+def test_unitwise_norm_rejects_rank_5():
+    with pytest.raises(ValueError, match="rank 0 to 4"):
+        unitwise_norm(jnp.ones((2, 2, 2, 2, 2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# adaptive_clip_grad: agreement with optax and with the float64 reference
+# ---------------------------------------------------------------------------------------------
+
+
+def test_agc_matches_optax_exactly_op_by_op():
+    # Eager mode compiles every op separately (slow), so this uses a Dense and a conv kernel;
+    # every leaf kind is compared under jit below.
+    params = make_params(seed=12, only=("dense", "conv"))
+    grads = grads_with_ratios(params, RATIOS, 0.01, 1e-3, seed=13)
+    tx = optax.adaptive_grad_clip(clipping=0.01, eps=1e-3)
+    # Op by op, both run the same float32 operations on the same values (sum of squares, sqrt,
+    # max, multiply, divide, multiply, select), so they must agree bit for bit.
+    want, _ = tx.update(grads, tx.init(params), params)
+    got = adaptive_clip_grad(params, grads)
+    for k in params:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize(("clip_factor", "eps"), [(0.01, 1e-3), (0.1, 1e-2)])
+def test_agc_matches_float64_reference_and_optax(clip_factor, eps):
+    params = make_params(seed=12)
+    params["conv1d"] = jnp.asarray(np.random.default_rng(14).normal(size=(3, 5, 4)), jnp.float32)
+    grads = grads_with_ratios(params, RATIOS, clip_factor, eps, seed=13)
+    tx = optax.adaptive_grad_clip(clipping=clip_factor, eps=eps)
+
+    @jax.jit
+    def run(p, g):
+        return adaptive_clip_grad(p, g, clip_factor, eps), tx.update(g, tx.init(p), p)[0]
+
+    out, by_optax = run(params, grads)
+    # The data exercise both branches: dense column 1 kept (ratio 0.5), column 0 clipped (3).
+    kept = np.asarray(out["dense"]) == np.asarray(grads["dense"])
+    assert kept[:, 1].all() and not kept[:, 0].any()
+    np.testing.assert_array_equal(out["scale"], grads["scale"])
+    for k in params:
+        assert out[k].dtype == jnp.float32
+        np.testing.assert_allclose(
+            out[k], ref_agc(params[k], grads[k], clip_factor, eps), rtol=F32_RTOL, err_msg=k
+        )
+        # Clipped units end up exactly at the threshold (up to float32 rounding).
+        ratio = np.broadcast_to(np.asarray(RATIOS[k]), np.shape(params[k]))
+        threshold = clip_factor * np.maximum(ref_unit_norms(params[k]), eps)
+        new_norm = ref_unit_norms(out[k])
+        np.testing.assert_allclose(
+            new_norm, np.where(ratio > 1, threshold, ratio * threshold), rtol=F32_RTOL, err_msg=k
+        )
+        # Under jit XLA may rewrite one graph's `x / broadcast(y)` as `x * broadcast(1 / y)`
+        # (two roundings instead of one) and fuse the reductions differently, so the scale can
+        # differ by 1 ulp and the product by at most 2 ulp. A wrong axis, eps or threshold
+        # would change whole units by far more.
+        assert max_ulp_diff(out[k], by_optax[k]) <= 2, k
+
+
+def test_agc_small_eps_and_zero_norms():
+    params = {"tiny": jnp.zeros((4,)), "w": jnp.zeros((3, 2))}
+    grads = {"tiny": jnp.full((4,), 2.5e-7), "w": jnp.zeros((3, 2))}  # "tiny" has norm 5e-7.
+
+    @jax.jit
+    def run(p, g):
+        return adaptive_clip_grad(p, g, 0.01, 1e-6), adaptive_clip_grad(p, g, 0.01, 0.0)
+
+    small_eps, zero_eps = run(params, grads)
+    # clip_factor * eps = 1e-8 < 1e-6: our tiny division floor never engages, so the clipped
+    # norm is the threshold itself (optax's 1e-6 floor would give half of it here).
+    norm = np.linalg.norm(np.asarray(small_eps["tiny"], np.float64))
+    np.testing.assert_allclose(norm, 1e-8, rtol=F32_RTOL)
+    # eps = 0 with zero params and grads: threshold 0, 0 / 0 is guarded, result stays 0.
+    np.testing.assert_array_equal(zero_eps["w"], 0.0)
+    np.testing.assert_array_equal(zero_eps["tiny"], 0.0)  # Threshold 0 clips everything.
+
+
+def test_agc_low_precision_grads():
+    params = make_params(seed=16, only=("dense", "bias", "conv"))
+    grads32 = grads_with_ratios(params, RATIOS, 0.01, 1e-3, seed=17)
+    grads16 = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads32)
+    p_f16 = {"w": jnp.ones((4, 2), jnp.float16)}
+    g_f16 = {"w": jnp.full((4, 2), 300.0, jnp.float16)}  # Unit norm 600: squares overflow f16.
+
+    @jax.jit
+    def run(p, g16, p_f16, g_f16):
+        upcast = jax.tree.map(lambda g: g.astype(jnp.float32), g16)
+        return (
+            adaptive_clip_grad(p, g16),
+            jax.tree.map(lambda g: g.astype(jnp.bfloat16), adaptive_clip_grad(p, upcast)),
+            adaptive_clip_grad(p_f16, g_f16, clip_factor=0.5),
+        )
+
+    out, want, out_f16 = run(params, grads16, p_f16, g_f16)
+    for k in params:
+        assert out[k].dtype == jnp.bfloat16
+        # Norms and scales are computed in float32 from the exactly-upcast bfloat16 values,
+        # the product is rounded to float32 and then to bfloat16: the same steps as clipping
+        # the upcast gradient and casting the result, hence exact.
+        np.testing.assert_array_equal(out[k], want[k], err_msg=k)
+    assert not np.array_equal(out["dense"], grads16["dense"])  # Clipping is active.
+    assert out_f16["w"].dtype == jnp.float16
+    # Threshold 0.5 * 2 = 1, each element 300 / 600 = 0.5, exact in float16.
+    np.testing.assert_array_equal(out_f16["w"], 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask
+# ---------------------------------------------------------------------------------------------
+
+
+def _nested():
+    # Same shapes as the eager test above, so the eager op compilations are reused.
+    params = make_params(seed=18, only=("dense",))
+    grads = grads_with_ratios(params, RATIOS, 0.01, 1e-3, seed=19)
+    head = {"kernel": jnp.asarray(np.random.default_rng(20).normal(size=(5, 4)), jnp.float32)}
+    head_g = {"kernel": 5.0 * head["kernel"]}  # Ratio 500 to the threshold: would be clipped.
+    return {"body": params, "head": head}, {"body": grads, "head": head_g}
+
+
+@pytest.mark.parametrize(
+    "kind", ["full", "prefix", "callable", "numpy_bool"], ids=lambda kind: kind
+)
+def test_mask_excludes_leaves_bit_for_bit(kind):
+    params, grads = _nested()
+    if kind == "full":
+        mask = jax.tree.map(lambda _: True, params)
+        mask["head"]["kernel"] = False
+    elif kind == "prefix":
+        mask = {"body": True, "head": False}
+    elif kind == "callable":
+        mask = lambda p: {"body": jax.tree.map(lambda _: True, p["body"]), "head": False}
+    else:
+        mask = {"body": np.bool_(True), "head": np.bool_(False)}
+    out = adaptive_clip_grad(params, grads, mask=mask)
+    assert out["head"]["kernel"] is grads["head"]["kernel"]  # Untouched, same object.
+    unmasked = adaptive_clip_grad(params, grads)  # Eager like `out`, so bit-exact below.
+    assert not np.array_equal(unmasked["head"]["kernel"], grads["head"]["kernel"])
+    for k in params["body"]:
+        np.testing.assert_array_equal(out["body"][k], unmasked["body"][k], err_msg=k)
+
+
+def test_mask_under_jit_and_masked_integer_leaf():
+    params = {"w": jnp.ones((3, 2)), "step": jnp.asarray(3)}
+    grads = {"w": jnp.full((3, 2), 10.0), "step": jnp.asarray(7)}
+    mask_fn = lambda p: jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.floating), p)
+    out = jax.jit(lambda p, g: adaptive_clip_grad(p, g, mask=mask_fn))(params, grads)
+    assert out["step"].dtype == grads["step"].dtype and int(out["step"]) == 7
+    # Unit norm sqrt(300), threshold 0.01 * sqrt(3): every element becomes 0.01 * 1 / 1 = 0.01.
+    np.testing.assert_allclose(out["w"], 0.01, rtol=F32_RTOL)
+
+
+def test_mask_errors():
+    params, grads = _nested()
+    with pytest.raises(ValueError, match="structure of params"):
+        adaptive_clip_grad(params, grads, mask={"body": True, "tail": False})
+    with pytest.raises(TypeError, match="Python bools"):
+        adaptive_clip_grad(params, grads, mask={"body": True, "head": jnp.asarray(False)})
+    with pytest.raises(TypeError, match="Python bools"):
+        adaptive_clip(mask={"body": True, "head": jnp.asarray(False)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_integer_grads_raise_at_trace_time():
+    params = {"w": jnp.ones((3, 2))}
+    grads = {"w": jnp.ones((3, 2), jnp.int32)}
+    with pytest.raises(TypeError, match=r"\['w'\] has dtype int32"):
+        jax.jit(adaptive_clip_grad)(params, grads)
+
+
+def test_structure_and_shape_mismatch_raise():
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    with pytest.raises(ValueError, match="pytree structure"):
+        jax.jit(adaptive_clip_grad)(params, {"w": jnp.ones((3, 2))})
+    with pytest.raises(ValueError, match="pytree structure"):
+        adaptive_clip_grad(params, [jnp.ones(2), jnp.ones((3, 2))])
+    with pytest.raises(ValueError, match=r"grads shape \(2, 3\) != params shape \(3, 2\)"):
+        adaptive_clip_grad(params, {"w": jnp.ones((2, 3)), "b": jnp.ones(2)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"clip_factor": 0.0}, ValueError),
+        ({"clip_factor": -0.1}, ValueError),
+        ({"clip_factor": float("nan")}, ValueError),
+        ({"clip_factor": float("inf")}, ValueError),
+        ({"eps": -1e-3}, ValueError),
+        ({"clip_factor": "0.1"}, TypeError),
+        ({"clip_factor": True}, TypeError),
+        ({"eps": jnp.asarray(1e-3)}, TypeError),
+    ],
+)
+def test_bad_hyperparameters(kwargs, error):
+    with pytest.raises(error):
+        adaptive_clip(**kwargs)
+    with pytest.raises(error):
+        adaptive_clip_grad({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, **kwargs)
+
+
+def test_transform_requires_params():
+    tx = adaptive_clip()
+    state = tx.init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="needs the current parameters"):
+        tx.update({"w": jnp.ones(2)}, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transform
+# ---------------------------------------------------------------------------------------------
+
+
+def test_transform_in_chain_under_jit():
+    params = make_params(seed=21, only=("dense", "bias", "conv"))
+    grads = grads_with_ratios(params, RATIOS, 0.01, 1e-3, seed=22)
+    tx = optax.chain(adaptive_clip(0.01), optax.adam(1e-3))
+    adam = optax.adam(1e-3)
+
+    @jax.jit
+    def run(p, g):
+        chained = tx.update(g, tx.init(p), p)
+        manual = adam.update(adaptive_clip_grad(p, g, 0.01), adam.init(p), p)
+        return chained, manual
+
+    (got, state), (want, want_state) = run(params, grads)
+    assert isinstance(state[0], optax.EmptyState)
+    # The chain must perform exactly the manual sequence (clip, then Adam): identical results.
+    for k in params:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        np.testing.assert_array_equal(state[1][0].nu[k], want_state[0].nu[k], err_msg=k)
+    # And Adam's first moment holds the clipped, not the raw, gradient: mu = (1 - b1) * g.
+    ref = ref_agc(params["conv"], grads["conv"], 0.01, 1e-3)
+    np.testing.assert_allclose(state[1][0].mu["conv"], 0.1 * ref, rtol=F32_RTOL)
+    assert not np.allclose(ref, grads["conv"], rtol=0.1)
+
+
+def test_transform_with_mask_and_extra_args():
+    params = make_params(seed=23, only=("dense", "bias", "conv"))
+    grads = grads_with_ratios(params, RATIOS, 0.05, 1e-3, seed=24)
+    tx = adaptive_clip(0.05, mask={"dense": True, "bias": True, "conv": False})
+    got, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p, unused=1.0))(grads, params)
+    np.testing.assert_array_equal(got["conv"], grads["conv"])  # Excluded: passed through.
+    for k in ("dense", "bias"):
+        want = ref_agc(params[k], grads[k], 0.05, 1e-3)
+        np.testing.assert_allclose(got[k], want, rtol=F32_RTOL, err_msg=k)
+        assert not np.allclose(got[k], grads[k], rtol=0.1), k  # Clipping is active.
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement: on the accumulated gradient vs per microbatch
+# ---------------------------------------------------------------------------------------------
+
+N, K, D_IN, D_OUT = 8, 4, 3, 2
+
+
+def _linear_problem():
+    rng = np.random.default_rng(25)
+    x = rng.normal(size=(N, D_IN))
+    y = rng.normal(size=(N, D_OUT)) * 3.0
+    params = {"w": rng.normal(size=(D_IN, D_OUT)), "b": rng.normal(size=(D_OUT,))}
+    return x, y, params
+
+
+def _loss(params, x, y):
+    """Mean over examples of 0.5 * squared error."""
+    r = x @ params["w"] + params["b"] - y
+    return 0.5 * jnp.mean(jnp.sum(r * r, axis=-1))
+
+
+def _np_grad(params, x, y):
+    """Analytic float64 gradient of `_loss`."""
+    r = x @ params["w"] + params["b"] - y
+    return {"w": x.T @ r / len(x), "b": r.sum(0) / len(x)}
+
+
+def _np_agc(params, grads, clip_factor):
+    return {k: ref_agc(params[k], grads[k], clip_factor, 1e-3) for k in params}
+
+
+def _clip_factor_between_units(params, grads):
+    """A clip factor that clips some units of `grads` and leaves others (float64)."""
+    ratios = np.concatenate(
+        [np.ravel(ref_unit_norms(grads[k]) / ref_unit_norms(params[k])) for k in ("w",)]
+    )
+    return float(np.sqrt(ratios.min() * ratios.max()))
+
+
+def test_placement_on_accumulated_gradient_equals_full_batch():
+    x, y, params_np = _linear_problem()
+    full = _np_grad(params_np, x, y)
+    clip_factor = _clip_factor_between_units(params_np, full)
+    want = _np_agc(params_np, full, clip_factor)
+    # The reference clips some units and not others, so the comparison is meaningful.
+    w_kept = np.isclose(want["w"], full["w"], rtol=0, atol=0).all(axis=0)
+    assert w_kept.any() and not w_kept.all()
+    with jax.enable_x64(True):
+        params = jax.tree.map(jnp.asarray, params_np)
+        # Microbatch gradients of loss / K sum to the full-batch gradient of the mean loss.
+        micro = [
+            jax.jit(jax.grad(lambda p, xs, ys: _loss(p, xs, ys) / K))(params, xs, ys)
+            for xs, ys in zip(np.split(x, K), np.split(y, K), strict=True)
+        ]
+        accumulated = jax.tree.map(lambda *g: sum(g), *micro)
+        tx = optax.chain(adaptive_clip(clip_factor))
+        got, _ = jax.jit(tx.update)(accumulated, tx.init(params), params)
+        for k in params:
+            np.testing.assert_allclose(got[k], want[k], rtol=F64_RTOL, err_msg=k)
+
+
+def test_placement_per_microbatch_differs_from_accumulated():
+    x, y, params_np = _linear_problem()
+    clip_factor = _clip_factor_between_units(params_np, _np_grad(params_np, x, y))
+    micro_np = [
+        _np_grad(params_np, xs, ys) for xs, ys in zip(np.split(x, K), np.split(y, K), strict=True)
+    ]
+    # Reference: clip each microbatch gradient (of its own mean loss) separately, then mean.
+    want = {
+        k: np.mean([_np_agc(params_np, g, clip_factor)[k] for g in micro_np], axis=0)
+        for k in params_np
+    }
+    on_accumulated = _np_agc(params_np, _np_grad(params_np, x, y), clip_factor)
+    with jax.enable_x64(True):
+        params = jax.tree.map(jnp.asarray, params_np)
+        clip = jax.jit(lambda p, g: adaptive_clip_grad(p, g, clip_factor))
+        grad_fn = jax.jit(jax.grad(_loss))
+        clipped = [
+            clip(params, grad_fn(params, xs, ys))
+            for xs, ys in zip(np.split(x, K), np.split(y, K), strict=True)
+        ]
+        got = jax.tree.map(lambda *g: sum(g) / K, *clipped)
+        for k in params:
+            np.testing.assert_allclose(got[k], want[k], rtol=F64_RTOL, err_msg=k)
+        # Clipping is nonlinear: the two placements differ by far more than rounding.
+        diff = max(np.max(np.abs(got[k] - on_accumulated[k])) for k in params)
+        scale = max(np.max(np.abs(on_accumulated[k])) for k in params)
+        assert diff > 1e-2 * scale
+
+        # With microbatch gradients of loss / K, clip_factor c acts like K * c: exact, since
+        # K = 4 is a power of two, so dividing by it is exact and commutes with every step.
+        g = grad_fn(params, x[: N // K], y[: N // K])
+        small, loose, tight = jax.jit(
+            lambda p, g: (
+                adaptive_clip_grad(p, jax.tree.map(lambda t: t / K, g), clip_factor),
+                adaptive_clip_grad(p, g, K * clip_factor),
+                adaptive_clip_grad(p, g, clip_factor),
+            )
+        )(params, g)
+        for k in params:
+            np.testing.assert_array_equal(small[k], loose[k] / K)
+        assert any(not np.allclose(loose[k], tight[k], rtol=1e-3) for k in params)
