@@ -1,0 +1,447 @@
+"""Tests for accumjax.batch_norm: AccumBatchNorm and convert_batch_norm_variables.
+
+References are flax.linen.BatchNorm applied once to the concatenated window and numpy
+float64 statistics. Microbatches have very different means and scales, so averaging
+per-microbatch variances (the seed library's AccumBatchNormalization) would fail them.
+"""
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.core import FrozenDict
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from accumjax.batch_norm import ACCUMULATOR_NAMES, AccumBatchNorm, convert_batch_norm_variables
+
+MOMENTUM = 0.9
+# float32 sums over a few hundred elements of O(10) values plus three momentum updates:
+# observed errors are ~1e-7 relative; 2e-5 leaves margin for other reduction orders yet is
+# >10,000x below the ~50% gap between pooled and averaged-per-microbatch variances here.
+RTOL = ATOL = 2e-5
+
+
+def _microbatches(seed: int, steps: int, shape: tuple[int, ...]) -> np.ndarray:
+    """``steps`` float32 microbatches whose per-feature means and scales differ a lot."""
+    rng = np.random.default_rng(seed)
+    features = shape[-1]
+    loc = rng.uniform(-4.0, 4.0, size=(steps,) + (1,) * (len(shape) - 1) + (features,))
+    scale = rng.uniform(0.2, 3.0, size=loc.shape)
+    return (rng.standard_normal((steps, *shape)) * scale + loc).astype(np.float32)
+
+
+def _np_stats(x: np.ndarray, where: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """float64 count, mean and population variance over all but the last axis."""
+    x = np.asarray(x, np.float64)
+    w = np.ones_like(x) if where is None else np.broadcast_to(where, x.shape).astype(np.float64)
+    axes = tuple(range(x.ndim - 1))
+    count = w.sum(axes)
+    mean = (w * x).sum(axes) / count
+    var = (w * (x - mean) ** 2).sum(axes) / count
+    return count, mean, var
+
+
+def _np_running(windows, masks=None) -> tuple[np.ndarray, np.ndarray]:
+    """float64 running mean/var after one momentum update per window (whole window)."""
+    mean, var = 0.0, 1.0
+    for i, window in enumerate(windows):
+        where = None if masks is None else np.concatenate(masks[i])
+        _, m, v = _np_stats(np.concatenate(window), where)
+        mean = MOMENTUM * mean + (1 - MOMENTUM) * m
+        var = MOMENTUM * var + (1 - MOMENTUM) * v
+    return mean, var
+
+
+def _train(module: nn.Module, variables, batches, masks=None):
+    """Applies ``module`` in training mode batch by batch; returns outputs, stats history."""
+
+    @jax.jit
+    def step(v, x, mask):
+        return module.apply(v, x, use_running_average=False, mask=mask, mutable=["batch_stats"])
+
+    outputs, history = [], []
+    for i, x in enumerate(batches):
+        y, updates = step(variables, x, None if masks is None else masks[i])
+        variables = {**variables, "batch_stats": updates["batch_stats"]}
+        outputs.append(y)
+        history.append(variables["batch_stats"])
+    return outputs, history
+
+
+def _init(module: nn.Module, x):
+    return module.init(jax.random.key(0), x, use_running_average=False)
+
+
+def _assert_close(actual, expected, rtol=RTOL, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 3), (2, 3, 4, 3)], ids=["BTC", "NHWC"])
+def test_window_stats_equal_batchnorm_on_concatenated_batch(shape):
+    steps, windows = 4, 3
+    data = _microbatches(0, steps * windows, shape)
+    accum = AccumBatchNorm(accum_steps=steps, momentum=MOMENTUM)
+    variables = _init(accum, data[0])
+    outputs, history = _train(accum, variables, data)
+
+    flax_bn = nn.BatchNorm(momentum=MOMENTUM)
+    concatenated = data.reshape(windows, steps * shape[0], *shape[1:])
+    _, flax_history = _train(flax_bn, _init(flax_bn, concatenated[0]), concatenated)
+    for w in range(windows):
+        closed = history[(w + 1) * steps - 1]
+        for name in ("mean", "var"):
+            _assert_close(closed[name], flax_history[w][name])
+        ref_mean, ref_var = _np_running(data.reshape(windows, steps, *shape)[: w + 1])
+        _assert_close(closed["mean"], ref_mean)
+        _assert_close(closed["var"], ref_var)
+        assert int(closed["acc_step"]) == 0 and not np.any(closed["acc_count"])
+
+    # Mid-window: running stats untouched, accumulators hold the float64 pooled stats.
+    for i in range(1, steps - 1):
+        open_stats = history[steps + i]
+        np.testing.assert_array_equal(open_stats["mean"], history[steps - 1]["mean"])
+        np.testing.assert_array_equal(open_stats["var"], history[steps - 1]["var"])
+        count, mean, var = _np_stats(np.concatenate(data[steps : steps + i + 1]))
+        assert int(open_stats["acc_step"]) == i + 1
+        np.testing.assert_array_equal(open_stats["acc_count"], count)
+        _assert_close(open_stats["acc_mean"], mean)
+        _assert_close(open_stats["acc_m2"] / open_stats["acc_count"], var)
+
+    # The seed approach (mean of per-microbatch variances) misses the spread of means.
+    seed_var = 1.0
+    for window in data.reshape(windows, steps, *shape):
+        per_micro = np.mean([_np_stats(x)[2] for x in window], axis=0)
+        seed_var = MOMENTUM * seed_var + (1 - MOMENTUM) * per_micro
+    assert not np.allclose(seed_var, history[-1]["var"], rtol=100 * RTOL, atol=100 * ATOL)
+
+    # Training outputs are BatchNorm's on each microbatch alone (same params).
+    flax_vars = {"params": variables["params"], "batch_stats": flax_history[0]}
+    for x, y in zip(data[:steps], outputs[:steps], strict=True):
+        expected = flax_bn.apply(flax_vars, x, use_running_average=False, mutable=["batch_stats"])
+        _assert_close(y, expected[0], rtol=1e-6, atol=1e-6)  # same float32 ops, any fusion
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_var", "centred_var"])
+def test_accum_steps_one_matches_batchnorm_exactly(fast):
+    data = _microbatches(1, 3, (8, 4))
+    kwargs = dict(momentum=MOMENTUM, use_fast_variance=fast, scale_init=nn.initializers.normal())
+    accum, flax_bn = AccumBatchNorm(**kwargs), nn.BatchNorm(**kwargs)
+    accum_vars, flax_vars = _init(accum, data[0]), _init(flax_bn, data[0])
+    assert set(accum_vars["batch_stats"]) == {"mean", "var", *ACCUMULATOR_NAMES}
+    assert jax.tree.map(jnp.shape, accum_vars["params"]) == {"bias": (4,), "scale": (4,)}
+    np.testing.assert_array_equal(accum_vars["params"]["scale"], flax_vars["params"]["scale"])
+
+    accum_out, accum_hist = _train(accum, accum_vars, data)
+    flax_out, flax_hist = _train(flax_bn, flax_vars, data)
+    # Same float32 formulas in the same order: 2 ulp covers XLA fusion differences.
+    for ours, theirs in zip(accum_out, flax_out, strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(ours), np.asarray(theirs), maxulp=2)
+    for ours, theirs in zip(accum_hist, flax_hist, strict=True):
+        for name in ("mean", "var"):
+            np.testing.assert_array_max_ulp(ours[name], theirs[name], maxulp=2)
+        assert int(ours["acc_step"]) == 0
+
+    final = {"params": accum_vars["params"], "batch_stats": accum_hist[-1]}
+    flax_final = {"params": flax_vars["params"], "batch_stats": flax_hist[-1]}
+    ours = accum.apply(final, data[0], use_running_average=True)
+    theirs = flax_bn.apply(flax_final, data[0], use_running_average=True)
+    np.testing.assert_array_max_ulp(np.asarray(ours), np.asarray(theirs), maxulp=2)
+
+
+@pytest.mark.parametrize("mask_kind", ["lengths", "elementwise"])
+def test_mask_counts_only_unmasked_elements(mask_kind):
+    steps, windows, shape = 3, 2, (4, 6, 3)
+    data = _microbatches(2, steps * windows, shape)
+    rng = np.random.default_rng(3)
+    if mask_kind == "lengths":  # padded sequences, mask (B, T, 1)
+        lengths = rng.integers(1, shape[1] + 1, size=(steps * windows, shape[0]))
+        masks = np.arange(shape[1])[None, None, :, None] < lengths[..., None, None]
+    else:  # per-feature mask (B, T, C): different counts per feature
+        masks = rng.random(data.shape) < 0.6
+    masks[1] = False  # a microbatch with no unmasked element
+    accum = AccumBatchNorm(accum_steps=steps, momentum=MOMENTUM)
+    outputs, history = _train(accum, _init(accum, data[0]), data, masks)
+
+    assert all(np.isfinite(y).all() for y in outputs)
+    assert int(history[1]["acc_step"]) == 2
+    np.testing.assert_array_equal(history[1]["acc_count"], history[0]["acc_count"])
+    ref_mean, ref_var = _np_running(
+        data.reshape(windows, steps, *shape), masks.reshape(windows, steps, *masks.shape[1:])
+    )
+    _assert_close(history[-1]["mean"], ref_mean)
+    _assert_close(history[-1]["var"], ref_var)
+    # Unmasked positions of a training output use the masked microbatch statistics.
+    _, mean, var = _np_stats(data[0], masks[0])
+    scale_free = (data[0] - mean) / np.sqrt(var + 1e-5)
+    where = np.broadcast_to(masks[0], data[0].shape)
+    _assert_close(np.asarray(outputs[0])[where], scale_free[where], rtol=1e-4, atol=1e-4)
+
+
+def test_fully_masked_microbatches_contribute_nothing():
+    data = _microbatches(4, 4, (5, 2))
+    masks = np.zeros((4, 5, 1), bool)
+    masks[1, :3] = True  # windows: [empty, 3 rows], [empty, empty]
+    accum = AccumBatchNorm(accum_steps=2, momentum=MOMENTUM)
+    outputs, history = _train(accum, _init(accum, data[0]), data, masks)
+    assert all(np.isfinite(y).all() for y in outputs)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(history))
+    assert int(history[0]["acc_step"]) == 1
+    assert not any(np.any(history[0][name]) for name in ACCUMULATOR_NAMES[:3])
+    ref_mean, ref_var = _np_running([data[1:2]], [masks[1:2]])
+    _assert_close(history[1]["mean"], ref_mean)
+    _assert_close(history[1]["var"], ref_var)
+    # A window without unmasked elements leaves the running statistics as they were.
+    np.testing.assert_array_equal(history[3]["mean"], history[1]["mean"])
+    np.testing.assert_array_equal(history[3]["var"], history[1]["var"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_inputs_reduce_in_float32(dtype):
+    steps, shape = 3, (16, 3)
+    data = jnp.asarray(_microbatches(5, steps, shape), dtype)
+    accum = AccumBatchNorm(accum_steps=steps, momentum=MOMENTUM, dtype=dtype)
+    outputs, history = _train(accum, _init(accum, data[0]), data)
+    stats = history[-1]
+    assert stats["mean"].dtype == stats["var"].dtype == jnp.float32
+    assert all(stats[name].dtype == jnp.float32 for name in ACCUMULATOR_NAMES[:3])
+    assert stats["acc_step"].dtype == jnp.int32
+    assert outputs[0].dtype == dtype
+    # The inputs are exactly representable in float64, so the reference is exact and the
+    # float32 reductions must meet the float32 tolerance (a half-precision sum would not).
+    ref_mean, ref_var = _np_running([np.asarray(data, np.float64)])
+    _assert_close(stats["mean"], ref_mean)
+    _assert_close(stats["var"], ref_var)
+    flax_bn = nn.BatchNorm(momentum=MOMENTUM, dtype=dtype)
+    expected, _ = _train(flax_bn, _init(flax_bn, data[0]), data[:1])
+    # Same float32 stats, then one rounding to half precision: allow 1 ulp of the output.
+    eps = float(jnp.finfo(dtype).eps)
+    _assert_close(np.asarray(outputs[0], np.float32), np.asarray(expected[0], np.float32), eps, eps)
+
+
+def test_scan_over_microbatches_matches_loop_and_reference():
+    steps, windows, shape = 4, 2, (5, 3)
+    data = _microbatches(6, steps * windows, shape)
+    accum = AccumBatchNorm(accum_steps=steps, momentum=MOMENTUM)
+    variables = _init(accum, data[0])
+
+    @jax.jit
+    def run(batch_stats, xs):
+        def body(stats, x):
+            y, updates = accum.apply(
+                {"params": variables["params"], "batch_stats": stats},
+                x,
+                use_running_average=False,
+                mutable=["batch_stats"],
+            )
+            return updates["batch_stats"], y
+
+        return jax.lax.scan(body, batch_stats, xs)
+
+    scanned, ys = run(variables["batch_stats"], data)
+    loop_outputs, history = _train(accum, variables, data)
+    # Same float32 program per step, but scan fuses and orders the sums differently, and
+    # E[x^2] - E[x]^2 amplifies that by mean^2 / var (up to ~400 here): 1e-5 covers it.
+    for name in ("mean", "var", "acc_count", "acc_mean", "acc_m2", "acc_step"):
+        _assert_close(scanned[name], history[-1][name], rtol=1e-5, atol=1e-5)
+    _assert_close(ys, np.stack(loop_outputs), rtol=1e-5, atol=1e-5)
+    ref_mean, ref_var = _np_running(data.reshape(windows, steps, *shape))
+    _assert_close(scanned["mean"], ref_mean)
+    _assert_close(scanned["var"], ref_var)
+
+
+def _global_reference(data, steps, windows):
+    """Running stats of single-device BatchNorm on each concatenated window."""
+    flax_bn = nn.BatchNorm(momentum=MOMENTUM)
+    concatenated = data.reshape(windows, -1, data.shape[-1])
+    _, history = _train(flax_bn, _init(flax_bn, concatenated[0]), concatenated)
+    return flax_bn, history[-1]
+
+
+def test_pmap_pools_statistics_across_devices():
+    devices = 4
+    assert jax.device_count() >= devices
+    steps, windows = 3, 2
+    data = _microbatches(7, steps * windows, (devices * 4, 3))  # global microbatches
+    accum = AccumBatchNorm(accum_steps=steps, momentum=MOMENTUM, axis_name="batch")
+    variables = _init(accum, data[0])
+
+    @partial(jax.pmap, axis_name="batch", in_axes=(None, 0))
+    def step(v, x):
+        return accum.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+
+    for i, x in enumerate(data):
+        y, updates = step(variables, x.reshape(devices, -1, 3))
+        # Replicated stats: every device holds the same values; keep device 0's.
+        for leaf in jax.tree.leaves(updates):
+            np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
+        device0 = jax.tree.map(lambda a: a[0], updates["batch_stats"])
+        variables = {**variables, "batch_stats": device0}
+        if i == 0:
+            first_y = y.reshape(-1, 3)
+
+    flax_bn, flax_stats = _global_reference(data, steps, windows)
+    for name in ("mean", "var"):
+        _assert_close(variables["batch_stats"][name], flax_stats[name])
+    flax_vars = _init(flax_bn, data[0])
+    expected, _ = flax_bn.apply(flax_vars, data[0], use_running_average=False, mutable=True)
+    _assert_close(first_y, expected, rtol=1e-5, atol=1e-5)  # psum vs one-device sum order
+
+
+def test_shard_map_pools_statistics_across_devices():
+    devices = 8
+    assert jax.device_count() >= devices
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+    steps, windows = 2, 2
+    data = _microbatches(8, steps * windows, (devices * 2, 3))
+    accum = AccumBatchNorm(
+        accum_steps=steps, momentum=MOMENTUM, axis_name="data", use_fast_variance=False
+    )
+    variables = _init(accum, data[0])
+
+    @jax.jit
+    @partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), P("data")),
+        out_specs=(P("data"), P()),
+    )
+    def step(v, x):
+        y, updates = accum.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+        return y, updates["batch_stats"]
+
+    for x in data:
+        _, batch_stats = step(variables, x)
+        variables = {**variables, "batch_stats": batch_stats}
+    _, flax_stats = _global_reference(data, steps, windows)
+    for name in ("mean", "var"):
+        _assert_close(variables["batch_stats"][name], flax_stats[name])
+
+
+def test_init_and_eval_do_not_update():
+    x = _microbatches(9, 1, (6, 2))[0] + 5.0
+    accum = AccumBatchNorm(accum_steps=2, momentum=MOMENTUM)
+    for use_running_average in (False, True):
+        stats = accum.init(jax.random.key(0), x, use_running_average=use_running_average)
+        stats = stats["batch_stats"]
+        assert set(stats) == {"mean", "var", *ACCUMULATOR_NAMES}
+        np.testing.assert_array_equal(stats["mean"], np.zeros(2))
+        np.testing.assert_array_equal(stats["var"], np.ones(2))
+        assert not any(np.any(stats[name]) for name in ACCUMULATOR_NAMES)
+
+    variables = _init(accum, x)
+    _, history = _train(accum, variables, [x])  # half a window
+    trained = {**variables, "batch_stats": history[0]}
+    y, updates = accum.apply(trained, x, use_running_average=True, mutable=["batch_stats"])
+    jax.tree.map(np.testing.assert_array_equal, updates["batch_stats"], history[0])
+    # Eval needs only mean/var: plain BatchNorm variables work without conversion.
+    plain = {**variables, "batch_stats": {k: history[0][k] for k in ("mean", "var")}}
+    np.testing.assert_array_equal(accum.apply(plain, x, use_running_average=True), y)
+
+
+class _SharedLayer(nn.Module):
+    """Applies one normalization layer to two inputs in a single forward pass."""
+
+    accum_steps: int
+
+    @nn.compact
+    def __call__(self, pair, use_running_average=False, mask=None):
+        bn = AccumBatchNorm(accum_steps=self.accum_steps, momentum=MOMENTUM)
+        return bn(pair[0], use_running_average) + bn(pair[1], use_running_average)
+
+
+def test_shared_layer_counts_every_call():
+    steps, calls, shape = 3, 2, (4, 3)
+    data = _microbatches(10, steps * calls, shape).reshape(steps, calls, *shape)
+    model = _SharedLayer(accum_steps=steps * calls)
+    _, history = _train(model, _init(model, data[0]), data)
+    stats = history[-1]["AccumBatchNorm_0"]
+    ref_mean, ref_var = _np_running([data.reshape(-1, *shape)])
+    _assert_close(stats["mean"], ref_mean)
+    _assert_close(stats["var"], ref_var)
+    for i in range(steps - 1):  # the window closes only after the last forward pass
+        assert int(history[i]["AccumBatchNorm_0"]["acc_step"]) == calls * (i + 1)
+        np.testing.assert_array_equal(history[i]["AccumBatchNorm_0"]["mean"], np.zeros(3))
+
+    # accum_steps=K without the factor closes the window after K calls, mid-window.
+    naive = _SharedLayer(accum_steps=steps)
+    _, naive_history = _train(naive, _init(naive, data[0]), data[:2])
+    assert int(naive_history[1]["AccumBatchNorm_0"]["acc_step"]) == 1
+    assert np.any(naive_history[1]["AccumBatchNorm_0"]["mean"])
+
+
+class _Net(nn.Module):
+    """Dense -> norm -> relu -> Dense -> norm, with the normalization layer pluggable."""
+
+    norm: type[nn.Module]
+
+    @nn.compact
+    def __call__(self, x, use_running_average=False, mask=None):
+        x = nn.Dense(8)(x)
+        x = nn.relu(self.norm(momentum=MOMENTUM, name="bn1")(x, use_running_average))
+        x = nn.Dense(4)(x)
+        return self.norm(momentum=MOMENTUM, name="bn2")(x, use_running_average)
+
+
+def test_convert_batch_norm_variables_swaps_layers():
+    data = _microbatches(11, 5, (8, 3))
+    old_model, new_model = _Net(nn.BatchNorm), _Net(AccumBatchNorm)
+    old_vars = _init(old_model, data[0])
+    _, old_history = _train(old_model, old_vars, data[:2])
+    trained = {**old_vars, "batch_stats": old_history[-1]}
+    snapshot = jax.tree.map(np.array, trained)
+
+    converted = convert_batch_norm_variables(trained)
+    jax.tree.map(np.testing.assert_array_equal, trained, snapshot)  # input untouched
+    for layer in ("bn1", "bn2"):
+        assert set(converted["batch_stats"][layer]) == {"mean", "var", *ACCUMULATOR_NAMES}
+    expected_tree = jax.tree.structure(_init(new_model, data[0]))
+    assert jax.tree.structure(converted) == expected_tree
+    assert convert_batch_norm_variables(converted) == converted  # idempotent
+    assert isinstance(convert_batch_norm_variables(FrozenDict(trained)), FrozenDict)
+
+    # Identical eval outputs, then identical training with accum_steps=1.
+    old_eval = old_model.apply(trained, data[0], use_running_average=True)
+    np.testing.assert_array_equal(
+        new_model.apply(converted, data[0], use_running_average=True), old_eval
+    )
+    old_out, old_hist = _train(old_model, trained, data[2:])
+    new_out, new_hist = _train(new_model, converted, data[2:])
+    # Same float32 formulas in the same order: 2 ulp covers XLA fusion differences.
+    for ours, theirs in zip(new_out, old_out, strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(ours), np.asarray(theirs), maxulp=2)
+    for layer in ("bn1", "bn2"):
+        for name in ("mean", "var"):
+            ours, theirs = new_hist[-1][layer][name], old_hist[-1][layer][name]
+            np.testing.assert_array_max_ulp(ours, theirs, maxulp=2)
+
+
+def test_convert_rejects_variables_without_batch_norm():
+    with pytest.raises(ValueError, match="batch_stats"):
+        convert_batch_norm_variables({"params": {}})
+    with pytest.raises(ValueError, match="no BatchNorm layer"):
+        convert_batch_norm_variables({"batch_stats": {"layer": {"count": jnp.zeros(2)}}})
+    with pytest.raises(ValueError, match="shapes differ"):
+        convert_batch_norm_variables({"batch_stats": {"mean": jnp.zeros(2), "var": jnp.ones(3)}})
+
+
+@pytest.mark.parametrize("accum_steps", [0, 2.0, True, -1])
+def test_rejects_bad_accum_steps(accum_steps):
+    with pytest.raises(ValueError, match="accum_steps"):
+        AccumBatchNorm(accum_steps=accum_steps)
+
+
+def test_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="momentum"):
+        AccumBatchNorm(momentum=1.5)
+    x = jnp.ones((4, 3))
+    bn = AccumBatchNorm(use_running_average=False)
+    with pytest.raises(TypeError, match="floating-point"):
+        bn.init(jax.random.key(0), x.astype(jnp.complex64))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        bn.init(jax.random.key(0), x, mask=jnp.ones((4, 2), bool))
+    with pytest.raises(ValueError, match="out of range"):
+        AccumBatchNorm(axis=2, use_running_average=False).init(jax.random.key(0), x)
