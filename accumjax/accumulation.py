@@ -144,8 +144,21 @@ def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))).astype(jnp.float32)
 
 
-def _zeros_like_updates(inner: optax.GradientTransformationExtraArgs, grads, state, params, extra):
-    shapes = jax.eval_shape(lambda g, s, p: inner.update(g, s, p, **extra)[0], grads, state, params)
+def _updates_placeholder(inner, grads, inner_state, params, extra_args) -> Any:
+    """A pytree shaped like ``inner``'s updates for the loop carry, its values never used.
+
+    The incoming gradients serve when their shapes and dtypes fit (no new buffer to fill);
+    otherwise zeros of the right shapes.
+    """
+    shapes = jax.eval_shape(
+        lambda g, s, p: inner.update(g, s, p, **extra_args)[0], grads, inner_state, params
+    )
+    spec = lambda x: (jnp.shape(x), jnp.result_type(x))
+    if jax.tree.structure(shapes) == jax.tree.structure(grads) and all(
+        spec(a) == spec(b)
+        for a, b in zip(jax.tree.leaves(shapes), jax.tree.leaves(grads), strict=True)
+    ):
+        return grads
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -291,7 +304,6 @@ def accumulate(
         # window, so selecting (rather than a nested cond) costs nothing per microbatch.
         keep = lambda new, old: jnp.where(apply, new, old).astype(jnp.asarray(old).dtype)
         inner_state = jax.tree.map(keep, new_inner, state.inner_state)
-        updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
         update_count = jnp.where(
             apply, numerics.safe_increment(state.update_count), state.update_count
         )
@@ -307,7 +319,7 @@ def accumulate(
     def update_fn(grads, state: Any, params=None, *, weight=None, **extra_args):
         _check_grads(grads, state.acc_grads)
         state = add_microbatch(grads, state, weight)._replace(updated=jnp.zeros((), jnp.bool_))
-        zeros = _zeros_like_updates(inner, grads, state.inner_state, params, extra_args)
+        placeholder = _updates_placeholder(inner, grads, state.inner_state, params, extra_args)
 
         # A loop that runs once at the end of a window and not at all otherwise: unlike
         # lax.cond, XLA updates a while loop's carry in place, so the inner state and the
@@ -318,7 +330,12 @@ def accumulate(
             return updates, state, jnp.zeros((), jnp.bool_)
 
         emit = state.micro_step >= state.every_k
-        updates, state, _ = jax.lax.while_loop(lambda c: c[2], body, (zeros, state, emit))
+        carry = (placeholder, state, emit)
+        updates, state, _ = jax.lax.while_loop(lambda c: c[2], body, carry)
+        # Zeros unless an update was applied. Outside the loop this select fuses with the
+        # caller's apply_updates (or vanishes when updates are unused) instead of costing a
+        # separate pass that writes zeros on every microbatch.
+        updates = jax.tree.map(lambda u: jnp.where(state.updated, u, jnp.zeros_like(u)), updates)
         return updates, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
