@@ -1,0 +1,126 @@
+"""Scan-mode train step against the full-batch step, ``optax.microbatch`` and a naive scan.
+
+Time is measured side by side; memory is XLA's own figure for the compiled step
+(``compiled.memory_analysis().temp_size_in_bytes``), which is deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import optax
+
+import accumjax
+from benchmarks import common
+
+DIMS = (256, 2048, 2048, 2048, 256)  # activation-heavy: 256-2048x3-256
+BATCH = 1024
+K = 8
+MEMORY_KS = (1, 2, 4, 8, 16, 32)
+
+
+def _loss(params, batch):
+    return common.mlp_loss(params, (batch["x"], batch["y"]))
+
+
+def _tx():
+    return optax.adam(1e-3)
+
+
+def _full_batch_step():
+    tx = _tx()
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(carry, batch):
+        params, opt_state = carry
+        grads = jax.grad(_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _optax_microbatch_step(k: int):
+    tx = _tx()
+    grad_fn = optax.microbatch(
+        jax.grad(_loss),
+        argnums=1,
+        microbatch_size=BATCH // k,
+        accumulator=optax.microbatching.AccumulationType.MEAN,
+    )
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(carry, batch):
+        params, opt_state = carry
+        updates, opt_state = tx.update(grad_fn(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _naive_scan_step(k: int):
+    """lax.scan that returns every microbatch gradient, then averages (what a quick port does)."""
+    tx = _tx()
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(carry, batch):
+        params, opt_state = carry
+        micro = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+        _, grads = jax.lax.scan(lambda c, mb: (c, jax.grad(_loss)(params, mb)), None, micro)
+        grads = jax.tree.map(lambda g: g.mean(0), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _temp_mib(step, *args) -> float:
+    analysis = step.lower(*args).compile().memory_analysis()
+    return analysis.temp_size_in_bytes / common.MiB
+
+
+def run(calls: int = 3, rounds: int = 5) -> dict[str, Any]:
+    params = common.mlp_params(DIMS)
+    x, y = common.batch(BATCH, DIMS[0], DIMS[-1])
+    batch = {"x": x, "y": y}
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=_tx())  # type: ignore[arg-type]
+    accum_step = accumjax.make_train_step(_loss, accum_steps=K, mode="scan")
+    carry = (params, _tx().init(params))
+    steps = {
+        "full_batch": _full_batch_step(),
+        "optax_microbatch": _optax_microbatch_step(K),
+        "naive_scan": _naive_scan_step(K),
+    }
+    cases: dict[str, Any] = {name: (lambda c, s=s: s(c, batch), carry) for name, s in steps.items()}
+    cases["accumjax_scan"] = (lambda st: accum_step(st, batch)[0], state)
+    seconds = common.time_interleaved(cases, calls=calls, rounds=rounds)
+    ms = {k: v * 1e3 for k, v in seconds.items()}
+
+    memory = {name: _temp_mib(s, carry, batch) for name, s in steps.items()}
+    memory["accumjax_scan"] = _temp_mib(accum_step, state, batch)
+    memory_vs_k: dict[str, list[float]] = {"accumjax_scan": [], "optax_microbatch": []}
+    for k in MEMORY_KS:
+        memory_vs_k["accumjax_scan"].append(
+            _temp_mib(accumjax.make_train_step(_loss, accum_steps=k, mode="scan"), state, batch)
+        )
+        memory_vs_k["optax_microbatch"].append(_temp_mib(_optax_microbatch_step(k), carry, batch))
+    return {
+        "model": {"dims": DIMS, "params": common.n_params(params), "batch": BATCH, "K": K},
+        "ms_per_step": ms,
+        "ratios": {
+            "accumjax_scan_vs_full_batch": ms["accumjax_scan"] / ms["full_batch"],
+            "optax_microbatch_vs_full_batch": ms["optax_microbatch"] / ms["full_batch"],
+            "naive_scan_vs_full_batch": ms["naive_scan"] / ms["full_batch"],
+        },
+        "temp_mib": memory,
+        "temp_mib_vs_k": {"K": list(MEMORY_KS), **memory_vs_k},
+        "full_batch_temp_mib": memory["full_batch"],
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=2))

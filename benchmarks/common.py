@@ -1,0 +1,94 @@
+"""Shared pieces of the benchmarks: an MLP, interleaved timing, machine description."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+MiB = 1024 * 1024
+
+
+def mlp_params(dims: Sequence[int], seed: int = 0) -> dict[str, jax.Array]:
+    """Weights of a ReLU MLP with the given layer widths (He-scaled normal, zero biases)."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        params[f"w{i}"] = jnp.asarray(rng.normal(size=(a, b)) * np.sqrt(2.0 / a), jnp.float32)
+        params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
+    return params
+
+
+def mlp_loss(params: dict[str, jax.Array], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Mean softmax cross-entropy of a ReLU MLP."""
+    x, y = batch
+    n = len(params) // 2
+    h = x
+    for i in range(n):
+        h = h @ params[f"w{i}"] + params[f"b{i}"]
+        if i < n - 1:
+            h = jax.nn.relu(h)
+    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+
+def batch(n: int, dim: int, classes: int, seed: int = 1) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+    return x, jnp.asarray(rng.integers(0, classes, n), jnp.int32)
+
+
+def n_params(tree: Any) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(tree))
+
+
+def copy(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def time_interleaved(
+    cases: dict[str, tuple[Callable[[Any], Any], Any]],
+    *,
+    calls: int = 8,
+    rounds: int = 7,
+) -> dict[str, float]:
+    """Median seconds per call of each case, measured in interleaved rounds.
+
+    Each case is ``(step, carry)``: ``carry = step(carry)`` is called ``calls`` times per round
+    (its buffers may be donated). Rounds alternate between cases so that machine noise hits
+    them alike; the figure of a case is the median over rounds of its mean time per call.
+    """
+    carries = {}
+    for name, (step, carry) in cases.items():  # compile and warm up
+        carries[name] = jax.block_until_ready(step(copy(carry)))
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (step, _) in cases.items():
+            carry = carries[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                carry = step(carry)
+            jax.block_until_ready(carry)
+            samples[name].append((time.perf_counter() - start) / calls)
+            carries[name] = carry
+    return {name: float(np.median(s)) for name, s in samples.items()}
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()[:1]],
+    }

@@ -1,0 +1,132 @@
+"""Runs every benchmark and writes ``benchmarks/results/results.json`` and PNG plots.
+
+    python -m benchmarks.run_all            # from the repository root
+
+Timings are ratios measured side by side in one run (this machine is noisy); memory and
+collective counts come from XLA and are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from benchmarks import bench_accumulate, bench_accuracy, bench_scan, common
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _collectives() -> dict[str, Any]:
+    """Runs bench_collectives in its own process: it needs 8 host devices set before JAX starts."""
+    root = Path(__file__).parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_collectives"],
+        cwd=root,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def _bar(ax, labels, values, title, ylabel, fmt="{:.2f}"):
+    bars = ax.bar(
+        labels, values, color=["#4c72b0" if "accumjax" in s else "#999999" for s in labels]
+    )
+    for b, v in zip(bars, values, strict=True):
+        ax.annotate(
+            fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom"
+        )
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", rotation=20)
+
+
+def plot(results: dict[str, Any]) -> list[Path]:
+    paths = []
+    acc = results["accumulate"]["ms_per_call"]
+    scan = results["scan"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    names = ["ideal", "accumjax_micro", "multisteps_micro", "plain_adam"]
+    _bar(
+        axes[0],
+        names,
+        [acc[n] / acc["ideal"] for n in names],
+        "Non-update microstep",
+        "time / ideal",
+    )
+    names = ["accumjax_window", "multisteps_window"]
+    _bar(
+        axes[1],
+        names,
+        [acc[n] / acc["multisteps_window"] for n in names],
+        "K=8 window",
+        "time / MultiSteps",
+    )
+    names = ["full_batch", "accumjax_scan", "optax_microbatch", "naive_scan"]
+    _bar(
+        axes[2],
+        names,
+        [scan["ms_per_step"][n] / scan["ms_per_step"]["full_batch"] for n in names],
+        "Scan step, K=8",
+        "time / full batch",
+    )
+    fig.tight_layout()
+    paths.append(RESULTS / "speed.png")
+    fig.savefig(paths[-1], dpi=90)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    mem = scan["temp_mib_vs_k"]
+    for name in ("accumjax_scan", "optax_microbatch"):
+        axes[0].plot(mem["K"], mem[name], marker="o", label=name)
+    axes[0].axhline(scan["full_batch_temp_mib"], color="gray", ls="--", label="full batch")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set(title="XLA temp memory vs K (batch 1024)", xlabel="K", ylabel="MiB")
+    axes[0].legend()
+    err = results["accuracy"]
+    for name, values in err["max_relative_error"].items():
+        axes[1].plot(err["K"][1:], values[1:], marker="o", label=name)
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_yscale("log")
+    axes[1].set(
+        title="float32 accumulation vs float64 mean", xlabel="K", ylabel="max relative error"
+    )
+    axes[1].legend()
+    fig.tight_layout()
+    paths.append(RESULTS / "memory_accuracy.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close("all")
+    return paths
+
+
+def main() -> None:
+    RESULTS.mkdir(exist_ok=True)
+    start = time.time()
+    results = {
+        "machine": common.machine(),
+        "accumulate": bench_accumulate.run(),
+        "scan": bench_scan.run(),
+        "accuracy": bench_accuracy.run(),
+        "collectives": _collectives(),
+    }
+    results["seconds"] = time.time() - start
+    (RESULTS / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    paths = plot(results)
+    print(json.dumps({k: v for k, v in results.items() if k != "accuracy"}, indent=2))
+    print("wrote", RESULTS / "results.json", *paths)
+
+
+if __name__ == "__main__":
+    main()
