@@ -1,20 +1,207 @@
-"""Placeholder: being written."""
+"""Dynamic loss scaling for float16 training.
 
-def DynamicLossScale(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+float16 has a narrow exponent range: small gradients flush to zero. Multiplying the
+loss by a large scale before differentiation shifts the backward pass into the
+representable range; the gradients are divided by the same scale (in float32)
+before the optimizer sees them. The scale is adjusted dynamically: halved when a
+step overflows (that step is skipped) and doubled after ``period`` consecutive
+finite steps.
 
-def adjust_loss_scale(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+The state is a :class:`DynamicLossScale` ``NamedTuple`` of arrays, so it lives in a
+train state, under ``jit`` and in checkpoints; all operations are free functions.
 
-def all_finite(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+Reference: Micikevicius et al. 2018, "Mixed Precision Training",
+https://arxiv.org/abs/1710.03740 (section 3.2, loss scaling).
+"""
 
-def dynamic_loss_scale(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+from __future__ import annotations
 
-def scale_loss(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+import numbers
+from typing import Any, NamedTuple
 
-def unscale_grads(*args, **kwargs):  # noqa: D103
-    raise NotImplementedError
+import jax
+import jax.numpy as jnp
 
+__all__ = [
+    "DynamicLossScale",
+    "adjust_loss_scale",
+    "all_finite",
+    "dynamic_loss_scale",
+    "scale_loss",
+    "unscale_grads",
+]
+
+
+class DynamicLossScale(NamedTuple):
+    """State of a dynamic loss scale (a pytree of scalar arrays).
+
+    Attributes:
+      loss_scale: current scale, float32.
+      counter: consecutive finite steps since the last change of scale, int32.
+      period: finite steps after which the scale grows, int32.
+      factor: growth / back-off factor (> 1), float32.
+      min_loss_scale: the scale never goes below this, float32.
+    """
+
+    loss_scale: jax.Array
+    counter: jax.Array
+    period: jax.Array
+    factor: jax.Array
+    min_loss_scale: jax.Array
+
+
+def dynamic_loss_scale(
+    initial: float = 2.0**15,
+    period: int = 2000,
+    factor: float = 2.0,
+    min_loss_scale: float = 1.0,
+) -> DynamicLossScale:
+    """Creates a dynamic loss scale.
+
+    Args:
+      initial: starting scale; must satisfy ``initial >= min_loss_scale``.
+      period: number of consecutive finite steps after which the scale is
+        multiplied by ``factor`` (an ``int >= 1``).
+      factor: growth and back-off factor, ``> 1``.
+      min_loss_scale: lower bound of the scale, ``> 0``.
+
+    Returns:
+      A :class:`DynamicLossScale` with ``counter == 0``.
+
+    Raises:
+      ValueError / TypeError: on invalid arguments.
+
+    Example:
+      >>> import accumjax
+      >>> ls = accumjax.dynamic_loss_scale(initial=2.0**15, period=2000)
+      >>> float(ls.loss_scale)
+      32768.0
+
+    Reference: Micikevicius et al. 2018, "Mixed Precision Training".
+    """
+    for name, value in (
+        ("initial", initial),
+        ("factor", factor),
+        ("min_loss_scale", min_loss_scale),
+    ):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {value!r}.")
+    if isinstance(period, bool) or not isinstance(period, numbers.Integral):
+        raise TypeError(f"period must be an int >= 1, got {period!r}.")
+    if not min_loss_scale > 0:
+        raise ValueError(f"min_loss_scale must be > 0, got {min_loss_scale}.")
+    if not initial >= min_loss_scale:
+        raise ValueError(f"initial ({initial}) must be >= min_loss_scale ({min_loss_scale}).")
+    if period < 1:
+        raise ValueError(f"period must be >= 1, got {period}.")
+    if not factor > 1:
+        raise ValueError(f"factor must be > 1, got {factor}.")
+    return DynamicLossScale(
+        loss_scale=jnp.asarray(initial, jnp.float32),
+        counter=jnp.zeros((), jnp.int32),
+        period=jnp.asarray(period, jnp.int32),
+        factor=jnp.asarray(factor, jnp.float32),
+        min_loss_scale=jnp.asarray(min_loss_scale, jnp.float32),
+    )
+
+
+def scale_loss(ls: DynamicLossScale, loss: jax.Array) -> jax.Array:
+    """Multiplies ``loss`` by the current scale (in the loss's dtype).
+
+    Args:
+      ls: the loss scale.
+      loss: a floating-point loss (usually a float32 scalar).
+
+    Returns:
+      ``loss * ls.loss_scale``, same dtype as ``loss``.
+
+    Example:
+      >>> import jax.numpy as jnp, accumjax
+      >>> float(accumjax.scale_loss(accumjax.dynamic_loss_scale(8.0), jnp.float32(0.5)))
+      4.0
+    """
+    loss = jnp.asarray(loss)
+    return loss * ls.loss_scale.astype(loss.dtype)
+
+
+def unscale_grads(ls: DynamicLossScale, grads: Any) -> Any:
+    """Divides every floating leaf of ``grads`` by the scale, in float32.
+
+    Args:
+      ls: the loss scale used for :func:`scale_loss`.
+      grads: a pytree of gradients of the scaled loss (any float dtype).
+
+    Returns:
+      The unscaled gradients as float32 (non-float leaves are returned as is).
+
+    Example:
+      >>> import jax.numpy as jnp, accumjax
+      >>> g = accumjax.unscale_grads(accumjax.dynamic_loss_scale(4.0), jnp.ones(2, jnp.float16))
+      >>> g.dtype, g.tolist()
+      (dtype('float32'), [0.25, 0.25])
+    """
+
+    def unscale(g: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            return g
+        return g.astype(jnp.float32) / ls.loss_scale
+
+    return jax.tree.map(unscale, grads)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every floating leaf of ``tree`` is finite.
+
+    Args:
+      tree: a pytree of arrays.
+
+    Returns:
+      A boolean scalar array (``True`` for a tree without floating leaves).
+
+    Example:
+      >>> import jax.numpy as jnp, accumjax
+      >>> bool(accumjax.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+    ]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack(leaves))
+
+
+def adjust_loss_scale(ls: DynamicLossScale, grads_finite: jax.Array | bool) -> DynamicLossScale:
+    """Updates the scale after a step.
+
+    If the gradients overflowed, the scale is divided by ``factor`` (but not below
+    ``min_loss_scale``) and the counter restarts. Otherwise the counter counts the
+    finite step; on the ``period``-th consecutive finite step the scale is multiplied
+    by ``factor`` (unless that would overflow float32) and the counter restarts.
+
+    Args:
+      ls: the current loss scale.
+      grads_finite: boolean scalar, e.g. ``all_finite(grads)``.
+
+    Returns:
+      The new :class:`DynamicLossScale`.
+
+    Example:
+      >>> import accumjax
+      >>> ls = accumjax.dynamic_loss_scale(initial=8.0, period=2)
+      >>> ls = accumjax.adjust_loss_scale(ls, False)
+      >>> float(ls.loss_scale), int(ls.counter)
+      (4.0, 0)
+
+    Reference: Micikevicius et al. 2018, "Mixed Precision Training".
+    """
+    finite = jnp.asarray(grads_finite, bool)
+    counter = ls.counter + 1
+    grown = ls.loss_scale * ls.factor
+    grow = finite & (counter >= ls.period) & jnp.isfinite(grown)
+    lowered = jnp.maximum(ls.loss_scale / ls.factor, ls.min_loss_scale)
+    scale = jnp.where(finite, jnp.where(grow, grown, ls.loss_scale), lowered)
+    counter = jnp.where(finite & ~grow, counter, 0).astype(jnp.int32)
+    return ls._replace(loss_scale=scale, counter=counter)

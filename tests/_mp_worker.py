@@ -1,0 +1,87 @@
+"""One process of the two-process data-parallel test (tests/test_distributed.py).
+
+Run as ``python tests/_mp_worker.py PROCESS_ID PORT OUT.npz``; the test sets
+``XLA_FLAGS`` for it. Importing this module only defines the shared problem.
+"""
+
+import sys
+
+import numpy as np
+
+ACCUM_STEPS = 2
+NUM_STEPS = 3
+GLOBAL_BATCH = 32
+LOCAL_DEVICES = 2
+
+
+def problem():
+    """Data and initial parameters, identical in every process and in the test."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(GLOBAL_BATCH, 5)).astype(np.float32)
+    y = rng.normal(size=(GLOBAL_BATCH, 2)).astype(np.float32)
+    params = {
+        "w": rng.normal(size=(5, 2)).astype(np.float32),
+        "b": np.zeros(2, np.float32),
+    }
+    return x, y, params
+
+
+def loss_fn(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return ((pred - batch["y"]) ** 2).mean()
+
+
+def make_tx():
+    import optax
+
+    return optax.sgd(0.05, momentum=0.9)
+
+
+def main(process_id: int, port: int, out: str) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+    )
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import accumjax
+    from accumjax.distributed import data_sharding
+
+    assert jax.process_count() == 2 and jax.device_count() == 2 * LOCAL_DEVICES
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x, y, params = problem()
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx())
+    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+    rows = GLOBAL_BATCH // jax.process_count()
+    local = slice(process_id * rows, (process_id + 1) * rows)
+    sharding = data_sharding(mesh, "data")
+    batch = {
+        "x": jax.make_array_from_process_local_data(sharding, x[local], x.shape),
+        "y": jax.make_array_from_process_local_data(sharding, y[local], y.shape),
+    }
+    step = accumjax.make_train_step(
+        loss_fn, accum_steps=ACCUM_STEPS, mode="scan", axis_name="data", mesh=mesh
+    )
+    losses = []
+    for _ in range(NUM_STEPS):
+        state, metrics = step(state, batch)
+        losses.append(float(np.asarray(metrics["loss"].addressable_shards[0].data)))
+
+    def local_copy(a):
+        return np.asarray(a.addressable_shards[0].data)
+
+    np.savez(
+        out,
+        w=local_copy(state.params["w"]),
+        b=local_copy(state.params["b"]),
+        step=local_copy(state.step),
+        loss=np.asarray(losses),
+    )
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

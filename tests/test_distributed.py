@@ -1,0 +1,366 @@
+"""Tests for accumjax.distributed and the one-all-reduce-per-window property of the train step."""
+
+import doctest
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+import accumjax
+from accumjax import distributed
+from accumjax.distributed import count_collectives, data_sharding, replicate, unreplicate
+
+HERE = Path(__file__).parent
+K = 4
+
+# Hand-written optimized HLO: names and metadata that mention collectives must not count,
+# an async start/done pair counts once, a loop body runs 5 times, one branch runs.
+HLO = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %all-reduce.9 = f32[] add(%a, %b), metadata={op_name="jit(f)/all-reduce"}
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %psum.3 = f32[4]{0} all-reduce(%x), to_apply=%add, metadata={op_name="all-gather"}
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %psum.3)
+}
+
+%cond (q: (s32[], f32[4])) -> pred[] {
+  %q = (s32[], f32[4]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %five = s32[] constant(5)
+  ROOT %lt = pred[] compare(%j, %five), direction=LT
+}
+
+%branch0 (r: f32[4]) -> f32[4] {
+  ROOT %r = f32[4]{0} parameter(0)
+}
+
+%branch1 (s: f32[4]) -> f32[4] {
+  %s = f32[4]{0} parameter(0)
+  %ag = f32[8]{0} all-gather(%s), dimensions={0}, replica_groups={{0,1}}
+  %cp-start = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%s)
+  %cp-done = f32[4]{0} collective-permute-done(%cp-start)
+  ROOT %sl = f32[4]{0} slice(%ag), slice={[0:4]}
+}
+
+ENTRY %main (x.1: f32[4]) -> f32[4] {
+  %x.1 = f32[4]{0} parameter(0)
+  %one = f32[] constant(1)
+  %ars = (f32[4]{0}, f32[]) all-reduce-start(%x.1, %one), replica_groups={{0,1}}, to_apply=%add
+  %ard = (f32[4]{0}, f32[]) all-reduce-done(%ars)
+  %y = f32[4]{0} get-tuple-element(%ard), index=0
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %y)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, TRIP_COUNT
+  %z = f32[4]{0} get-tuple-element(%w), index=1
+  %pred = pred[] constant(true)
+  ROOT %c = f32[4]{0} conditional(%pred, %z, %z), branch_computations={%branch0, %branch1}
+}
+""".replace("TRIP_COUNT", 'backend_config={"known_trip_count":{"n":"5"}}')
+
+
+def _counts(all_reduce=0, all_gather=0, reduce_scatter=0, permute=0, all_to_all=0):
+    return {
+        "all-reduce": all_reduce,
+        "all-gather": all_gather,
+        "reduce-scatter": reduce_scatter,
+        "collective-permute": permute,
+        "all-to-all": all_to_all,
+    }
+
+
+def test_count_collectives_static_hlo_text():
+    assert count_collectives(HLO) == _counts(all_reduce=2, all_gather=1, permute=1)
+
+
+def test_count_collectives_per_execution_hlo_text():
+    # entry all-reduce 1 + loop body 1 x 5 trips; the all-gather branch counts once.
+    assert count_collectives(HLO, per_execution=True) == _counts(
+        all_reduce=6, all_gather=1, permute=1
+    )
+
+
+def test_count_collectives_unknown_trip_count_raises():
+    text = HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
+    assert count_collectives(text)["all-reduce"] == 2
+    with pytest.raises(ValueError, match="trip count"):
+        count_collectives(text, per_execution=True)
+    counts = count_collectives(text, per_execution=True, default_trip_count=1)
+    assert counts == _counts(all_reduce=2, all_gather=1, permute=1)
+
+
+def test_count_collectives_rejects_bad_input():
+    with pytest.raises(TypeError, match="HLO text"):
+        count_collectives(42)
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.ones(2))
+    with pytest.raises(ValueError, match="HloModule"):
+        count_collectives(lowered.as_text())  # StableHLO, not optimized HLO
+
+
+def test_count_collectives_real_pmap_program():
+    n = jax.device_count()
+    assert n >= 8
+
+    def f(x):
+        gathered = jax.lax.all_gather(x, "i")
+        scattered = jax.lax.psum_scatter(x, "i", tiled=True)
+        permuted = jax.lax.ppermute(x, "i", [(j, (j + 1) % n) for j in range(n)])
+        swapped = jax.lax.all_to_all(x.reshape(n, -1), "i", 0, 0)
+        summed = jax.lax.psum(x, "i")
+        return gathered.sum() + scattered.sum() + permuted.sum() + swapped.sum() + summed.sum()
+
+    lowered = jax.pmap(f, axis_name="i").lower(jnp.ones((n, 2 * n)))
+    compiled = lowered.compile()
+    expected = _counts(1, 1, 1, 1, 1)
+    assert count_collectives(lowered) == expected
+    assert count_collectives(compiled) == expected
+    assert count_collectives(compiled.as_text(), per_execution=True) == expected
+
+
+def test_count_collectives_no_collectives():
+    compiled = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
+    assert count_collectives(compiled) == _counts()
+
+
+def test_replicate_unreplicate_and_data_sharding():
+    tree = {"w": jnp.arange(3.0), "s": jnp.int32(2)}
+    rep = replicate(tree, 4)
+    assert rep["w"].shape == (4, 3) and rep["s"].shape == (4,)
+    np.testing.assert_array_equal(unreplicate(rep)["w"], tree["w"])
+    assert replicate(tree)["w"].shape[0] == jax.local_device_count()
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    assert data_sharding(mesh, "data").spec == PartitionSpec("data")
+    with pytest.raises(ValueError, match="not an axis"):
+        data_sharding(mesh, "model")
+
+
+def test_distributed_docstrings():
+    results = doctest.testmod(distributed, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert results.attempted > 0 and results.failed == 0
+
+
+# ----------------------------------------------------------------------- one all-reduce per window
+
+
+def _problem():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.zeros(3)}
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(8 * K * 2, 5)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(8 * K * 2, 3)), jnp.float32),
+    }
+    return params, batch
+
+
+def _loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def _naive_step(mesh, tx):
+    """Reference anti-pattern: average the gradients across devices for every microbatch."""
+
+    def step(params, opt_state, batch):
+        micro = jax.tree.map(lambda x: x.reshape(K, -1, *x.shape[1:]), batch)
+        varying = jax.lax.pcast(params, "data", to="varying")
+
+        def body(acc, mb):
+            g = jax.lax.pmean(jax.grad(_loss)(varying, mb), "data")
+            return jax.tree.map(jnp.add, acc, g), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        acc, _ = jax.lax.scan(body, zeros, micro)
+        updates, opt_state = tx.update(jax.tree.map(lambda a: a / K, acc), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    spec = PartitionSpec()
+    return jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(spec, spec, PartitionSpec("data")),
+            out_specs=(spec, spec),
+        )
+    )
+
+
+def _all_reduce_lines(lowered):
+    text = lowered.compile().as_text()
+    return [line for line in text.splitlines() if re.search(r"\sall-reduce(-start)?\(", line)]
+
+
+def test_scan_step_all_reduces_once_per_window_vs_naive():
+    assert jax.device_count() >= 8
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    params, batch = _problem()
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = accumjax.make_train_step(_loss, accum_steps=K, mode="scan", axis_name="data", mesh=mesh)
+    lowered = step.lower(state, batch)
+    ours = count_collectives(lowered, per_execution=True)
+    assert ours == _counts(all_reduce=1)
+    assert count_collectives(lowered) == _counts(all_reduce=1)
+    # The single all-reduce carries the gradients of both parameters (and the loss/weights).
+    (line,) = _all_reduce_lines(lowered)
+    assert "f32[5,3]" in line and "f32[3]" in line
+
+    naive = _naive_step(mesh, tx).lower(params, tx.init(params), batch)
+    naive_counts = count_collectives(naive, per_execution=True)
+    # XLA keeps the naive all-reduce inside the loop: one instruction, run K times.
+    assert naive_counts["all-reduce"] == K
+    assert naive_counts["all-reduce"] > ours["all-reduce"]
+
+    # Same update: averaging the sum once equals averaging every microbatch (sgd is linear;
+    # float32 sums in a different order, a few ulps).
+    new_state, _ = step(jax.tree.map(jnp.copy, state), batch)
+    naive_params, _ = _naive_step(mesh, tx)(params, tx.init(params), batch)
+    for key in params:
+        np.testing.assert_allclose(new_state.params[key], naive_params[key], rtol=1e-5, atol=1e-6)
+
+
+class _BNModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4)(x)
+        x = accumjax.AccumBatchNorm(use_running_average=False, accum_steps=K)(x)
+        return nn.Dense(3)(x)
+
+
+def test_scan_step_with_model_state_and_float16_still_one_all_reduce():
+    # AccumBatchNorm's batch_stats hold an int32 counter: it travels as float32 in the same
+    # group, so the window still has exactly one all-reduce.
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    _, batch = _problem()
+    model = _BNModel()
+    variables = model.init(jax.random.key(0), batch["x"][:2])
+    params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+    def loss_fn(params, model_state, batch):
+        pred, new_state = model.apply(
+            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), new_state
+
+    state = accumjax.TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=optax.adam(1e-3),
+        model_state=model_state,
+        loss_scale=accumjax.dynamic_loss_scale(),
+    )
+    step = accumjax.make_train_step(
+        loss_fn, accum_steps=K, mode="scan", axis_name="data", mesh=mesh, mixed_precision="float16"
+    )
+    assert count_collectives(step.lower(state, batch), per_execution=True) == _counts(1)
+
+
+def test_pmap_scan_step_all_reduces_once_per_window():
+    n = 8
+    assert jax.device_count() >= n
+    params, batch = _problem()
+    state = replicate(
+        accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1)), n
+    )
+    step = accumjax.make_train_step(_loss, accum_steps=K, mode="scan", axis_name="data")
+    local = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+    assert count_collectives(step.lower(state, local), per_execution=True) == _counts(1)
+
+
+def test_stream_step_all_reduces_only_in_the_window_end_branch():
+    # accumulate(axis_name=...) reduces inside its window-end branch (a loop run at most
+    # once per call): at most one all-reduce group per call, none outside that branch.
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    params, batch = _problem()
+    microbatch = jax.tree.map(lambda x: x[:16], batch)
+    tx = accumjax.accumulate(optax.sgd(0.1), K, axis_name="data")
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = accumjax.make_train_step(_loss, accum_steps=K, axis_name="data", mesh=mesh)
+    lowered = step.lower(state, microbatch)
+    assert count_collectives(lowered) == _counts(all_reduce=1)
+    assert count_collectives(lowered, per_execution=True, default_trip_count=1) == _counts(1)
+    (line,) = _all_reduce_lines(lowered)
+    assert "f32[5,3]" in line and "f32[3]" in line
+    # float16 adds one scalar all-reduce per call: every replica must agree to skip.
+    f16 = accumjax.make_train_step(
+        _loss, accum_steps=K, axis_name="data", mesh=mesh, mixed_precision="float16"
+    )
+    assert count_collectives(f16.lower(state, microbatch)) == _counts(all_reduce=2)
+
+
+# ----------------------------------------------------------------------------- multi-process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_scan_matches_single_process(tmp_path):
+    sys.path.insert(0, str(HERE))
+    try:
+        import _mp_worker as worker
+    finally:
+        sys.path.remove(str(HERE))
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    outs = [tmp_path / f"out{i}.npz" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port), str(outs[i])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = []
+    for i, proc in enumerate(procs):
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"worker {i} timed out after 120 s; stderr:\n{err[-4000:]}")
+        logs.append(err)
+    for i, proc in enumerate(procs):
+        assert proc.returncode == 0, f"worker {i} failed ({proc.returncode}):\n{logs[i][-4000:]}"
+
+    # Reference in this process: the same scan-mode steps on one device, whole batch.
+    x, y, params = worker.problem()
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=worker.make_tx())
+    step = accumjax.make_train_step(worker.loss_fn, accum_steps=worker.ACCUM_STEPS, mode="scan")
+    losses = []
+    for _ in range(worker.NUM_STEPS):
+        state, metrics = step(state, {"x": jnp.asarray(x), "y": jnp.asarray(y)})
+        losses.append(float(metrics["loss"]))
+
+    results = [np.load(out) for out in outs]
+    for key in ("w", "b"):
+        # Both processes hold the same replicated parameters, bit for bit.
+        np.testing.assert_array_equal(results[0][key], results[1][key])
+        # Per-device sums all-reduced across processes vs one sequential float32 sum:
+        # a few ulps after 3 momentum steps.
+        np.testing.assert_allclose(results[0][key], state.params[key], rtol=1e-5, atol=1e-6)
+    assert int(results[0]["step"]) == worker.NUM_STEPS
+    np.testing.assert_allclose(results[0]["loss"], losses, rtol=1e-5)

@@ -1,0 +1,695 @@
+"""Tests for accumjax.train_step: stream/scan vs full batch, mixed precision, data parallel."""
+
+import doctest
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import Mesh
+
+import accumjax
+from accumjax import TrainState, accumulate, make_train_step
+from accumjax import train_step as train_step_lib
+from accumjax.distributed import replicate, unreplicate
+
+K = 4  # microbatches per window
+MICRO = 8  # rows per microbatch
+WINDOWS = 3
+N_DEV = 8
+
+# Tolerances. Accumulating K microbatch means and dividing once vs one full-batch mean
+# differ only by float32 summation order: a few ulps per gradient, which momentum/Adam
+# carry over 3 windows to ~1e-7 absolute on O(1) parameters.
+F32 = {"rtol": 1e-5, "atol": 1e-6}
+# Stream and scan add the same float32 microbatch gradients in the same order; only
+# XLA's fusion choices differ between the two programs.
+SAME_SUM = {"rtol": 1e-6, "atol": 1e-7}
+
+
+def _data(seed=0, rows=K * MICRO * WINDOWS):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 5)).astype(np.float32)
+    y = (x @ rng.normal(size=(5, 3)) + 0.1 * rng.normal(size=(rows, 3))).astype(np.float32)
+    return x, y
+
+
+def _params(seed=1):
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.full((3,), 0.5)}
+
+
+def _fresh(params):
+    return jax.tree.map(jnp.copy, params)  # the step donates the state's buffers
+
+
+def loss_fn(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def _windows(x, y):
+    n = K * MICRO
+    return [{"x": x[i : i + n], "y": y[i : i + n]} for i in range(0, len(x), n)]
+
+
+def _microbatches(window):
+    return [
+        jax.tree.map(lambda a, i=i: a[i : i + MICRO], window) for i in range(0, K * MICRO, MICRO)
+    ]
+
+
+def _full_batch_reference(tx, params, windows, loss=loss_fn):
+    """A plain optax step per window on the whole window."""
+    opt_state = tx.init(params)
+    for window in windows:
+        grads = jax.grad(loss)(params, window)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _assert_tree_close(actual, expected, tol):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tol)
+
+
+def _assert_tree_equal(actual, expected):
+    jax.tree.map(
+        lambda a, e: np.testing.assert_array_equal(np.asarray(a), np.asarray(e)), actual, expected
+    )
+
+
+TXS = {
+    "adam": lambda: optax.adam(0.05),
+    "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+}
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_stream_scan_and_full_batch_agree(name):
+    x, y = _data()
+    windows = _windows(x, y)
+    ref = _full_batch_reference(TXS[name](), _params(), windows)
+
+    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=TXS[name]())
+    scan = make_train_step(loss_fn, accum_steps=K, mode="scan")
+    for window in windows:
+        scan_state, metrics = scan(scan_state, window)
+        assert bool(metrics["updated"])
+
+    stream_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(TXS[name](), K))
+    stream = make_train_step(loss_fn, accum_steps=K, mode="stream")
+    updated = []
+    for window in windows:
+        for mb in _microbatches(window):
+            stream_state, metrics = stream(stream_state, mb)
+            updated.append(bool(metrics["updated"]))
+
+    assert updated == ([False] * (K - 1) + [True]) * WINDOWS
+    assert int(scan_state.step) == int(stream_state.step) == WINDOWS
+    _assert_tree_close(scan_state.params, ref, F32)
+    _assert_tree_close(stream_state.params, ref, F32)
+    _assert_tree_close(stream_state.params, scan_state.params, SAME_SUM)
+    # The test can fail: the parameters moved by much more than the tolerance.
+    assert float(jnp.max(jnp.abs(ref["w"] - _params()["w"]))) > 1e-2
+
+
+def test_scan_sgd_matches_numpy_float64():
+    x, y = _data()
+    lr = 0.1
+    w = np.asarray(_params()["w"], np.float64)
+    b = np.asarray(_params()["b"], np.float64)
+    for window in _windows(x, y):
+        xw, yw = np.asarray(window["x"], np.float64), np.asarray(window["y"], np.float64)
+        resid = 2.0 * (xw @ w + b - yw) / yw.size  # d mean((xw+b-y)^2) / d pred
+        w, b = w - lr * xw.T @ resid, b - lr * resid.sum(0)
+
+    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(lr))
+    step = make_train_step(loss_fn, accum_steps=K, mode="scan")
+    for window in _windows(x, y):
+        state, _ = step(state, window)
+    # float32 forward/backward vs exact float64 arithmetic on O(1) data: ~1e-6 relative.
+    np.testing.assert_allclose(state.params["w"], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.params["b"], b, rtol=1e-5, atol=1e-6)
+
+
+def test_accum_steps_one_stream_is_a_plain_step():
+    x, y = _data()
+    windows = _windows(x, y)
+    ref = _full_batch_reference(optax.adam(0.05), _params(), windows)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.adam(0.05))
+    step = make_train_step(loss_fn)
+    for window in windows:
+        state, metrics = step(state, window)
+    assert bool(metrics["updated"]) and int(state.step) == WINDOWS
+    # Same program up to jit: identical float32 operations, at most an ulp from fusion.
+    _assert_tree_close(state.params, ref, SAME_SUM)
+
+
+def _masked_loss(params, batch):
+    err = jnp.sum((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+
+
+def _masked_windows():
+    x, y = _data()
+    rng = np.random.default_rng(3)
+    # Microbatches with very different numbers of valid rows (some nearly empty).
+    mask = rng.random(len(x)) < np.repeat(rng.uniform(0.1, 1.0, len(x) // MICRO), MICRO)
+    mask[::MICRO] = True  # at least one valid row per microbatch
+    windows = _windows(x, y)
+    n = K * MICRO
+    for i, window in enumerate(windows):
+        window["mask"] = jnp.asarray(mask[i * n : (i + 1) * n], jnp.float32)
+    return windows
+
+
+def _count_valid(batch):
+    return jnp.sum(batch["mask"])
+
+
+def test_weighted_scan_and_stream_match_full_batch_masked_mean():
+    windows = _masked_windows()
+    tx = lambda: optax.sgd(0.1, momentum=0.9)
+    ref = _full_batch_reference(tx(), _params(), windows, loss=_masked_loss)
+
+    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=tx())
+    scan = make_train_step(_masked_loss, accum_steps=K, mode="scan", weight_fn=_count_valid)
+    stream_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(tx(), K, scaling="weighted")
+    )
+    stream = make_train_step(_masked_loss, accum_steps=K, weight_fn=_count_valid)
+    unweighted_state = TrainState.create(apply_fn=None, params=_params(), tx=tx())
+    unweighted = make_train_step(_masked_loss, accum_steps=K, mode="scan")
+    for window in windows:
+        scan_state, metrics = scan(scan_state, window)
+        unweighted_state, _ = unweighted(unweighted_state, window)
+        for mb in _microbatches(window):
+            stream_state, _ = stream(stream_state, mb)
+    # sum_i n_i * mean_i / sum_i n_i is the full-batch masked mean: float32 reordering only.
+    _assert_tree_close(scan_state.params, ref, F32)
+    _assert_tree_close(stream_state.params, ref, F32)
+    # The plain mean of microbatch means is a different (wrong here) gradient.
+    assert float(jnp.max(jnp.abs(unweighted_state.params["w"] - ref["w"]))) > 1e-3
+    # The reported loss is the weighted mean too: the full-batch masked loss at the old params.
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_has_aux_scan_stacks_microbatch_aux_and_stream_returns_it():
+    def aux_loss(params, batch):
+        loss = loss_fn(params, batch)
+        return loss, {"first_y": batch["y"][0, 0], "loss": loss}
+
+    x, y = _data()
+    window = _windows(x, y)[0]
+    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
+    scan_state, metrics = make_train_step(aux_loss, accum_steps=K, mode="scan", has_aux=True)(
+        scan_state, window
+    )
+    assert metrics["aux"]["first_y"].shape == (K,)
+    np.testing.assert_array_equal(metrics["aux"]["first_y"], y[0 : K * MICRO : MICRO, 0])
+    micro_losses = [float(loss_fn(_params(), mb)) for mb in _microbatches(window)]
+    np.testing.assert_allclose(metrics["aux"]["loss"], micro_losses, rtol=1e-6)
+    # metrics["loss"] is the mean of the microbatch losses, i.e. the full-batch loss.
+    np.testing.assert_allclose(metrics["loss"], loss_fn(_params(), window), rtol=1e-6)
+
+    stream_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K)
+    )
+    step = make_train_step(aux_loss, accum_steps=K, has_aux=True)
+    _, metrics = step(stream_state, _microbatches(window)[0])
+    assert float(metrics["aux"]["first_y"]) == y[0, 0]
+
+
+# ----------------------------------------------------------------------------- model state
+
+
+class _BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(6, use_bias=False)(x)  # a bias before BN has a zero gradient
+        x = nn.BatchNorm(use_running_average=False, momentum=0.8)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+def _bn_setup():
+    model = _BNNet()
+    x, y = _data()
+    variables = model.init(jax.random.key(0), x[:2])
+    params = variables["params"]
+    model_state = {"batch_stats": variables["batch_stats"]}
+
+    def bn_loss(params, model_state, batch):
+        pred, new_state = model.apply(
+            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), new_state
+
+    return bn_loss, params, model_state, _windows(x, y)
+
+
+def _bn_reference(bn_loss, tx, params, model_state, windows, devices=1):
+    """Each device threads the model state through its K microbatches; states are averaged
+    over devices, gradients over all device-microbatches, then one optax update."""
+    grad_fn = jax.jit(jax.grad(bn_loss, has_aux=True))
+    opt_state = tx.init(params)
+    for window in windows:
+        rows = len(window["x"]) // devices
+        states, grads = [], []
+        for d in range(devices):
+            ms = model_state
+            local = jax.tree.map(lambda a, lo=d * rows, n=rows: a[lo : lo + n], window)
+            for i in range(K):
+                size = rows // K
+                mb = jax.tree.map(lambda a, lo=i * size, n=size: a[lo : lo + n], local)
+                g, ms = grad_fn(params, ms, mb)
+                grads.append(g)
+            states.append(ms)
+        mean = lambda trees: jax.tree.map(lambda *a: sum(a) / len(a), *trees)
+        model_state = mean(states)
+        updates, opt_state = tx.update(mean(grads), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, model_state
+
+
+def test_model_state_threaded_through_scan_and_stream():
+    bn_loss, params, model_state, windows = _bn_setup()
+    tx = lambda: optax.sgd(0.1, momentum=0.9)
+    ref_params, ref_state = _bn_reference(bn_loss, tx(), params, model_state, windows)
+
+    scan_state = TrainState.create(
+        apply_fn=None, params=_fresh(params), tx=tx(), model_state=_fresh(model_state)
+    )
+    scan = make_train_step(bn_loss, accum_steps=K, mode="scan")
+    stream_state = TrainState.create(
+        apply_fn=None,
+        params=_fresh(params),
+        tx=accumulate(tx(), K),
+        model_state=_fresh(model_state),
+    )
+    stream = make_train_step(bn_loss, accum_steps=K)
+    for window in windows:
+        scan_state, _ = scan(scan_state, window)
+        for mb in _microbatches(window):
+            stream_state, _ = stream(stream_state, mb)
+    # Same per-microbatch float32 computations, summed in a different order.
+    _assert_tree_close(scan_state.params, ref_params, F32)
+    _assert_tree_close(scan_state.model_state, ref_state, F32)
+    _assert_tree_close(stream_state.params, ref_params, F32)
+    _assert_tree_close(stream_state.model_state, ref_state, F32)
+    # Running statistics saw all K * WINDOWS microbatches, not just the first of each window.
+    once = _bn_reference(bn_loss, tx(), params, model_state, [w for w in windows[:1]])[1]
+    assert not np.allclose(
+        once["batch_stats"]["BatchNorm_0"]["mean"], ref_state["batch_stats"]["BatchNorm_0"]["mean"]
+    )
+
+
+# ----------------------------------------------------------------------------- AGC
+
+
+def test_scan_agc_clips_the_accumulated_gradient_once():
+    x, y = _data()
+    window = _windows(x, y)[0]
+    params = _params()
+    clip_factor = 0.01
+    grads = jax.grad(loss_fn)(params, window)
+    clipped = accumjax.adaptive_clip_grad(params, grads, clip_factor, 1e-3)
+    ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, clipped)
+    state = TrainState.create(apply_fn=None, params=_fresh(params), tx=optax.sgd(0.1))
+    step = make_train_step(
+        loss_fn, accum_steps=K, mode="scan", use_agc=True, clip_factor=clip_factor
+    )
+    state, _ = step(state, window)
+    _assert_tree_close(state.params, ref, F32)
+    # Clipping is active here: the unclipped step lands elsewhere.
+    unclipped = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    assert float(jnp.max(jnp.abs(unclipped["w"] - ref["w"]))) > 1e-2
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+
+def test_bfloat16_computes_in_bf16_with_float32_master_state():
+    seen = []
+
+    def recording_loss(params, batch):
+        seen.append((params["w"].dtype, batch["x"].dtype))
+        return loss_fn(params, batch)
+
+    x, y = _data()
+    window = _windows(x, y)[0]
+    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.adam(0.05))
+    step = make_train_step(recording_loss, accum_steps=K, mode="scan", mixed_precision="bfloat16")
+    new, metrics = step(state, window)
+    assert seen and set(seen) == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16))}
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(new.params))
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(new.opt_state[0].mu))
+    assert metrics["loss"].dtype == jnp.float32
+
+    grads32 = jax.grad(loss_fn)(_params(), window)
+    x16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), window)
+    grads16 = jax.grad(lambda p: loss_fn(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), x16))(
+        _params()
+    )
+    # The accumulated bf16-computed gradient (in step) and a full-batch bf16 gradient agree
+    # to bf16 precision (8-bit mantissa: ~1% relative); the float32 gradient is further away.
+    ref = optax.apply_updates(
+        _params(), optax.adam(0.05).update(grads16, optax.adam(0.05).init(_params()))[0]
+    )
+    _assert_tree_close(new.params, ref, {"rtol": 1e-2, "atol": 1e-2})
+    assert not np.allclose(np.asarray(grads16["w"], np.float32), grads32["w"], rtol=1e-5)
+
+
+def _huge(batch, rows=slice(0, 1)):
+    """A microbatch whose float16 forward pass overflows (1e4 ** 2 > 65504)."""
+    x = np.array(batch["x"])
+    x[rows] = 1e4
+    return {**batch, "x": jnp.asarray(x)}
+
+
+def test_float16_scan_skips_overflowed_window_and_lowers_scale():
+    x, y = _data()
+    windows = _windows(x, y)
+    state = TrainState.create(
+        apply_fn=None,
+        params=_params(),
+        tx=optax.adam(0.05),
+        loss_scale=accumjax.dynamic_loss_scale(initial=2.0**10, period=2),
+    )
+    step = make_train_step(
+        loss_fn, accum_steps=K, mode="scan", mixed_precision="float16", donate=False
+    )
+    bad = _huge(windows[0], rows=slice(K * MICRO - 1, K * MICRO))  # last microbatch only
+    after, metrics = step(state, bad)
+    assert not bool(metrics["grads_finite"]) and not bool(metrics["updated"])
+    _assert_tree_equal(after.params, state.params)
+    _assert_tree_equal(after.opt_state, state.opt_state)
+    assert int(after.step) == 0
+    assert float(after.loss_scale.loss_scale) == 2.0**9 and float(metrics["loss_scale"]) == 2.0**9
+
+    after, metrics = step(after, windows[0])
+    assert bool(metrics["grads_finite"]) and bool(metrics["updated"]) and int(after.step) == 1
+    assert int(after.loss_scale.counter) == 1
+    ref = _full_batch_reference(optax.adam(0.05), _params(), windows[:1])
+    # float16 inputs/params (11-bit mantissa); Adam's first step is ~lr * sign(g), so the
+    # result is within a fraction of lr of the float32 step.
+    _assert_tree_close(after.params, ref, {"rtol": 0, "atol": 2e-3})
+
+
+def test_float16_loss_scaling_rescues_underflowing_gradients():
+    x, y = _data()
+    window = _windows(x, y)[0]
+
+    def tiny_loss(params, batch):  # gradients ~1e-9: below float16's smallest subnormal
+        return 1e-9 * loss_fn(params, batch).astype(jnp.float32)
+
+    def run(loss_scale):
+        state = TrainState.create(
+            apply_fn=None, params=_params(), tx=optax.sgd(1e8), loss_scale=loss_scale
+        )
+        step = make_train_step(tiny_loss, accum_steps=K, mode="scan", mixed_precision="float16")
+        return step(state, window)[0]
+
+    ref = _full_batch_reference(optax.sgd(1e8), _params(), [window], loss=tiny_loss)
+    scaled = run(accumjax.dynamic_loss_scale(initial=2.0**24))
+    unscaled = run(accumjax.dynamic_loss_scale(initial=1.0))
+    # Scaled: float16 precision of the rescued gradients (~1e-3 relative of O(1) updates).
+    _assert_tree_close(scaled.params, ref, {"rtol": 0, "atol": 3e-2})
+    # Unscaled: the float16 backward pass flushes every gradient to zero; nothing moves.
+    _assert_tree_equal(unscaled.params, _params())
+
+
+def test_float16_stream_skips_overflowed_microbatch_bit_for_bit():
+    x, y = _data()
+    window = _windows(x, y)[0]
+    micro = _microbatches(window)
+    # No loss scale given: float16 mode creates the default one.
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.05), K))
+    assert state.loss_scale is None
+    step = make_train_step(loss_fn, accum_steps=K, mixed_precision="float16", donate=False)
+    state, metrics = step(state, micro[0])
+    assert isinstance(state.loss_scale, accumjax.DynamicLossScale)
+    assert float(metrics["loss_scale"]) == 2.0**15 and not bool(metrics["updated"])
+
+    after, metrics = step(state, _huge(micro[1]))
+    assert not bool(metrics["grads_finite"])
+    _assert_tree_equal(after.params, state.params)
+    _assert_tree_equal(after.opt_state, state.opt_state)  # micro_step did not advance
+    assert float(after.loss_scale.loss_scale) == 2.0**14
+
+    for mb in micro[1:]:
+        after, metrics = step(after, mb)
+    assert bool(metrics["updated"]) and int(after.step) == 1
+    scan_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=optax.adam(0.05), loss_scale=after.loss_scale
+    )
+    scan = make_train_step(loss_fn, accum_steps=K, mode="scan", mixed_precision="float16")
+    scan_state, _ = scan(scan_state, window)
+    # Same float16 microbatch gradients as the scan step, skipped microbatch excluded.
+    _assert_tree_close(after.params, scan_state.params, SAME_SUM)
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def _mesh():
+    assert jax.device_count() >= N_DEV
+    return Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
+
+
+def _per_device(window):
+    return jax.tree.map(lambda a: a.reshape(N_DEV, -1, *a.shape[1:]), window)
+
+
+def test_data_parallel_scan_mesh_and_pmap_match_full_batch():
+    windows = _dp_windows()
+    tx = lambda: optax.sgd(0.05, momentum=0.9)  # not Adam: blind to a wrong gradient scale
+    ref = _full_batch_reference(tx(), _params(), windows)
+
+    mesh_state = TrainState.create(apply_fn=None, params=_params(), tx=tx())
+    mesh_step = make_train_step(loss_fn, accum_steps=K, mode="scan", axis_name="data", mesh=_mesh())
+    pmap_state = replicate(TrainState.create(apply_fn=None, params=_params(), tx=tx()), N_DEV)
+    pmap_step = make_train_step(loss_fn, accum_steps=K, mode="scan", axis_name="data")
+    for window in windows:
+        mesh_state, mesh_metrics = mesh_step(mesh_state, window)
+        pmap_state, pmap_metrics = pmap_step(pmap_state, _per_device(window))
+    # Per-device float32 sums all-reduced vs one full-batch sum: reordering only.
+    _assert_tree_close(mesh_state.params, ref, F32)
+    _assert_tree_close(unreplicate(pmap_state.params), ref, F32)
+    _assert_tree_equal(pmap_state.params["w"][0], pmap_state.params["w"][-1])
+    assert mesh_metrics["loss"].shape == () and pmap_metrics["loss"].shape == (N_DEV,)
+    np.testing.assert_allclose(mesh_metrics["loss"], pmap_metrics["loss"][0], rtol=1e-6)
+
+
+def _dp_windows(rows=2):
+    """Windows of N_DEV * K * rows rows: ``rows`` per device-microbatch."""
+    x, y = _data(rows=N_DEV * K * rows * WINDOWS)
+    n = N_DEV * K * rows
+    return [{"x": x[i : i + n], "y": y[i : i + n]} for i in range(0, len(x), n)]
+
+
+def _stream_dp_microbatches(window):
+    """The K stream-mode calls of a window, each as (global batch, per-device batch):
+    call i gives device d the i-th quarter of device d's rows in scan mode."""
+    per_dev = _per_device(window)
+    size = per_dev["x"].shape[1] // K
+    calls = []
+    for i in range(K):
+        local = jax.tree.map(lambda a, lo=i * size: a[:, lo : lo + size], per_dev)
+        calls.append((jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), local), local))
+    return calls
+
+
+def test_data_parallel_stream_mesh_and_pmap_match_full_batch():
+    windows = _dp_windows()
+    tx = lambda: optax.sgd(0.05, momentum=0.9)
+    ref = _full_batch_reference(tx(), _params(), windows)
+    inner = lambda: accumulate(tx(), K, axis_name="data")
+    mesh_state = TrainState.create(apply_fn=None, params=_params(), tx=inner())
+    mesh_step = make_train_step(loss_fn, accum_steps=K, axis_name="data", mesh=_mesh())
+    pmap_state = replicate(TrainState.create(apply_fn=None, params=_params(), tx=inner()), N_DEV)
+    pmap_step = make_train_step(loss_fn, accum_steps=K, axis_name="data")
+    for window in windows:
+        for global_batch, local in _stream_dp_microbatches(window):
+            mesh_state, mesh_metrics = mesh_step(mesh_state, global_batch)
+            pmap_state, _ = pmap_step(pmap_state, local)
+    # All-reduced per-device window sums vs one full-batch sum: float32 reordering only.
+    _assert_tree_close(mesh_state.params, ref, F32)
+    _assert_tree_close(unreplicate(pmap_state.params), ref, F32)
+    assert int(mesh_state.step) == WINDOWS
+    assert mesh_metrics["loss"].shape == (N_DEV,)  # stream mode: one loss per device
+
+
+def test_data_parallel_model_state_scan_and_stream_match_reference():
+    bn_loss, params, model_state, _ = _bn_setup()
+    windows = _dp_windows(rows=8)[:2]  # BN on 2 rows is too ill-conditioned to compare
+    tx = lambda: optax.sgd(0.1, momentum=0.9)
+    ref_params, ref_state = _bn_reference(bn_loss, tx(), params, model_state, windows, N_DEV)
+    scan_state = TrainState.create(
+        apply_fn=None, params=_fresh(params), tx=tx(), model_state=_fresh(model_state)
+    )
+    scan = make_train_step(bn_loss, accum_steps=K, mode="scan", axis_name="data", mesh=_mesh())
+    stream_state = TrainState.create(
+        apply_fn=None,
+        params=_fresh(params),
+        tx=accumulate(tx(), K, axis_name="data"),
+        model_state=_fresh(model_state),
+    )
+    stream = make_train_step(bn_loss, accum_steps=K, axis_name="data", mesh=_mesh())
+    for window in windows:
+        scan_state, _ = scan(scan_state, window)
+        for global_batch, _ in _stream_dp_microbatches(window):
+            stream_state, _ = stream(stream_state, global_batch)
+    # Float32 reordering (per-device sums, all-reduce) of the same per-microbatch values;
+    # model state is averaged over devices once per window in both modes.
+    for state in (scan_state, stream_state):
+        _assert_tree_close(state.params, ref_params, F32)
+        _assert_tree_close(state.model_state, ref_state, F32)
+
+
+def _assert_every_replica_equal(actual, expected):
+    """Checks each device's copy, not just the one a global read returns."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        shards = a.addressable_shards
+        assert len(shards) == N_DEV
+        for shard in shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(e))
+
+
+def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
+    mesh = _mesh()
+    window = _dp_windows()[0]
+    last_row = slice(len(window["x"]) - 1, None)  # lands on the last device only
+    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
+    scan = make_train_step(
+        loss_fn,
+        accum_steps=K,
+        mode="scan",
+        axis_name="data",
+        mesh=mesh,
+        mixed_precision="float16",
+        donate=False,
+    )
+    after, metrics = scan(state, _huge(window, last_row))
+    assert not bool(metrics["grads_finite"])
+    _assert_every_replica_equal(after.params, state.params)
+    _assert_every_replica_equal(after.loss_scale.loss_scale, jnp.float32(2.0**14))
+
+    stream_state = TrainState.create(
+        apply_fn=None,
+        params=_params(),
+        tx=accumulate(optax.sgd(0.1), K, axis_name="data"),
+        loss_scale=accumjax.dynamic_loss_scale(initial=2.0**8),  # clean data stays finite
+    )
+    stream = make_train_step(
+        loss_fn, accum_steps=K, axis_name="data", mesh=mesh, mixed_precision="float16", donate=False
+    )
+    microbatch = _stream_dp_microbatches(window)[0][0]
+    last_row = slice(len(microbatch["x"]) - 1, None)
+    after, metrics = stream(stream_state, _huge(microbatch, last_row))
+    assert not bool(metrics["grads_finite"])
+    # No replica advanced its window or touched its accumulator (each device's own copy).
+    _assert_every_replica_equal(after.opt_state, stream_state.opt_state)
+    _assert_every_replica_equal(after.loss_scale.loss_scale, jnp.float32(2.0**7))
+    after, metrics = stream(after, microbatch)
+    assert bool(metrics["grads_finite"])
+    _assert_every_replica_equal(after.opt_state.micro_step, jnp.int32(1))
+
+
+# ----------------------------------------------------------------------------- errors & misc
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"accum_steps": 0}, ValueError, "accum_steps"),
+        ({"accum_steps": 2.0}, TypeError, "accum_steps"),
+        ({"accum_steps": True}, TypeError, "accum_steps"),
+        ({"mode": "loop"}, ValueError, "mode"),
+        ({"mixed_precision": "fp8"}, ValueError, "mixed_precision"),
+        ({"mixed_precision": "float32"}, ValueError, "mixed_precision"),
+        ({"use_agc": True}, ValueError, "adaptive_clip"),
+        ({"mesh": "mesh", "axis_name": "data"}, TypeError, "Mesh"),
+        ({"weight_fn": 3}, TypeError, "weight_fn"),
+    ],
+)
+def test_construction_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_train_step(loss_fn, **kwargs)
+
+
+def test_mesh_errors():
+    with pytest.raises(ValueError, match="axis_name"):
+        make_train_step(loss_fn, mesh=_mesh())
+    with pytest.raises(ValueError, match="not an axis"):
+        make_train_step(loss_fn, mesh=_mesh(), axis_name="model")
+
+
+def test_trace_time_errors():
+    x, y = _data()
+    window = _windows(x, y)[0]
+    plain = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
+    wrapped = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    with pytest.raises(TypeError, match=r"accumjax.accumulate\(inner_tx, 4\)"):
+        make_train_step(loss_fn, accum_steps=K)(plain, window)
+    with pytest.raises(TypeError, match="plain inner optimizer"):
+        make_train_step(loss_fn, accum_steps=K, mode="scan")(wrapped, window)
+    with pytest.raises(ValueError, match="not divisible by accum_steps=3"):
+        make_train_step(loss_fn, accum_steps=3, mode="scan")(plain, window)
+    flax_state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"accumjax\.TrainState"):
+        make_train_step(loss_fn)(flax_state, window)
+    with pytest.raises(TypeError, match="scaling='weighted'"):
+        make_train_step(loss_fn, weight_fn=lambda b: 1.0)(plain, window)
+
+
+def test_has_aux_mismatch_errors():
+    x, y = _data()
+    window = _windows(x, y)[0]
+    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
+    with_aux = lambda p, b: (loss_fn(p, b), {"a": 1.0})
+    with pytest.raises(TypeError, match="pass has_aux=True"):
+        make_train_step(with_aux)(state, window)
+    with pytest.raises(TypeError, match="has_aux=True"):
+        make_train_step(loss_fn, has_aux=True)(state, window)
+    with pytest.raises(TypeError, match="scalar"):
+        make_train_step(lambda p, b: b["x"] @ p["w"])(state, window)
+
+    bn_loss, params, model_state, _ = _bn_setup()
+    bn_state = TrainState.create(
+        apply_fn=None, params=params, tx=optax.sgd(0.1), model_state=model_state
+    )
+
+    def bn_with_aux(p, ms, b):
+        loss, new = bn_loss(p, ms, b)
+        return loss, (new, {"extra": loss})
+
+    with pytest.raises(TypeError, match="pass has_aux=True"):
+        make_train_step(bn_with_aux)(bn_state, window)
+    with pytest.raises(TypeError, match=r"\(new_model_state, aux\)"):
+        make_train_step(bn_loss, has_aux=True)(bn_state, window)
+
+
+def test_donation_and_create_validation():
+    x, y = _data()
+    window = _windows(x, y)[0]
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.1), K))
+    make_train_step(loss_fn, accum_steps=K, donate=False)(state, window)
+    assert not state.params["w"].is_deleted()
+    make_train_step(loss_fn, accum_steps=K)(state, window)
+    assert state.params["w"].is_deleted()  # donated to the output
+    with pytest.raises(TypeError, match="DynamicLossScale"):
+        TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1), loss_scale=2.0)
+
+
+def test_train_step_docstrings():
+    assert accumjax.make_train_step is make_train_step
+    results = doctest.testmod(train_step_lib, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert results.attempted > 0 and results.failed == 0
