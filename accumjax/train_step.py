@@ -377,6 +377,7 @@ def _scan_step(
     weight_fn: Callable[[Any], Any] | None,
     f16: bool,
     agc: tuple[float, float] | None,
+    unroll: int | bool,
 ) -> Step:
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         loss_scale = _check_state(state, f16)
@@ -400,7 +401,7 @@ def _scan_step(
                 acc = jax.tree.map(lambda a, g: a + w * g, acc, grads)
             return (acc, weight_sum + w, loss_sum + w * loss, model_state), aux
 
-        carry, aux = jax.lax.scan(body, _pvary(carry, axis_name), microbatches)
+        carry, aux = _scan(body, _pvary(carry, axis_name), microbatches, accum_steps, unroll)
         acc, weight_sum, loss_sum, model_state = carry
         if axis_name is not None:  # one all-reduce group per window, all float32
             summed = jax.lax.psum((acc, weight_sum, loss_sum, _to_f32(model_state)), axis_name)
@@ -421,6 +422,18 @@ def _scan_step(
         return state, _metrics(loss_sum / weight_sum, updated, aux, finite, state.loss_scale)
 
     return step
+
+
+def _scan(body: Callable[..., Any], carry: Any, xs: Any, k: int, unroll: int | bool) -> Any:
+    """``lax.scan``, or a plain call when there is one microbatch.
+
+    XLA:CPU runs some ops (convolutions above all) far slower inside a loop body than outside
+    it; with K == 1 there is no loop to pay for.
+    """
+    if k > 1:
+        return jax.lax.scan(body, carry, xs, unroll=unroll)
+    carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
 
 
 def _metrics(
@@ -492,6 +505,7 @@ def _validate(
     axis_name: Any,
     mesh: Any,
     weight_fn: Any,
+    unroll: Any,
 ) -> None:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -512,6 +526,8 @@ def _validate(
         )
     if use_agc and not (clip_factor > 0 and agc_eps > 0):
         raise ValueError(f"clip_factor and agc_eps must be > 0, got {clip_factor}, {agc_eps}.")
+    if not isinstance(unroll, bool) and not (isinstance(unroll, int) and unroll >= 1):
+        raise ValueError(f"unroll must be True, False or an int >= 1, got {unroll!r}.")
     if weight_fn is not None and not callable(weight_fn):
         raise TypeError(f"weight_fn must be callable or None, got {type(weight_fn).__name__}.")
     if mesh is not None:
@@ -539,6 +555,7 @@ def make_train_step(
     mesh: Mesh | None = None,
     donate: bool = True,
     weight_fn: Callable[[Any], Any] | None = None,
+    unroll: int | bool = 1,
 ) -> jax.stages.Wrapped:
     """Builds a jitted ``step(state, batch) -> (state, metrics)`` with gradient accumulation.
 
@@ -598,6 +615,10 @@ def make_train_step(
       weight_fn: ``weight_fn(microbatch) -> scalar`` weight of a microbatch (e.g. its
         number of valid tokens); in stream mode it is passed as ``weight=`` to
         ``accumulate(..., scaling="weighted")``.
+      unroll: scan mode: microbatches per loop iteration, passed to ``lax.scan`` (``True``
+        unrolls the whole window: no loop, more memory). On CPU, XLA runs convolutions far
+        slower inside a loop body than outside, so convnets want ``unroll=True`` there.
+        MLPs do not gain from it (temp memory grows with the unroll; see the benchmarks).
 
     Returns:
       The jitted step. ``metrics`` has ``"loss"`` (float32: the window's mean loss in
@@ -661,6 +682,7 @@ def make_train_step(
         axis_name,
         mesh,
         weight_fn,
+        unroll,
     )
     f16 = mixed_precision == "float16"
     grad_fn = _make_grad_fn(loss_fn, has_aux, _PRECISIONS[mixed_precision])
@@ -668,7 +690,7 @@ def make_train_step(
         step = _stream_step(grad_fn, accum_steps, axis_name, weight_fn, f16)
     else:
         agc = (clip_factor, agc_eps) if use_agc else None
-        step = _scan_step(grad_fn, accum_steps, axis_name, weight_fn, f16, agc)
+        step = _scan_step(grad_fn, accum_steps, axis_name, weight_fn, f16, agc, unroll)
     donate_argnums = (0,) if donate else ()
     if axis_name is None:
         return jax.jit(step, donate_argnums=donate_argnums)

@@ -140,6 +140,19 @@ def test_scan_sgd_matches_numpy_float64():
     np.testing.assert_allclose(state.params["b"], b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("accum_steps", "unroll"), [(K, 2), (K, True), (1, 1)])
+def test_scan_unroll_and_single_microbatch_match_full_batch(accum_steps, unroll):
+    x, y = _data()
+    windows = _windows(x, y)
+    ref = _full_batch_reference(optax.adam(0.05), _params(), windows)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.adam(0.05))
+    step = make_train_step(loss_fn, accum_steps=accum_steps, mode="scan", unroll=unroll)
+    for window in windows:
+        state, metrics = step(state, window)
+    assert metrics["loss"].shape == ()
+    _assert_tree_close(state.params, ref, F32)
+
+
 def test_accum_steps_one_stream_is_a_plain_step():
     x, y = _data()
     windows = _windows(x, y)
@@ -618,6 +631,8 @@ def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
         ({"use_agc": True}, ValueError, "adaptive_clip"),
         ({"mesh": "mesh", "axis_name": "data"}, TypeError, "Mesh"),
         ({"weight_fn": 3}, TypeError, "weight_fn"),
+        ({"unroll": 0}, ValueError, "unroll"),
+        ({"unroll": "2"}, ValueError, "unroll"),
     ],
 )
 def test_construction_errors(kwargs, error, match):
