@@ -76,6 +76,38 @@ def _naive_scan_step(k: int):
     return step
 
 
+def _conv_loss(params, batch):
+    """A small convnet (two 3x3 convs, dense head) on 8x8 images, mean cross-entropy."""
+    h = batch["x"]
+    for name in ("c0", "c1"):
+        h = jax.lax.conv_general_dilated(h, params[name], (1, 1), "SAME", dimension_numbers=_NHWC)
+        h = jax.nn.relu(h)
+    logits = h.reshape(h.shape[0], -1) @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _conv_case(calls: int, rounds: int) -> dict[str, float]:
+    """Scan mode with and without unrolling on a convnet, against the full-batch step."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "c0": jax.random.normal(keys[0], (3, 3, 1, 16)) * 0.3,
+        "c1": jax.random.normal(keys[1], (3, 3, 16, 32)) * 0.1,
+        "head": jax.random.normal(keys[2], (8 * 8 * 32, 10)) * 0.02,
+    }
+    x = jax.random.normal(keys[3], (256, 8, 8, 1))
+    batch = {"x": x, "y": jax.numpy.arange(256) % 10}
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=_tx())  # type: ignore[arg-type]
+    cases: dict[str, Any] = {}
+    for name, k, unroll in (("full_batch", 1, 1), ("scan", K, 1), ("scan_unrolled", K, True)):
+        step = accumjax.make_train_step(_conv_loss, accum_steps=k, mode="scan", unroll=unroll)
+        cases[name] = (lambda st, step=step: step(st, batch)[0], state)
+    seconds = common.time_interleaved(cases, calls=calls, rounds=rounds)
+    return {k: v * 1e3 for k, v in seconds.items()}
+
+
 def _temp_mib(step, *args) -> float:
     analysis = step.lower(*args).compile().memory_analysis()
     return analysis.temp_size_in_bytes / common.MiB
@@ -106,8 +138,11 @@ def run(calls: int = 3, rounds: int = 5) -> dict[str, Any]:
             _temp_mib(accumjax.make_train_step(_loss, accum_steps=k, mode="scan"), state, batch)
         )
         memory_vs_k["optax_microbatch"].append(_temp_mib(_optax_microbatch_step(k), carry, batch))
+    conv = _conv_case(calls, rounds)
     return {
         "model": {"dims": DIMS, "params": common.n_params(params), "batch": BATCH, "K": K},
+        "conv_ms_per_step": conv,
+        "conv_ratios": {k: v / conv["full_batch"] for k, v in conv.items()},
         "ms_per_step": ms,
         "ratios": {
             "accumjax_scan_vs_full_batch": ms["accumjax_scan"] / ms["full_batch"],

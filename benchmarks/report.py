@@ -1,0 +1,70 @@
+"""Prints the README's benchmark table from ``benchmarks/results/results.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def table(r: dict) -> str:
+    mb = r["accumulate"]["by_microbatch"]
+    small, large = (mb[k]["ratios"] for k in sorted(mb, key=int))
+    sizes = " / ".join(sorted(mb, key=int))
+    scan, coll, acc = r["scan"], r["collectives"], r["accuracy"]
+    mem = scan["temp_mib"]
+    vs_k = ", ".join(f"{m:.1f}" for m in scan["temp_mib_vs_k"]["accumjax_scan"])
+    err = acc["max_relative_error"]
+
+    def pair(key: str) -> str:
+        return f"{small[key]:.2f} / {large[key]:.2f}"
+
+    rows = [
+        ("figure (microbatch " + sizes + " where two)", "value"),
+        (
+            "non-update microstep, `tx.update` only, vs ideal (grad + add)",
+            pair("accumjax_update_vs_ideal"),
+        ),
+        ('same with `on_nonfinite="propagate"`', pair("accumjax_no_detect_update_vs_ideal")),
+        ("microstep with `apply_updates`: accumjax vs ideal", pair("accumjax_micro_vs_ideal")),
+        ("microstep with `apply_updates`: MultiSteps vs ideal", pair("multisteps_micro_vs_ideal")),
+        ("MultiSteps microstep vs a plain Adam step", pair("multisteps_micro_vs_plain_adam")),
+        ("**K=8 window: accumjax / MultiSteps**", pair("accumjax_window_vs_multisteps_window")),
+        (
+            "scan step K=8 vs full batch: accumjax / optax.microbatch / naive scan",
+            " / ".join(
+                f"{scan['ratios'][k]:.2f}"
+                for k in (
+                    "accumjax_scan_vs_full_batch",
+                    "optax_microbatch_vs_full_batch",
+                    "naive_scan_vs_full_batch",
+                )
+            ),
+        ),
+        (
+            "XLA temp MiB: full batch / accumjax scan / optax.microbatch / naive scan",
+            f"{mem['full_batch']:.1f} / {mem['accumjax_scan']:.1f} / "
+            f"{mem['optax_microbatch']:.1f} / {mem['naive_scan']:.1f}",
+        ),
+        ("accumjax scan temp MiB for K = " + ", ".join(map(str, scan["temp_mib_vs_k"]["K"])), vs_k),
+        (
+            "convnet scan step K=8 vs full batch: `unroll=1` / `unroll=True`",
+            f"{scan['conv_ratios']['scan']:.2f} / {scan['conv_ratios']['scan_unrolled']:.2f}",
+        ),
+        (
+            f"all-reduces per window ({coll['devices']} devices, K={coll['K']}): accumjax / naive",
+            f"{coll['accumjax_scan']['per_window']} / "
+            f"{coll['naive_pmean_per_microbatch']['per_window']}",
+        ),
+        (
+            f"float32 mean of K={acc['K'][-1]} gradients, max rel. error: accumjax / MultiSteps",
+            f"{err['accumjax'][-1]:.1e} / {err['multisteps'][-1]:.1e}",
+        ),
+    ]
+    lines = [f"| {a} | {b} |" for a, b in rows]
+    lines.insert(1, "|---|---|")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    results = json.loads((Path(__file__).parent / "results" / "results.json").read_text())
+    print(table(results))
