@@ -1,6 +1,5 @@
 """Tests for accumjax.distributed and the one-all-reduce-per-window property of the train step."""
 
-import doctest
 import os
 import re
 import socket
@@ -17,7 +16,6 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import accumjax
-from accumjax import distributed
 from accumjax.distributed import count_collectives, data_sharding, replicate, unreplicate
 
 HERE = Path(__file__).parent
@@ -149,11 +147,6 @@ def test_replicate_unreplicate_and_data_sharding():
     assert data_sharding(mesh, "data").spec == PartitionSpec("data")
     with pytest.raises(ValueError, match="not an axis"):
         data_sharding(mesh, "model")
-
-
-def test_distributed_docstrings():
-    results = doctest.testmod(distributed, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert results.attempted > 0 and results.failed == 0
 
 
 # ----------------------------------------------------------------------- one all-reduce per window
