@@ -18,7 +18,7 @@ from accumjax.accumulation import (
 )
 from accumjax.batch_norm import AccumBatchNorm, convert_batch_norm_variables
 from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
-from accumjax.distributed import count_collectives
+from accumjax.distributed import count_collectives, data_sharding, replicate, unreplicate
 from accumjax.loss_scale import (
     DynamicLossScale,
     adjust_loss_scale,
@@ -46,13 +46,16 @@ __all__ = [
     "compute_norm",
     "convert_batch_norm_variables",
     "count_collectives",
+    "data_sharding",
     "dynamic_loss_scale",
     "has_updated",
     "make_train_step",
+    "replicate",
     "reset",
     "scale_loss",
     "should_update",
     "stats",
     "unitwise_norm",
+    "unreplicate",
     "unscale_grads",
 ]
