@@ -13,7 +13,7 @@ def table(r: dict) -> str:
     scan, coll, acc = r["scan"], r["collectives"], r["accuracy"]
     mem = scan["temp_mib"]
     vs_k = ", ".join(f"{m:.1f}" for m in scan["temp_mib_vs_k"]["accumjax_scan"])
-    err = acc["max_relative_error"]
+    err = acc["normalized_max_error"]
 
     def pair(key: str) -> str:
         return f"{small[key]:.2f} / {large[key]:.2f}"
@@ -56,7 +56,7 @@ def table(r: dict) -> str:
             f"{coll['naive_pmean_per_microbatch']['per_window']}",
         ),
         (
-            f"float32 mean of K={acc['K'][-1]} gradients, max rel. error: accumjax / MultiSteps",
+            f"float32 mean of K={acc['K'][-1]} gradients, max error / mean: accumjax / MultiSteps",
             f"{err['accumjax'][-1]:.1e} / {err['multisteps'][-1]:.1e}",
         ),
     ]

@@ -96,12 +96,14 @@ def plot(results: dict[str, Any]) -> list[Path]:
     axes[0].set(title="XLA temp memory vs K (batch 1024)", xlabel="K", ylabel="MiB")
     axes[0].legend()
     err = results["accuracy"]
-    for name, values in err["max_relative_error"].items():
+    for name, values in err["normalized_max_error"].items():
         axes[1].plot(err["K"][1:], values[1:], marker="o", label=name)
     axes[1].set_xscale("log", base=2)
     axes[1].set_yscale("log")
     axes[1].set(
-        title="float32 accumulation vs float64 mean", xlabel="K", ylabel="max relative error"
+        title="float32 accumulation vs float64 mean",
+        xlabel="K",
+        ylabel="max |error| / mean |exact|",
     )
     axes[1].legend()
     fig.tight_layout()
