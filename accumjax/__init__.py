@@ -1,9 +1,10 @@
 """accumjax: exact, fast gradient accumulation for JAX.
 
-Gradient accumulation as pure ``optax`` transformations with pytree state, a Flax
-linen ``AccumBatchNorm`` whose running statistics see the whole accumulated batch,
-and a jitted ``make_train_step`` factory (stream or scan, mixed precision, data
-parallel with one all-reduce per window).
+Gradient accumulation as pure ``optax`` transformations with pytree state, Flax
+``AccumBatchNorm`` layers (linen and NNX) whose running statistics see the whole
+accumulated batch, and a jitted ``make_train_step`` factory (stream or scan, mixed
+precision, data parallel with one all-reduce per window). Every entry point runs the
+same accumulation window, `accumjax.window`.
 """
 
 from accumjax.accumulation import (
@@ -15,8 +16,13 @@ from accumjax.accumulation import (
     reset,
     should_update,
     stats,
+    with_every_k,
 )
-from accumjax.batch_norm import AccumBatchNorm, convert_batch_norm_variables
+from accumjax.batch_norm import (
+    AccumBatchNorm,
+    close_batch_norm_windows,
+    convert_batch_norm_variables,
+)
 from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
 from accumjax.distributed import count_collectives, data_sharding, replicate, unreplicate
 from accumjax.loss_scale import (
@@ -27,6 +33,7 @@ from accumjax.loss_scale import (
     scale_loss,
     unscale_grads,
 )
+from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
 from accumjax.train_step import TrainState, make_train_step
 
 __version__ = "0.1.0"
@@ -36,6 +43,7 @@ __all__ = [
     "AccumulationState",
     "AccumulationStats",
     "DynamicLossScale",
+    "NNXAccumBatchNorm",
     "TrainState",
     "accumulate",
     "accumulated_gradients",
@@ -43,6 +51,7 @@ __all__ = [
     "adaptive_clip_grad",
     "adjust_loss_scale",
     "all_finite",
+    "close_batch_norm_windows",
     "compute_norm",
     "convert_batch_norm_variables",
     "count_collectives",
@@ -58,4 +67,5 @@ __all__ = [
     "unitwise_norm",
     "unreplicate",
     "unscale_grads",
+    "with_every_k",
 ]

@@ -2,8 +2,9 @@
 
 AGC (Brock et al. 2021) rescales each *unit* of a gradient so that its L2 norm is at most
 ``clip_factor * max(||param unit||, eps)``. A unit is the slice of a parameter that feeds one
-output: a column of a ``(in, out)`` Dense kernel, one output channel of a ``HWIO`` conv kernel,
-or a whole bias/scale vector. See :func:`unitwise_norm` for the exact convention.
+output: a column of a ``(in, out)`` Dense kernel, one output channel of a ``HWIO`` conv kernel
+(or of a ``DHWIO`` Conv3D kernel), or a whole bias/scale vector. See :func:`unitwise_norm` for
+the exact convention.
 
 Two public entry points do the same arithmetic:
 
@@ -33,18 +34,18 @@ is a different algorithm, for two reasons:
 
 Differences from other implementations
 --------------------------------------
-- ``optax.adaptive_grad_clip``: same arithmetic and, for ranks 0 to 4, the same units
+- ``optax.adaptive_grad_clip``: same arithmetic and, for ranks 0 to 5, the same units
   (tested: bit-exact op by op, within 2 ulp under ``jax.jit``, where XLA may turn a division
   into a multiplication by a reciprocal in one graph and not the other), except that:
-  (a) we reject rank > 4, where optax treats rank 5 as Conv3D; (b) our division guard is the
-  smallest normal number of the compute dtype, not ``1e-6``, so clipping stays exact when
-  ``clip_factor * eps < 1e-6``; (c) norms of ``float16``/``bfloat16`` arrays are computed and
-  compared in ``float32``.
+  (a) our division guard is the smallest normal number of the compute dtype, not ``1e-6``, so
+  clipping stays exact when ``clip_factor * eps < 1e-6``; (b) norms of ``float16``/``bfloat16``
+  arrays are computed and compared in ``float32``. Both reject rank > 5 (we name the leaf).
 - ``andreped/GradientAccumulator`` (TensorFlow, ``agc.py``): its ``unitwise_norm`` reduces axis
-  0 for rank 2 and 3 and axes ``[0, 1, 2]`` for rank 4 with ``keepdims=True``, and returns a
-  scalar (``keepdims=False``) for rank 0-1. Kernels there are ``(in, out)`` like Flax, so ranks
-  2 to 4 agree with ours; a ``(1, n)`` kernel is ``n`` units there and one unit here (as in
-  optax), and our vector norms keep their (size-1) axes, so the result always broadcasts.
+  0 for rank 2 and 3, axes ``[0, 1, 2]`` for rank 4 and ``[0, 1, 2, 3]`` for rank 5 with
+  ``keepdims=True``, and returns a scalar (``keepdims=False``) for rank 0-1. Kernels there are
+  ``(in, out)`` like Flax, so ranks 2 to 5 agree with ours; a ``(1, n)`` kernel is ``n`` units
+  there and one unit here (as in optax), and our vector norms keep their (size-1) axes, so the
+  result always broadcasts.
 
 References:
   Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
@@ -67,7 +68,7 @@ __all__ = ["adaptive_clip", "adaptive_clip_grad", "compute_norm", "unitwise_norm
 # A pytree of bools (or a prefix of params), or a callable params -> such a pytree, or None.
 Mask = Any
 
-_MAX_RANK = 4
+_MAX_RANK = 5
 
 
 def _check_hyperparams(clip_factor: float, eps: float) -> tuple[float, float]:
@@ -139,7 +140,9 @@ def _unit_axes(shape: tuple[int, ...]) -> tuple[int, ...] | None:
         return None
     if len(shape) <= 3:  # Dense (in, out) and 3-D kernels (in, heads, head_dim): per axis 0.
         return (0,)
-    return (0, 1, 2)  # HWIO conv kernels: per output channel.
+    if len(shape) == 4:  # HWIO conv kernels: per output channel.
+        return (0, 1, 2)
+    return (0, 1, 2, 3)  # DHWIO Conv3D kernels: per output channel.
 
 
 def unitwise_norm(x: jax.typing.ArrayLike) -> jax.Array:
@@ -151,14 +154,15 @@ def unitwise_norm(x: jax.typing.ArrayLike) -> jax.Array:
       the whole array (``optax`` uses the same squeeze rule);
     - rank 2, Dense kernel ``(in, out)``: per output unit, reduce axis 0;
     - rank 3, e.g. a multi-head kernel ``(in, heads, head_dim)``: reduce axis 0;
-    - rank 4, conv kernel ``HWIO``: per output channel, reduce axes ``(0, 1, 2)``.
+    - rank 4, conv kernel ``HWIO``: per output channel, reduce axes ``(0, 1, 2)``;
+    - rank 5, Conv3D kernel ``DHWIO``: per output channel, reduce axes ``(0, 1, 2, 3)``.
 
     This is ``optax.adaptive_grad_clip``'s default norm and the TensorFlow
-    ``andreped/GradientAccumulator`` library's units (which keep the axis dims for ranks 2-4
+    ``andreped/GradientAccumulator`` library's units (which keep the axis dims for ranks 2-5
     and return a bare scalar for ranks 0-1; we always keep dims so the result broadcasts).
 
     Args:
-      x: A floating point array of rank 0 to 4.
+      x: A floating point array of rank 0 to 5.
 
     Returns:
       The norms with ``keepdims=True``: shape ``x.shape`` with every reduced axis set to 1 (so
@@ -166,7 +170,7 @@ def unitwise_norm(x: jax.typing.ArrayLike) -> jax.Array:
       ``float32`` for ``float16``/``bfloat16`` inputs, the real dtype of ``x`` otherwise.
 
     Raises:
-      ValueError: if ``x`` has rank above 4.
+      ValueError: if ``x`` has rank above 5.
       TypeError: if ``x`` is not floating point or complex.
 
     Example:
@@ -243,7 +247,7 @@ def adaptive_clip_grad(
     ``NaN`` entry comes out with ``NaN`` entries (it is not silently repaired).
 
     Args:
-      params: Pytree of parameters (floating point arrays of rank 0 to 4).
+      params: Pytree of parameters (floating point arrays of rank 0 to 5).
       grads: Pytree of gradients with exactly the structure and leaf shapes of ``params``.
       clip_factor: Maximum ratio of gradient to parameter unit norm; > 0.
       eps: Lower bound on the parameter unit norm, so zero-initialised parameters (biases) can
@@ -252,13 +256,14 @@ def adaptive_clip_grad(
         ``params`` or a prefix of it, or a callable ``params -> such a pytree`` (as in
         ``optax.masked``). ``True`` means clip; ``False`` leaves are returned unchanged and
         are not checked for dtype or rank (use it for the final classifier layer, as the NFNets
-        paper does, or for integer/rank-5 leaves).
+        paper does, or for integer leaves and leaves of rank above 5).
 
     Returns:
       A pytree like ``grads`` with the clipped gradients.
 
     Raises:
-      ValueError: on mismatched pytree structures or leaf shapes, or bad hyperparameters.
+      ValueError: on mismatched pytree structures or leaf shapes, a clipped leaf of rank above
+        5 (the message names the leaf), or bad hyperparameters.
       TypeError: on integer (or other non-floating) leaves that are to be clipped.
 
     Example:
@@ -300,6 +305,11 @@ def adaptive_clip_grad(
         if jnp.shape(grad) != jnp.shape(param):
             raise ValueError(
                 f"Leaf {where}: grads shape {jnp.shape(grad)} != params shape {jnp.shape(param)}."
+            )
+        if jnp.ndim(param) > _MAX_RANK:
+            raise ValueError(
+                f"AGC supports leaves of rank 0 to {_MAX_RANK}; leaf {where} has shape "
+                f"{jnp.shape(param)}. Exclude it with `mask`."
             )
         out.append(_clip_leaf(param, grad, clip_factor, eps))
     return jax.tree.unflatten(g_def, out)

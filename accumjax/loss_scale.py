@@ -16,6 +16,7 @@ https://arxiv.org/abs/1710.03740 (section 3.2, loss scaling).
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -88,12 +89,20 @@ def dynamic_loss_scale(
             raise TypeError(f"{name} must be a real number, got {value!r}.")
     if isinstance(period, bool) or not isinstance(period, numbers.Integral):
         raise TypeError(f"period must be an int >= 1, got {period!r}.")
+    top = float(jnp.finfo(jnp.float32).max)
+    for name, value in (
+        ("initial", initial),
+        ("factor", factor),
+        ("min_loss_scale", min_loss_scale),
+    ):
+        if not (math.isfinite(value) and abs(value) <= top):
+            raise ValueError(f"{name} must be finite and fit in float32, got {value}.")
     if not min_loss_scale > 0:
         raise ValueError(f"min_loss_scale must be > 0, got {min_loss_scale}.")
     if not initial >= min_loss_scale:
         raise ValueError(f"initial ({initial}) must be >= min_loss_scale ({min_loss_scale}).")
-    if period < 1:
-        raise ValueError(f"period must be >= 1, got {period}.")
+    if not 1 <= period <= 2**31 - 1:
+        raise ValueError(f"period must be an int in [1, 2**31 - 1], got {period}.")
     if not factor > 1:
         raise ValueError(f"factor must be > 1, got {factor}.")
     return DynamicLossScale(
@@ -125,14 +134,15 @@ def scale_loss(ls: DynamicLossScale, loss: jax.Array) -> jax.Array:
 
 
 def unscale_grads(ls: DynamicLossScale, grads: Any) -> Any:
-    """Divides every floating leaf of ``grads`` by the scale, in float32.
+    """Divides every floating leaf of ``grads`` by the scale, in float32 or wider.
 
     Args:
       ls: the loss scale used for :func:`scale_loss`.
       grads: a pytree of gradients of the scaled loss (any float dtype).
 
     Returns:
-      The unscaled gradients as float32 (non-float leaves are returned as is).
+      The unscaled gradients in ``promote_types(dtype, float32)`` (float64 and complex stay
+      so); non-float leaves are returned as is.
 
     Example:
       >>> import jax.numpy as jnp, accumjax
@@ -142,9 +152,10 @@ def unscale_grads(ls: DynamicLossScale, grads: Any) -> Any:
     """
 
     def unscale(g: jax.Array) -> jax.Array:
-        if not jnp.issubdtype(g.dtype, jnp.floating):
+        if not jnp.issubdtype(g.dtype, jnp.inexact):
             return g
-        return g.astype(jnp.float32) / ls.loss_scale
+        g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+        return g / ls.loss_scale.astype(g.dtype)
 
     return jax.tree.map(unscale, grads)
 

@@ -16,8 +16,8 @@ With ``"weighted"`` and ``w_i`` the number of tokens (examples) of microbatch ``
 is the mean over its own tokens, ``sum_i w_i g_i / sum_i w_i`` is exactly the gradient of the
 token-mean loss of the whole accumulated batch.
 
-The state keeps one number for this, ``fixed_denominator``: ``K`` for mean, ``1`` for sum and
-``0`` for the data-dependent strategies, which divide by the accumulated ``weight_sum`` instead.
+The accumulation window (`accumjax.window`) applies the denominator when it closes; the
+weight of a microbatch is validated here.
 """
 
 from __future__ import annotations
@@ -44,21 +44,6 @@ def concrete_value(x: jax.typing.ArrayLike) -> float | None:
         return float(x)  # type: ignore[arg-type]
     except (jax.errors.ConcretizationTypeError, TypeError):
         return None
-
-
-def fixed_denominator(scaling: Scaling, every_k: jax.Array) -> jax.Array:
-    """The window's fixed denominator: ``K`` (mean), ``1`` (sum) or ``0`` (use ``weight_sum``)."""
-    k = jnp.asarray(every_k, jnp.float32)
-    if scaling == "mean":
-        return k
-    if scaling == "sum":
-        return jnp.ones_like(k)
-    return jnp.zeros_like(k)
-
-
-def denominator(fixed: jax.Array, weight_sum: jax.Array) -> jax.Array:
-    """What the accumulated sum is divided by: ``fixed`` when positive, else ``weight_sum``."""
-    return jnp.where(fixed > 0, fixed, weight_sum)
 
 
 def microbatch_weight(

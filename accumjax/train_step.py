@@ -3,24 +3,26 @@
 :func:`make_train_step` is the functional form of the ``GradientAccumulateModel`` of
 the TensorFlow library andreped/GradientAccumulator
 (https://github.com/andreped/GradientAccumulator): it builds
-``step(state, batch) -> (state, metrics)`` for a Flax-style :class:`TrainState`, in
-one of two modes:
+``step(state, batch, rng=None) -> (state, metrics)`` for a :class:`TrainState` whose
+optimizer is ``accumjax.accumulate(inner, K, ...)``, in one of two modes:
 
-* ``"stream"``: one microbatch per call; accumulation lives in the optimizer
-  (``tx=accumjax.accumulate(inner, K)``), parameters change every ``K`` calls.
-* ``"scan"``: one call takes the whole batch, splits it into ``accum_steps``
-  microbatches, sums their gradients in a float32 ``lax.scan`` carry and applies one
-  optimizer update with the mean gradient.
+* ``"stream"``: one microbatch per call; parameters change when a window closes.
+* ``"scan"``: one call takes the whole batch, splits it into K strided microbatches
+  (rows ``i, i+K, ...``, so each keeps the batch's sharding), accumulates them in a
+  loop and applies at most one update.
 
-Both support bfloat16/float16 mixed precision (float32 master weights and
-accumulator; dynamic loss scaling for float16) and data parallelism over ``pmap``
-or a ``shard_map`` mesh, with gradients all-reduced once per accumulation window.
+Both modes run the same window (`accumjax.window`) with the policies of the optimizer
+(scaling, non-finite handling, per-microbatch clipping, ``skip_fn``), so K and every
+policy are stated once, in ``accumulate``. Model state (BatchNorm statistics and any
+other mutable collection) follows the window's decisions. Both support bfloat16/float16
+mixed precision and data parallelism over ``pmap`` or a ``shard_map`` mesh with one
+gradient all-reduce per window.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +31,22 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, PartitionSpec
 
-from accumjax.accumulation import AccumulationState, has_updated
-from accumjax.clipping import adaptive_clip_grad
+from accumjax import window as window_lib
+from accumjax.accumulation import (
+    AccumulationState,
+    Config,
+    check_int,
+    check_positive_real,
+    check_state,
+    config_of,
+    end_window,
+    window_closes,
+)
+from accumjax.batch_norm import _is_step_driven, close_batch_norm_windows
+from accumjax.clipping import Mask, adaptive_clip_grad
 from accumjax.loss_scale import (
     DynamicLossScale,
     adjust_loss_scale,
-    all_finite,
     dynamic_loss_scale,
     scale_loss,
     unscale_grads,
@@ -46,14 +58,15 @@ _MODES = ("stream", "scan")
 _PRECISIONS = {None: None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 LossFn = Callable[..., Any]
-Step = Callable[[Any, Any], tuple[Any, dict[str, Any]]]
+Step = Callable[..., tuple[Any, dict[str, Any]]]
 
 
 class TrainState(train_state.TrainState):
     """Flax ``TrainState`` plus non-trainable model state and a loss scale.
 
     Attributes:
-      step: number of optimizer updates applied (windows, not microbatches).
+      step: number of optimizer updates applied (windows, not microbatches), whichever
+        way the state is advanced (``make_train_step`` or ``apply_gradients``).
       apply_fn, params, tx, opt_state: as in ``flax.training.train_state.TrainState``.
       model_state: non-trainable collections (e.g. ``{"batch_stats": ...}``) or
         ``None``; when not ``None`` the loss function receives and returns it.
@@ -80,8 +93,9 @@ class TrainState(train_state.TrainState):
         Args:
           apply_fn: usually ``model.apply`` (kept for convenience; the step never calls it,
             so ``None`` is fine).
-          params: the float32 master parameters.
-          tx: the optimizer; ``accumjax.accumulate(inner, K)`` for stream mode.
+          params: the master parameters (float32, or float64 with x64).
+          tx: the optimizer: ``accumjax.accumulate(inner, K)`` (a plain optax optimizer is
+            a window of one microbatch).
           model_state: non-trainable collections, e.g. ``{"batch_stats": ...}``.
           loss_scale: a dynamic loss scale for float16 training.
           **kwargs: further fields of a subclass.
@@ -113,6 +127,39 @@ class TrainState(train_state.TrainState):
         )
         return _unalias(state)
 
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """One optimizer call, as flax's; ``step`` grows only when an update was applied.
+
+        Args:
+          grads: one microbatch's gradients.
+          **kwargs: other fields to replace.
+
+        Returns:
+          The new state.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, accumjax
+          >>> state = accumjax.TrainState.create(
+          ...     apply_fn=None, params={"w": jnp.zeros(2)},
+          ...     tx=accumjax.accumulate(optax.sgd(0.1), 2))
+          >>> state = state.apply_gradients(grads={"w": jnp.ones(2)})
+          >>> int(state.step)
+          0
+        """
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        applied = opt_state.updated if isinstance(opt_state, AccumulationState) else True
+        step = jnp.asarray(self.step)
+        return self.replace(
+            step=optax.safe_increment(step) if applied is True else _count_if(step, applied),
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+            **kwargs,
+        )
+
+
+def _count_if(counter: jax.Array, flag: Any) -> jax.Array:
+    return jnp.where(flag, optax.safe_increment(counter), counter)
+
 
 def _unalias(tree: Any) -> Any:
     """Copies leaves that are the same array object as an earlier leaf.
@@ -133,7 +180,20 @@ def _unalias(tree: Any) -> Any:
     return jax.tree.map(copy_repeat, tree)
 
 
-# ----------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------- the loss
+
+
+class _Setup(NamedTuple):
+    """What a step needs besides the state (static)."""
+
+    grad_fn: Callable[..., Any]
+    mode: str
+    accum_steps: int | None
+    axis_name: str | None
+    weight_fn: Callable[[Any], Any] | None
+    f16: bool
+    transform: Callable[[Any, Any], Any] | None
+    unroll: int | bool
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:
@@ -145,46 +205,6 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     return jax.tree.map(cast, tree)
-
-
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def _pvary(tree: Any, axis_name: str | None) -> Any:
-    """Marks values as device-varying so their gradients are not all-reduced implicitly."""
-    if axis_name is None:
-        return tree
-
-    def cast(x: Any) -> Any:
-        if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
-            return x
-        return jax.lax.pcast(x, axis_name, to="varying")
-
-    return jax.tree.map(cast, tree)
-
-
-def _to_f32(tree: Any) -> Any:
-    """float32 copies of the leaves (float64 kept), so one all-reduce group carries them all."""
-    return jax.tree.map(
-        lambda x: x if jnp.asarray(x).dtype == jnp.float64 else jnp.asarray(x, jnp.float32), tree
-    )
-
-
-def _mean_from_sum(summed: Any, like: Any, n: int) -> Any:
-    """Cross-device mean from a psum of ``_to_f32(like)``, back in ``like``'s dtypes."""
-
-    def mean(s: jax.Array, old: Any) -> jax.Array:
-        dtype = jnp.asarray(old).dtype
-        m = s / n
-        return (m if jnp.issubdtype(dtype, jnp.inexact) else jnp.round(m)).astype(dtype)
-
-    return jax.tree.map(mean, summed, like)
-
-
-def _pmean_model_state(model_state: Any, axis_name: str) -> Any:
-    summed = jax.lax.psum(_to_f32(model_state), axis_name)
-    return _mean_from_sum(summed, model_state, jax.lax.axis_size(axis_name))
 
 
 def _unpack(out: Any, has_aux: bool, with_model_state: bool) -> tuple[Any, Any, Any]:
@@ -217,7 +237,7 @@ def _check_loss(loss: Any) -> jax.Array:
             f"loss_fn must return a floating scalar loss, got {loss.dtype}{list(loss.shape)} "
             "(did you forget has_aux=True, or a .mean()?)."
         )
-    return loss.astype(jnp.float32)
+    return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
 
 
 def _check_model_state(new: Any, old: Any, has_aux: bool) -> Any:
@@ -234,19 +254,19 @@ def _check_model_state(new: Any, old: Any, has_aux: bool) -> Any:
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
 
 
-def _make_grad_fn(
-    loss_fn: LossFn, has_aux: bool, compute_dtype: Any
-) -> Callable[..., tuple[jax.Array, Any, Any, Any]]:
-    """``grad_fn(params, model_state, batch, loss_scale) -> (loss, model_state, aux, grads)``.
+def _make_grad_fn(loss_fn: LossFn, has_aux: bool, compute_dtype: Any) -> Callable[..., Any]:
+    """``grad_fn(params, model_state, batch, key, loss_scale) -> (loss, model_state, aux, grads)``.
 
-    Gradients are float32 (w.r.t. the float32 master params), unscaled.
+    Gradients are unscaled and in the parameters' own dtypes (float64 stays float64, complex
+    stays complex); ``key`` (or None) is passed to ``loss_fn`` as its last argument.
     """
 
-    def scaled_loss(params, model_state, batch, loss_scale):
+    def scaled_loss(params, model_state, batch, key, loss_scale):
         args = (_cast_floats(params, compute_dtype),)
         if model_state is not None:
             args += (model_state,)
-        out = loss_fn(*args, _cast_floats(batch, compute_dtype))
+        args += (_cast_floats(batch, compute_dtype),)
+        out = loss_fn(*args) if key is None else loss_fn(*args, key)
         loss, new_model_state, aux = _unpack(out, has_aux, model_state is not None)
         loss = _check_loss(loss)
         if model_state is not None:
@@ -254,19 +274,102 @@ def _make_grad_fn(
         scaled = loss if loss_scale is None else scale_loss(loss_scale, loss)
         return scaled, (loss, new_model_state, aux)
 
-    def grad_fn(params, model_state, batch, loss_scale):
+    def grad_fn(params, model_state, batch, key, loss_scale):
         grad = jax.grad(scaled_loss, has_aux=True)
-        grads, (loss, new_model_state, aux) = grad(params, model_state, batch, loss_scale)
+        grads, (loss, new_model_state, aux) = grad(params, model_state, batch, key, loss_scale)
         if loss_scale is not None:
             grads = unscale_grads(loss_scale, grads)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
         return loss, new_model_state, aux, grads
 
     return grad_fn
 
 
-def _is_accumulation_state(opt_state: Any) -> bool:
-    return isinstance(AccumulationState, type) and isinstance(opt_state, AccumulationState)
+# ----------------------------------------------------------------------------- the window
+
+
+def _accumulation(setup: _Setup, state: Any) -> tuple[Config, AccumulationState, bool]:
+    """``(config, accumulation state, owned)``: from an ``accumulate`` tx, or a one-microbatch
+    window around a plain optimizer (``owned`` False: its counters are not kept)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"step expects an accumjax.TrainState, got {type(state).__name__}; create it with "
+            "accumjax.TrainState.create(apply_fn=..., params=..., tx=...)."
+        )
+    config = config_of(state.tx)
+    if config is None:
+        config = Config(optax.with_extra_args_support(state.tx), 1, window_lib.Policy(), None)
+        owned = False
+    else:
+        owned = True
+    if config.axis_name not in (None, setup.axis_name):
+        raise ValueError(
+            f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
+            f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
+        )
+    config = config._replace(axis_name=setup.axis_name)
+    k = config.static_k
+    if setup.accum_steps is not None and k != setup.accum_steps:
+        raise ValueError(
+            f"make_train_step(accum_steps={setup.accum_steps}) but the optimizer's K is {k}: "
+            "state K once, in tx=accumjax.accumulate(inner, K) (accum_steps may be omitted)."
+        )
+    if setup.mode == "scan" and k is None:
+        raise TypeError("mode='scan' needs an int K in accumjax.accumulate, not a schedule.")
+    if owned:
+        acc = check_state(config, state.opt_state)
+    else:
+        zero = jnp.zeros((), jnp.int32)
+        acc = AccumulationState(
+            window_lib.init_window(state.params, None), jnp.ones((), jnp.int32), zero, zero,
+            state.opt_state, jnp.zeros(()), zero, zero, zero, jnp.zeros((), bool),
+        )  # fmt: skip
+    return config, acc, owned
+
+
+def _key(rng: Any, state: Any, index: Any, axis_name: str | None) -> Any:
+    """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
+    if rng is None:
+        return None
+    key = jax.random.fold_in(jax.random.fold_in(rng, state.step), index)
+    if axis_name is not None:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+    return key
+
+
+class _Micro(NamedTuple):
+    """The running per-window values of the loop carry."""
+
+    window: window_lib.Window
+    model_state: Any
+    loss_sum: jax.Array
+    loss_weight: jax.Array
+
+
+def _microbatch(
+    setup: _Setup,
+    config: Config,
+    params: Any,
+    carry: _Micro,
+    batch: Any,
+    key: Any,
+    loss_scale: Any,
+    first: bool,
+) -> tuple[_Micro, jax.Array, Any]:
+    """One microbatch: gradient, add to the window, keep its model state only if added."""
+    loss, new_model_state, aux, grads = setup.grad_fn(
+        params, carry.model_state, batch, key, loss_scale
+    )
+    weight = None if setup.weight_fn is None else _weight(setup.weight_fn, batch)
+    add = window_lib.first_microbatch if first else window_lib.add_microbatch
+    window, micro = add(config.policy, carry.window, grads, weight, params)
+    model_state = carry.model_state
+    if model_state is not None:
+        model_state = _select(micro.added, new_model_state, model_state)
+    w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
+    loss = loss.astype(carry.loss_sum.dtype)
+    loss_sum = carry.loss_sum + jnp.where(micro.added, w * loss, 0.0)
+    return _Micro(window, model_state, loss_sum, carry.loss_weight + w), loss, aux
 
 
 def _weight(weight_fn: Callable[[Any], Any], batch: Any) -> jax.Array:
@@ -276,7 +379,115 @@ def _weight(weight_fn: Callable[[Any], Any], batch: Any) -> jax.Array:
     return w.astype(jnp.float32)
 
 
-def _split_microbatches(batch: Any, k: int) -> Any:
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+class _Fields(NamedTuple):
+    """The parts of the state a window close may change (a loop carry)."""
+
+    params: Any
+    opt: AccumulationState
+    model_state: Any
+    loss_scale: Any
+
+
+def _close(setup: _Setup, config: Config, fields: _Fields) -> _Fields:
+    """Closes the window: one reduction, the decision, the update, model state, loss scale."""
+    before = fields.opt
+    params, opt = end_window(
+        config, before, fields.params, fields.params, fields.params, {}, setup.transform, True
+    )
+    apply = opt.updated
+    model_state = _close_model_state(fields.model_state, apply, setup.axis_name)
+    loss_scale = fields.loss_scale
+    if loss_scale is not None:
+        loss_scale = adjust_loss_scale(loss_scale, opt.nonfinite_count == before.nonfinite_count)
+    return _Fields(params, opt, model_state, loss_scale)
+
+
+def _close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None) -> Any:
+    """BatchNorm windows closed with the window's decision; other float leaves averaged
+    across devices once (integer and PRNG-key leaves never are)."""
+    if model_state is None:
+        return None
+    model_state = close_batch_norm_windows(model_state, apply, axis_name)
+    if axis_name is None:
+        return model_state
+
+    def averaged(leaf: Any) -> bool:
+        dtype = jnp.result_type(leaf)
+        return jnp.issubdtype(dtype, jnp.inexact) and not jax.dtypes.issubdtype(
+            dtype, jax.dtypes.prng_key
+        )
+
+    leaves, treedef = jax.tree.flatten(model_state, is_leaf=_is_step_driven)
+    picked = [i for i, x in enumerate(leaves) if not _is_step_driven(x) and averaged(x)]
+    if picked:
+        means = jax.lax.pmean([leaves[i] for i in picked], axis_name)
+        for i, mean in zip(picked, means, strict=True):
+            leaves[i] = mean
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _loss_scale(setup: _Setup, state: TrainState) -> DynamicLossScale | None:
+    if not setup.f16:
+        return None
+    return dynamic_loss_scale() if state.loss_scale is None else state.loss_scale
+
+
+def _finish(
+    state: TrainState, fields: _Fields, owned: bool, micro: _Micro, aux: Any, loss: Any
+) -> tuple[TrainState, dict[str, Any]]:
+    updated = fields.opt.updated
+    new = state.replace(
+        step=_count_if(jnp.asarray(state.step), updated),
+        params=fields.params,
+        opt_state=fields.opt if owned else fields.opt.inner_tx_state,
+        model_state=fields.model_state,
+        loss_scale=fields.loss_scale if fields.loss_scale is not None else state.loss_scale,
+    )
+    metrics: dict[str, Any] = {"loss": loss, "updated": updated}
+    if fields.loss_scale is not None:
+        metrics["grads_finite"] = micro.window.window_nonfinite == 0
+        metrics["loss_scale"] = fields.loss_scale.loss_scale
+    if aux is not None:
+        metrics["aux"] = aux
+    return new, metrics
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def _start(setup: _Setup, state: TrainState, acc: AccumulationState) -> _Micro:
+    zero = jnp.zeros((), jnp.float32)
+    return _Micro(acc.window, state.model_state, zero, zero)
+
+
+def _stream_step(setup: _Setup) -> Step:
+    def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
+        config, acc, owned = _accumulation(setup, state)
+        loss_scale = _loss_scale(setup, state)
+        params = _pvary(state.params, setup.axis_name)
+        key = _key(rng, state, acc.window.micro_step, setup.axis_name)
+        micro, loss, aux = _microbatch(
+            setup, config, params, _start(setup, state, acc), batch, key, loss_scale, not owned
+        )
+        opt = acc._replace(window=micro.window, updated=jnp.zeros((), bool))
+        fields = _Fields(state.params, opt, micro.model_state, loss_scale)
+        close = lambda f: _close(setup, config, f)
+        fields = window_lib.run_once(window_closes(opt), close, fields) if owned else close(fields)
+        return _finish(state, fields, owned, micro, aux, loss)
+
+    return step
+
+
+def _strided(batch: Any, k: int) -> Any:
+    """``(B, ...) -> (B // k, k, ...)``: microbatch ``i`` is rows ``i, i + k, ...``.
+
+    The leading axis keeps the batch's sharding, so every microbatch is split across the
+    data-parallel devices exactly as the batch is.
+    """
     shapes = [jnp.shape(x) for x in jax.tree.leaves(batch)]
     if not shapes or len({shape[:1] for shape in shapes}) != 1 or not shapes[0]:
         raise ValueError(
@@ -285,202 +496,90 @@ def _split_microbatches(batch: Any, k: int) -> Any:
     size = shapes[0][0]
     if size % k:
         raise ValueError(
-            f"scan mode: the (per-device) batch size {size} is not divisible by accum_steps={k}."
+            f"scan mode: the (per-device) batch size {size} is not divisible by K={k}."
         )
-    return jax.tree.map(lambda x: jnp.reshape(x, (k, size // k, *jnp.shape(x)[1:])), batch)
+    return jax.tree.map(lambda x: jnp.reshape(x, (size // k, k, *jnp.shape(x)[1:])), batch)
 
 
-def _check_state(state: Any, f16: bool) -> DynamicLossScale | None:
-    if not isinstance(state, TrainState):
-        raise TypeError(
-            f"step expects an accumjax.TrainState, got {type(state).__name__}; create it with "
-            "accumjax.TrainState.create(apply_fn=..., params=..., tx=...)."
+def _scan_step(setup: _Setup) -> Step:
+    def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
+        config, acc, owned = _accumulation(setup, state)
+        k = cast(int, config.static_k)
+        loss_scale = _loss_scale(setup, state)
+        params = _pvary(state.params, setup.axis_name)
+        rows = _strided(batch, k)
+        take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
+        key = lambda i: _key(rng, state, i, setup.axis_name)
+        first = _start(setup, state, acc)
+        micro, _, aux0 = _microbatch(
+            setup, config, params, first, take(0), key(0), loss_scale, True
         )
-    if not f16:
-        return None
-    return dynamic_loss_scale() if state.loss_scale is None else state.loss_scale
 
-
-def _finish(
-    state: TrainState,
-    new: dict[str, Any],
-    finite: jax.Array | None,
-    loss_scale: DynamicLossScale | None,
-    updated: jax.Array,
-) -> TrainState:
-    """Applies ``new`` fields, or keeps the old ones bit for bit when ``finite`` is False."""
-    if finite is not None and loss_scale is not None:
-        old = {k: getattr(state, k) for k in new}
-        new = _select(finite, new, old)
-        new["loss_scale"] = adjust_loss_scale(loss_scale, finite)
-    step = jnp.asarray(state.step)
-    return state.replace(step=step + updated.astype(step.dtype), **new)
-
-
-# ----------------------------------------------------------------------------- modes
-
-
-def _stream_step(
-    grad_fn: Callable[..., Any],
-    accum_steps: int,
-    axis_name: str | None,
-    weight_fn: Callable[[Any], Any] | None,
-    f16: bool,
-) -> Step:
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        loss_scale = _check_state(state, f16)
-        accumulating = _is_accumulation_state(state.opt_state)
-        if accum_steps > 1 and not accumulating:
-            raise TypeError(
-                f"mode='stream' with accum_steps={accum_steps} accumulates in the optimizer: "
-                f"create the state with tx=accumjax.accumulate(inner_tx, {accum_steps}) "
-                "(outermost), or use mode='scan'."
+        def body(carry: _Micro, i: jax.Array) -> tuple[_Micro, Any]:
+            carry, _, aux = _microbatch(
+                setup, config, params, carry, take(i), key(i), loss_scale, False
             )
-        if weight_fn is not None and not accumulating:
-            raise TypeError(
-                "weight_fn in stream mode needs "
-                "tx=accumjax.accumulate(inner, K, scaling='weighted')."
-            )
-        params = _pvary(state.params, axis_name)
-        loss, model_state, aux, grads = grad_fn(params, state.model_state, batch, loss_scale)
-        if axis_name is not None and not accumulating:
-            grads = jax.lax.pmean(grads, axis_name)  # one all-reduce per (one-microbatch) window
-        finite = all_finite(grads) if f16 else None
-        if finite is not None and axis_name is not None and accumulating:
-            overflowed = jax.lax.psum(jnp.where(finite, 0.0, 1.0), axis_name)
-            finite = overflowed == 0  # every replica must skip the same microbatch
-        extra = {} if weight_fn is None else {"weight": _weight(weight_fn, batch)}
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, **extra)
-        updated = has_updated(cast(AccumulationState, opt_state)) if accumulating else True
-        updated = jnp.asarray(updated)
-        if axis_name is not None and model_state is not None:
-            axis = axis_name  # window end: average model state across replicas
-            model_state = jax.lax.cond(
-                updated, lambda m: _pmean_model_state(m, axis), lambda m: m, model_state
-            )
-        updated = updated if finite is None else updated & finite
-        new = {
-            "params": optax.apply_updates(state.params, updates),
-            "opt_state": opt_state,
-            "model_state": model_state,
-        }
-        state = _finish(state, new, finite, loss_scale, updated)
-        return state, _metrics(loss, updated, aux, finite, state.loss_scale)
+            return carry, aux
+
+        aux = None if aux0 is None else jax.tree.map(lambda a: a[None], aux0)
+        if k > 1:
+            indices = jnp.arange(1, k)
+            micro, aux_rest = jax.lax.scan(body, _pvary(micro, setup.axis_name), indices,
+                                           unroll=setup.unroll)  # fmt: skip
+            if aux is not None:
+                aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, aux_rest)
+        opt = acc._replace(window=micro.window, updated=jnp.zeros((), bool))
+        fields = _close(setup, config, _Fields(state.params, opt, micro.model_state, loss_scale))
+        if state.model_state is not None:  # a skipped window leaves all model state as it was
+            kept = _select(fields.opt.updated, fields.model_state, state.model_state)
+            fields = fields._replace(model_state=kept)
+        loss = jnp.where(micro.loss_weight > 0, micro.loss_sum / micro.loss_weight, jnp.nan)
+        return _finish(state, fields, owned, micro, aux, loss)
 
     return step
 
 
-def _scan_step(
-    grad_fn: Callable[..., Any],
-    accum_steps: int,
-    axis_name: str | None,
-    weight_fn: Callable[[Any], Any] | None,
-    f16: bool,
-    agc: tuple[float, float] | None,
-    unroll: int | bool,
-) -> Step:
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        loss_scale = _check_state(state, f16)
-        if _is_accumulation_state(state.opt_state):
-            raise TypeError(
-                "mode='scan' accumulates inside the step: pass the plain inner optimizer as tx, "
-                "not accumjax.accumulate(...)."
-            )
-        microbatches = _split_microbatches(batch, accum_steps)
-        params = _pvary(state.params, axis_name)
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.params)
-        carry = (zeros, jnp.float32(0), jnp.float32(0), state.model_state)
-
-        def body(carry, microbatch):
-            acc, weight_sum, loss_sum, model_state = carry
-            loss, model_state, aux, grads = grad_fn(params, model_state, microbatch, loss_scale)
-            if weight_fn is None:
-                acc, w = jax.tree.map(jnp.add, acc, grads), jnp.float32(1)
-            else:
-                w = _weight(weight_fn, microbatch)
-                acc = jax.tree.map(lambda a, g: a + w * g, acc, grads)
-            return (acc, weight_sum + w, loss_sum + w * loss, model_state), aux
-
-        carry, aux = _scan(body, _pvary(carry, axis_name), microbatches, accum_steps, unroll)
-        acc, weight_sum, loss_sum, model_state = carry
-        if axis_name is not None:  # one all-reduce group per window, all float32
-            summed = jax.lax.psum((acc, weight_sum, loss_sum, _to_f32(model_state)), axis_name)
-            acc, weight_sum, loss_sum, summed_state = summed
-            model_state = _mean_from_sum(summed_state, model_state, jax.lax.axis_size(axis_name))
-        grads = jax.tree.map(lambda a: a / weight_sum, acc)
-        finite = all_finite(grads) if f16 else None
-        if agc is not None:
-            grads = adaptive_clip_grad(state.params, grads, *agc)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        new = {
-            "params": optax.apply_updates(state.params, updates),
-            "opt_state": opt_state,
-            "model_state": model_state,
-        }
-        updated = jnp.asarray(True) if finite is None else finite
-        state = _finish(state, new, finite, loss_scale, updated)
-        return state, _metrics(loss_sum / weight_sum, updated, aux, finite, state.loss_scale)
-
-    return step
+def _varying_axes(x: Any) -> frozenset[str]:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
 
 
-def _scan(body: Callable[..., Any], carry: Any, xs: Any, k: int, unroll: int | bool) -> Any:
-    """``lax.scan``, or a plain call when there is one microbatch.
+def _pvary(tree: Any, axis_name: str | None) -> Any:
+    """Marks values as device-varying so their gradients are not all-reduced implicitly."""
+    if axis_name is None:
+        return tree
 
-    XLA:CPU runs some ops (convolutions above all) far slower inside a loop body than outside
-    it; with K == 1 there is no loop to pay for.
-    """
-    if k > 1:
-        return jax.lax.scan(body, carry, xs, unroll=unroll)
-    carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
-    return carry, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
+    def cast(x: Any) -> Any:
+        if axis_name in _varying_axes(x):
+            return x
+        return jax.lax.pcast(x, axis_name, to="varying")
 
-
-def _metrics(
-    loss: jax.Array,
-    updated: jax.Array,
-    aux: Any,
-    finite: jax.Array | None,
-    loss_scale: DynamicLossScale | None,
-) -> dict[str, Any]:
-    metrics: dict[str, Any] = {"loss": loss, "updated": updated}
-    if finite is not None and loss_scale is not None:
-        metrics["grads_finite"] = finite
-        metrics["loss_scale"] = loss_scale.loss_scale
-    if aux is not None:
-        metrics["aux"] = aux
-    return metrics
+    return jax.tree.map(cast, tree)
 
 
 # ----------------------------------------------------------------------------- wrapping
 
 
-def _shard_map(
-    step: Step,
-    mesh: Mesh,
-    axis_name: str,
-    mode: str,
-    has_aux: bool,
-    f16: bool,
-) -> Step:
-    """Batch sharded on ``axis_name``, state replicated.
+def _shard_map(step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool) -> Step:
+    """Batch sharded on ``axis_name``, state replicated, the key replicated.
 
     Stream mode keeps a device-local accumulator in the (nominally replicated) optimizer
-    state between window ends, so it runs without the replication check.
+    state between window ends, so the step runs without the replication check.
     """
     local = PartitionSpec(axis_name)
-    metric_specs: dict[str, Any] = {"loss": PartitionSpec(), "updated": PartitionSpec()}
+    metric_specs: dict[str, Any] = {"loss": local, "updated": PartitionSpec()}
     if f16:
-        metric_specs.update(grads_finite=PartitionSpec(), loss_scale=PartitionSpec())
+        metric_specs.update(grads_finite=local, loss_scale=PartitionSpec())
     if has_aux:
         metric_specs["aux"] = local
-    if mode == "stream":
-        metric_specs["loss"] = local
-    stacked = ("loss", "aux") if mode == "stream" else ()
+    per_device_keys = ("loss", "aux", "grads_finite")
 
-    def per_device(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        state, metrics = step(state, batch)
-        for key in stacked:  # device-local values get a leading device axis
+    def per_device(state: Any, batch: Any, rng: Any) -> tuple[Any, dict[str, Any]]:
+        state, metrics = step(state, batch, rng)
+        for key in per_device_keys:  # device-local values get a leading device axis
             if key in metrics:
                 metrics[key] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), metrics[key])
         return state, metrics
@@ -488,9 +587,9 @@ def _shard_map(
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(PartitionSpec(), local),
+        in_specs=(PartitionSpec(), local, PartitionSpec()),
         out_specs=(PartitionSpec(), metric_specs),
-        check_vma=mode == "scan",
+        check_vma=False,
     )
 
 
@@ -499,33 +598,19 @@ def _validate(
     accum_steps: Any,
     mode: Any,
     mixed_precision: Any,
-    use_agc: bool,
-    clip_factor: float,
-    agc_eps: float,
     axis_name: Any,
     mesh: Any,
     weight_fn: Any,
     unroll: Any,
-) -> None:
+) -> int | None:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int):
-        raise TypeError(f"accum_steps must be an int >= 1, got {accum_steps!r}.")
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}.")
     if mixed_precision not in _PRECISIONS:
         raise ValueError(
             f"mixed_precision must be None, 'bfloat16' or 'float16', got {mixed_precision!r}."
         )
-    if use_agc and mode == "stream":
-        raise ValueError(
-            "use_agc applies to scan mode; in stream mode put accumjax.adaptive_clip(...) in the "
-            "inner chain: accumjax.accumulate(optax.chain(accumjax.adaptive_clip(0.01), inner), K)."
-        )
-    if use_agc and not (clip_factor > 0 and agc_eps > 0):
-        raise ValueError(f"clip_factor and agc_eps must be > 0, got {clip_factor}, {agc_eps}.")
     if not isinstance(unroll, bool) and not (isinstance(unroll, int) and unroll >= 1):
         raise ValueError(f"unroll must be True, False or an int >= 1, got {unroll!r}.")
     if weight_fn is not None and not callable(weight_fn):
@@ -539,100 +624,136 @@ def _validate(
             raise ValueError(
                 f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}."
             )
+    return None if accum_steps is None else check_int("accum_steps", accum_steps)
+
+
+def _agc(
+    use_agc: bool, clip_factor: Any, agc_eps: Any, agc_mask: Mask
+) -> Callable[[Any, Any], Any] | None:
+    if not use_agc:
+        if agc_mask is not None:
+            raise ValueError("agc_mask is given but use_agc is False.")
+        return None
+    clip_factor = check_positive_real("clip_factor", clip_factor)
+    agc_eps = check_positive_real("agc_eps", agc_eps)
+    return lambda grads, params: adaptive_clip_grad(params, grads, clip_factor, agc_eps, agc_mask)
+
+
+def _checked_once(jitted: Any, pmapped: bool) -> Any:
+    """``jitted`` that, on its first call, checks the (concrete) state against its optimizer:
+    a checkpoint resumed under another K or scaling is refused before anything runs."""
+    checked: list[bool] = []
+
+    def step(state: Any, batch: Any, rng: Any = None) -> Any:
+        if not checked:
+            config = config_of(getattr(state, "tx", None))
+            if config is not None:
+                opt = state.opt_state
+                check_state(config, jax.tree.map(lambda x: x[0], opt) if pmapped else opt)
+            checked.append(True)
+        return jitted(state, batch, rng)
+
+    step.lower = lambda state, batch, rng=None: jitted.lower(state, batch, rng)  # pyright: ignore[reportFunctionMemberAccess]
+    step.__wrapped__ = jitted  # pyright: ignore[reportFunctionMemberAccess]
+    return step
 
 
 def make_train_step(
     loss_fn: LossFn,
     *,
-    accum_steps: int = 1,
     mode: str = "stream",
+    accum_steps: int | None = None,
     has_aux: bool = False,
     use_agc: bool = False,
     clip_factor: float = 0.01,
     agc_eps: float = 1e-3,
+    agc_mask: Mask = None,
     mixed_precision: str | None = None,
     axis_name: str | None = None,
     mesh: Mesh | None = None,
     donate: bool = True,
     weight_fn: Callable[[Any], Any] | None = None,
     unroll: int | bool = 1,
-) -> jax.stages.Wrapped:
-    """Builds a jitted ``step(state, batch) -> (state, metrics)`` with gradient accumulation.
+) -> Step:
+    """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` that accumulates.
 
-    The loss function follows the shape of ``state``:
+    K and every accumulation policy come from the state's optimizer,
+    ``tx=accumjax.accumulate(inner, K, scaling=..., on_nonfinite=..., max_norm=...,
+    skip_fn=...)``: they mean the same in both modes. A plain optax optimizer is a window of
+    one microbatch (with the default policies, and no counters kept).
+
+    The loss function follows the shape of ``state`` (and ``rng``):
 
     * ``state.model_state is None``: ``loss_fn(params, batch) -> loss``, or
       ``(loss, aux)`` with ``has_aux=True``.
     * otherwise (e.g. ``{"batch_stats": ...}``):
       ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, or
       ``(loss, (new_model_state, aux))`` with ``has_aux=True``.
+    * with ``step(state, batch, rng)``, ``loss_fn`` gets one more, last argument: a PRNG key
+      distinct for every microbatch, device and update (``fold_in`` of ``state.step``, the
+      microbatch index and the device index), so a run is reproducible from its seed.
 
     ``loss`` is a scalar mean over the (micro)batch. Modes:
 
-    * ``"stream"``: ``batch`` is one microbatch; with ``accum_steps > 1`` the state
-      must be created with ``tx=accumjax.accumulate(inner, accum_steps)``, which applies
-      ``inner`` every ``accum_steps`` calls. For data parallelism pass
-      ``accumulate(inner, K, axis_name=axis_name)`` so gradients are all-reduced once
-      per window. For AGC put ``accumjax.adaptive_clip(...)`` in the inner chain.
-    * ``"scan"``: ``batch`` is the whole batch (leading axis ``B``, divisible by
-      ``accum_steps``, per device); the step scans over ``accum_steps`` microbatches,
-      sums float32 gradients and applies one update of the plain optimizer ``tx`` with
-      the mean gradient (``sum(w_i g_i) / sum(w_i)`` with ``weight_fn``). Model state
-      is threaded through the microbatches.
+    * ``"stream"``: ``batch`` is one microbatch; the update is applied when the window
+      closes (on the other calls params are not touched).
+    * ``"scan"``: ``batch`` is the whole batch (leading axis divisible by K, per device);
+      microbatch ``i`` is rows ``i, i + K, ...``. The first microbatch's gradient becomes the
+      accumulator, the other K - 1 are added in a ``lax.scan``.
+
+    A microbatch that is skipped (non-finite, invalid weight, ``skip_fn``) contributes neither
+    its gradient nor its model state. A window that is not usable (see ``accumulate``) leaves
+    params, optimizer state and model state as they were (in stream mode: BatchNorm windows
+    are reset, other mutable collections keep the skipped window's changes), and
+    ``state.step`` counts applied updates only.
 
     Args:
       loss_fn: the loss, see above.
-      accum_steps: microbatches per optimizer update (``int >= 1``).
       mode: ``"stream"`` or ``"scan"``.
+      accum_steps: optional; when given it must equal the optimizer's K (K is stated once).
       has_aux: whether ``loss_fn`` also returns auxiliary outputs (``metrics["aux"]``;
         stacked over microbatches in scan mode).
-      use_agc: scan mode only: adaptive gradient clipping
-        (:func:`accumjax.adaptive_clip_grad`) of the accumulated gradient, once per window.
-      clip_factor, agc_eps: AGC parameters.
-      mixed_precision: ``None``; ``"bfloat16"`` (params and float inputs cast to
-        bfloat16 for the loss, float32 master params, gradients and accumulator); or
-        ``"float16"``: the same with float16 plus dynamic loss scaling
-        (``state.loss_scale``; a default :func:`accumjax.dynamic_loss_scale` is created
-        if it is ``None``). An overflowed microbatch (stream) or window (scan) leaves
-        params, optimizer and model state unchanged and lowers the scale.
-      axis_name: data parallelism. Without ``mesh`` the step is ``jax.pmap``-ped: the
-        state carries a leading device axis (:func:`accumjax.distributed.replicate`) and
-        so does the batch. Scan mode all-reduces gradients, loss, weights and model state
-        (as float32) in one ``psum`` after the scan: one all-reduce per window. Stream mode
-        relies on ``accumulate(..., axis_name=axis_name)`` for the gradients (without it
-        replicas diverge); with ``accum_steps=1`` and a plain optimizer the step averages
-        the gradients itself. Model state is averaged across devices once per window
-        (BatchNorm statistics: the mean of the per-device statistics). float16 adds a
-        scalar all-reduce per stream call so that every replica skips the same microbatch.
+      use_agc: adaptive gradient clipping (:func:`accumjax.adaptive_clip_grad`) of the window
+        gradient, once per window, in both modes (the same as putting
+        ``accumjax.adaptive_clip`` first in the inner chain).
+      clip_factor, agc_eps: AGC parameters (finite numbers > 0).
+      agc_mask: which parameters AGC clips (see :func:`accumjax.adaptive_clip_grad`).
+      mixed_precision: ``None``; ``"bfloat16"`` (params and float inputs cast to bfloat16
+        for the loss; master params, gradients and accumulator keep the params' dtype); or
+        ``"float16"``: the same with float16 plus dynamic loss scaling (``state.loss_scale``;
+        a default :func:`accumjax.dynamic_loss_scale` is created if it is ``None``). An
+        overflowed microbatch is a non-finite microbatch, handled by ``on_nonfinite``; the
+        scale is adjusted once per window (lowered if the window saw an overflow).
+      axis_name: data parallelism. Without ``mesh`` the step is ``jax.pmap``-ped (the state
+        carries a leading device axis, :func:`accumjax.replicate`; ``rng`` is shared). The
+        window's gradient sum, weights and counts are all-reduced once per window; step-closed
+        BatchNorm windows are pooled across devices once per window, and other float model
+        state is averaged once per window (integer and key leaves are left alone).
       mesh: a ``jax.sharding.Mesh``; with ``axis_name`` the step is
-        ``jax.jit(jax.shard_map(...))`` with the batch sharded on ``axis_name`` and
-        the state replicated. In stream mode each device's window accumulator inside
-        ``opt_state`` is device-local between window ends although the state is declared
-        replicated (so that mode runs without the replication check): save checkpoints
-        at window boundaries, where the accumulators are empty on every device.
+        ``jax.jit(jax.shard_map(...))`` with the batch sharded on ``axis_name`` and the state
+        replicated. In stream mode each device's window accumulator is device-local between
+        window ends although the state is declared replicated: save checkpoints at window
+        boundaries, where the accumulators are empty on every device.
       donate: donate the input state's buffers to the output (do not reuse arrays that
         went into ``TrainState.create``; copy them first).
       weight_fn: ``weight_fn(microbatch) -> scalar`` weight of a microbatch (e.g. its
-        number of valid tokens); in stream mode it is passed as ``weight=`` to
-        ``accumulate(..., scaling="weighted")``.
+        number of valid tokens), for ``accumulate(..., scaling="weighted")``.
       unroll: scan mode: microbatches per loop iteration, passed to ``lax.scan`` (``True``
-        unrolls the whole window: no loop, more memory). On CPU, XLA runs convolutions far
-        slower inside a loop body than outside, so convnets want ``unroll=True`` there.
-        MLPs do not gain from it (temp memory grows with the unroll; see the benchmarks).
+        unrolls the whole window). On CPU, XLA runs convolutions far slower inside a loop
+        body than outside, so convnets want ``unroll=True`` there.
 
     Returns:
-      The jitted step. ``metrics`` has ``"loss"`` (float32: the window's mean loss in
-      scan mode, the microbatch's in stream mode, one entry per device with data
-      parallelism in stream mode), ``"updated"`` (whether parameters changed; then
-      ``state.step``, which counts updates, grows by one), ``"grads_finite"`` and
-      ``"loss_scale"`` with float16, and ``"aux"`` with has_aux. ``state.loss_scale`` is
-      only used and updated with float16.
+      The step. ``metrics`` has ``"loss"`` (the window's weighted mean loss over the added
+      microbatches in scan mode, NaN if none was added; the microbatch's in stream mode; one
+      entry per device with data parallelism), ``"updated"`` (whether an update was applied;
+      then ``state.step`` grows by one), ``"grads_finite"`` and ``"loss_scale"`` with
+      float16, and ``"aux"`` with has_aux. The first call checks the state against its
+      optimizer (a checkpoint made with another K or scaling is refused).
 
     Raises:
-      ValueError / TypeError: for invalid arguments here, and at trace time for a
-      batch not divisible by ``accum_steps``, a stream-mode state without
-      ``accumulate``, a scan-mode state with it, or a loss_fn output that does not
-      match ``has_aux``.
+      ValueError / TypeError: naming the argument, for invalid arguments here; at trace time
+      for a batch not divisible by K, an ``accum_steps`` that differs from the optimizer's K,
+      scan mode with a K schedule, or a loss_fn output that does not match ``has_aux``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, accumjax
@@ -643,58 +764,56 @@ def make_train_step(
       ...     pred = model.apply({"params": params}, batch["x"])
       ...     return jnp.mean((pred - batch["y"]) ** 2)
       >>> state = accumjax.TrainState.create(
-      ...     apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
-      >>> step = accumjax.make_train_step(loss_fn, accum_steps=4, mode="scan")
+      ...     apply_fn=model.apply, params=params, tx=accumjax.accumulate(optax.sgd(0.1), 4))
+      >>> step = accumjax.make_train_step(loss_fn, mode="scan")
       >>> state, metrics = step(state, {"x": x, "y": y})
       >>> int(state.step), bool(metrics["updated"])
       (1, True)
 
-      With model state (here BatchNorm statistics) and stream mode:
+      With model state (BatchNorm statistics, closed by the step once per window), dropout
+      keys and stream mode:
 
       >>> model = nn.Sequential([nn.Dense(4), accumjax.AccumBatchNorm(
-      ...     use_running_average=False, accum_steps=4), nn.Dense(1)])
+      ...     use_running_average=False), nn.Dense(1)])
       >>> variables = model.init(jax.random.key(0), x)
       >>> params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
-      >>> def loss_fn(params, model_state, batch):
+      >>> def loss_fn(params, model_state, batch, key):
+      ...     x = jax.random.bernoulli(key, 0.9, batch["x"].shape) * batch["x"] / 0.9
       ...     pred, new_model_state = model.apply(
-      ...         {"params": params, **model_state}, batch["x"], mutable=list(model_state))
+      ...         {"params": params, **model_state}, x, mutable=list(model_state))
       ...     return jnp.mean((pred - batch["y"]) ** 2), new_model_state
       >>> state = accumjax.TrainState.create(
       ...     apply_fn=model.apply, params=params, model_state=model_state,
       ...     tx=accumjax.accumulate(optax.adam(1e-3), 4))
-      >>> step = accumjax.make_train_step(loss_fn, accum_steps=4, mode="stream")
+      >>> step = accumjax.make_train_step(loss_fn)
       >>> for i in range(4):
-      ...     state, metrics = step(state, {"x": x[2 * i : 2 * i + 2], "y": y[:2]})
+      ...     batch = {"x": x[2 * i : 2 * i + 2], "y": y[:2]}
+      ...     state, metrics = step(state, batch, jax.random.key(1))
       >>> int(state.step), bool(metrics["updated"])
       (1, True)
 
     Reference: the ``GradientAccumulateModel`` of andreped/GradientAccumulator
     (Pedersen et al., https://github.com/andreped/GradientAccumulator).
     """
-    _validate(
-        loss_fn,
-        accum_steps,
-        mode,
-        mixed_precision,
-        use_agc,
-        clip_factor,
-        agc_eps,
-        axis_name,
-        mesh,
-        weight_fn,
-        unroll,
+    k = _validate(loss_fn, accum_steps, mode, mixed_precision, axis_name, mesh, weight_fn, unroll)
+    setup = _Setup(
+        grad_fn=_make_grad_fn(loss_fn, has_aux, _PRECISIONS[mixed_precision]),
+        mode=mode,
+        accum_steps=k,
+        axis_name=axis_name,
+        weight_fn=weight_fn,
+        f16=mixed_precision == "float16",
+        transform=_agc(use_agc, clip_factor, agc_eps, agc_mask),
+        unroll=unroll,
     )
-    f16 = mixed_precision == "float16"
-    grad_fn = _make_grad_fn(loss_fn, has_aux, _PRECISIONS[mixed_precision])
-    if mode == "stream":
-        step = _stream_step(grad_fn, accum_steps, axis_name, weight_fn, f16)
-    else:
-        agc = (clip_factor, agc_eps) if use_agc else None
-        step = _scan_step(grad_fn, accum_steps, axis_name, weight_fn, f16, agc, unroll)
+    step = _stream_step(setup) if mode == "stream" else _scan_step(setup)
     donate_argnums = (0,) if donate else ()
     if axis_name is None:
-        return jax.jit(step, donate_argnums=donate_argnums)
+        return _checked_once(jax.jit(step, donate_argnums=donate_argnums), False)
     if mesh is None:
-        return jax.pmap(step, axis_name=axis_name, donate_argnums=donate_argnums)
-    sharded = _shard_map(step, mesh, axis_name, mode, has_aux, f16)
-    return jax.jit(sharded, donate_argnums=donate_argnums)
+        pmapped = jax.pmap(
+            step, axis_name=axis_name, in_axes=(0, 0, None), donate_argnums=donate_argnums
+        )
+        return _checked_once(pmapped, True)
+    sharded = _shard_map(step, mesh, axis_name, has_aux, setup.f16)
+    return _checked_once(jax.jit(sharded, donate_argnums=donate_argnums), False)

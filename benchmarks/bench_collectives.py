@@ -60,12 +60,14 @@ def run() -> dict[str, Any]:
     x, y = common.batch(8 * K * PER_DEVICE, DIMS[0], DIMS[-1])
     batch = {"x": x, "y": y}
     tx = optax.adam(1e-3)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)  # type: ignore[arg-type]
-    ours = accumjax.make_train_step(
-        _loss, accum_steps=K, mode="scan", mesh=mesh, axis_name="data", donate=False
+    state = accumjax.TrainState.create(
+        apply_fn=None,  # type: ignore[arg-type]
+        params=params,
+        tx=accumjax.accumulate(tx, K),  # scan mode reads K from the optimizer
     )
+    ours = accumjax.make_train_step(_loss, mode="scan", mesh=mesh, axis_name="data", donate=False)
     naive = _naive_step(mesh, tx)
-    ours_hlo = ours.lower(state, batch).compile()  # type: ignore[attr-defined]
+    ours_hlo = ours.lower(state, batch, None).compile()  # type: ignore[attr-defined]
     naive_hlo = naive.lower(params, tx.init(params), batch).compile()
     count = functools.partial(accumjax.count_collectives)
     return {

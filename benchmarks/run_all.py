@@ -1,13 +1,17 @@
 """Runs every benchmark and writes ``benchmarks/results/results.json`` and PNG plots.
 
-    python -m benchmarks.run_all            # from the repository root
+    python -m benchmarks.run_all                       # from the repository root
+    python -m benchmarks.run_all --quick --only accuracy collectives   # a smoke run
 
 Timings are ratios measured side by side in one run (this machine is noisy); memory and
-collective counts come from XLA and are deterministic.
+collective counts come from XLA and are deterministic. ``--quick`` (one call per case, one
+round) and ``--only`` print the results and write nothing, so the published figures stay those
+of a full run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -113,17 +117,49 @@ def plot(results: dict[str, Any]) -> list[Path]:
     return paths
 
 
-def main() -> None:
-    RESULTS.mkdir(exist_ok=True)
-    start = time.time()
-    results = {
-        "machine": common.machine(),
-        "accumulate": bench_accumulate.run(),
-        "scan": bench_scan.run(),
-        "accuracy": bench_accuracy.run(),
-        "collectives": _collectives(),
+BENCHMARKS = ("accumulate", "scan", "accuracy", "collectives")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run_all",
+        description="Run the accumjax benchmarks (a full run writes benchmarks/results/).",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one timed call per case and one round: checks that everything runs; the "
+        "timings are meaningless and nothing is written",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=BENCHMARKS,
+        metavar="NAME",
+        help=f"run only these benchmarks ({', '.join(BENCHMARKS)}); nothing is written",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    names = args.only or BENCHMARKS
+    timing = {"calls": 1, "rounds": 1} if args.quick else {}
+    runners = {
+        "accumulate": lambda: bench_accumulate.run(**timing),
+        "scan": lambda: bench_scan.run(**timing),
+        "accuracy": bench_accuracy.run,
+        "collectives": _collectives,
     }
+    start = time.time()
+    results: dict[str, Any] = {"machine": common.machine()}
+    for name in names:
+        results[name] = runners[name]()
     results["seconds"] = time.time() - start
+    if args.quick or args.only:
+        print(json.dumps(results, indent=2))
+        return
+    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     paths = plot(results)
     print(json.dumps({k: v for k, v in results.items() if k != "accuracy"}, indent=2))

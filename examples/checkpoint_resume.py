@@ -66,9 +66,8 @@ reference, _ = train(params, tx.init(params), range(K * WINDOWS))
 params = init_params()
 params, opt_state = train(params, tx.init(params), range(STOP_AT))
 updates_done = int(accumjax.stats(opt_state).total_cycles)
-print(
-    f"stopped after {STOP_AT} microbatches: micro_step={int(opt_state.micro_step)} of {K}, ", end=""
-)
+micro_step = int(opt_state.window.micro_step)  # microbatches in the open window
+print(f"stopped after {STOP_AT} microbatches: micro_step={micro_step} of {K}, ", end="")
 print(f"{updates_done} update(s) applied")
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +91,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
 params, opt_state = restored["params"], restored["opt_state"]
 assert isinstance(opt_state, accumjax.AccumulationState)
-print(f"restored: micro_step={int(opt_state.micro_step)}, step={int(restored['step'])}")
+print(f"restored: micro_step={int(opt_state.window.micro_step)}, step={int(restored['step'])}")
 resumed, _ = train(params, opt_state, range(int(restored["step"]), K * WINDOWS))
 
 # --- 4. Compare bit for bit --------------------------------------------------------------------

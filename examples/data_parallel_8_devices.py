@@ -1,9 +1,11 @@
 """Data parallelism over 8 devices with gradient accumulation and one all-reduce per update.
 
 Each of 8 devices holds a replica of the parameters and a 1/8 slice of the batch, which it splits
-into 4 microbatches. `make_train_step(mode="scan", accum_steps=4, mesh=mesh, axis_name="data")`
-sums the 4 microbatch gradients locally and all-reduces the sum *once* per update, instead of
-once per microbatch. The update equals a single-device step on the whole batch.
+into 4 microbatches (strided: microbatch i is the rows i, i + 4, ... of the device's slice).
+`make_train_step(loss_fn, mode="scan", mesh=mesh, axis_name="data")` with the optimizer
+`accumjax.accumulate(optax.adam(...), 4)` (K is stated once, in the optimizer) sums the 4
+microbatch gradients locally and all-reduces the sum *once* per update, instead of once per
+microbatch. The update equals a single-device step on the whole batch.
 
 There is no need for 8 real accelerators: XLA can split the host CPU into 8 devices.
 
@@ -55,28 +57,31 @@ def loss_fn(params, batch):
     return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
 
 
-def new_state():
+def new_state(k):
+    """A fresh state whose optimizer applies Adam once every k microbatches (k=1: plain Adam)."""
     params = init_params(jax.random.key(0))
-    return accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+    tx = accumjax.accumulate(optax.adam(1e-2), k)
+    return accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
 
 
 # --- 1. accumjax: 8 devices x 4 accumulated microbatches ----------------------------------------
-step = accumjax.make_train_step(
-    loss_fn, mode="scan", accum_steps=ACCUM, mesh=mesh, axis_name="data"
-)
+# The step reads K (and the accumulation policies) from the state's optimizer.
+step = accumjax.make_train_step(loss_fn, mode="scan", mesh=mesh, axis_name="data")
 # Place each update's batch sharded over the devices (the step would also shard a host array).
 sharding = accumjax.distributed.data_sharding(mesh, "data")
 batches = [jax.device_put({"x": x[i], "y": y[i]}, sharding) for i in range(UPDATES)]
 
-state = new_state()
-compiled = step.lower(state, batches[0]).compile()  # to inspect the collectives below
+state = new_state(ACCUM)
+# To inspect the collectives below. lower() takes all three arguments (state, batch, rng).
+compiled = step.lower(state, batches[0], None).compile()
 for batch in batches:
     state, metrics = step(state, batch)
-print(f"8-device accumulated run: final loss {float(metrics['loss']):.4f}")
+# metrics["loss"] has one entry per device: each device's mean over its 4 microbatches.
+print(f"8-device accumulated run: final loss {float(jnp.mean(metrics['loss'])):.4f}")
 
 # --- 2. Reference: one device, the whole batch of 512 at once -----------------------------------
-reference_step = accumjax.make_train_step(loss_fn, mode="scan", accum_steps=1)
-reference = new_state()
+reference_step = accumjax.make_train_step(loss_fn, mode="scan")
+reference = new_state(1)
 for i in range(UPDATES):
     reference, _ = reference_step(reference, {"x": x[i], "y": y[i]})
 
@@ -112,8 +117,9 @@ naive_step = jax.jit(
         check_vma=False,  # gradients are local until the explicit pmean
     )
 )
-s = new_state()
-naive_compiled = naive_step.lower(s.params, s.opt_state, batches[0]).compile()
+naive_params = init_params(jax.random.key(0))
+naive_opt_state = optax.adam(1e-2).init(naive_params)
+naive_compiled = naive_step.lower(naive_params, naive_opt_state, batches[0]).compile()
 
 # per_execution=True counts what runs per call: an all-reduce in a loop body counts once per
 # iteration.

@@ -1,15 +1,18 @@
 """A BatchNorm CNN trained with batch 256 as 8 accumulated microbatches of 32.
 
 Gradient accumulation lets a small device train with a big batch: here each optimizer update
-sees 256 images, fed as 8 microbatches of 32 to a step built by `make_train_step(mode="stream",
-accum_steps=8)` with the optimizer `accumjax.accumulate(optax.adam(...), 8)`, which applies Adam
-once every 8 calls. A plain BatchNorm would update its running statistics 8 times per update
-from noisy 32-image microbatches; `accumjax.AccumBatchNorm(accum_steps=8)` pools the 8
-microbatches' statistics and updates them once per window with those of all 256 images.
+sees 256 images, fed as 8 microbatches of 32 to a step built by
+`make_train_step(loss_fn, mode="stream")` for a state whose optimizer is
+`accumjax.accumulate(optax.adam(...), 8)`: Adam is applied once every 8 calls. K is stated once,
+in the optimizer; the step reads it from there. A plain BatchNorm would update its running
+statistics 8 times per update from noisy 32-image microbatches; `accumjax.AccumBatchNorm` only
+pools the microbatches' statistics, and the train step closes its window together with the
+optimizer's: the running statistics move once per update, with those of all 256 images (and not
+at all for a window the optimizer skips).
 
 We train the same model twice, from the same initialization, on the same batches, for the same
-number of updates: with batch 256 at once (accum_steps=1) and as 8 x 32 (accum_steps=8), on
-scikit-learn's bundled 8x8 digits, and check that:
+number of updates: with batch 256 at once (K=1) and as 8 x 32 (K=8), on scikit-learn's bundled
+8x8 digits, and check that:
 
 - after the first update the running BatchNorm statistics of both runs agree (the pooled
   statistics of 8 microbatches are those of the full batch);
@@ -53,27 +56,24 @@ def batches(seed=SEED):
 
 # --- Model: conv -> conv -> AccumBatchNorm -> relu -> pool -> dense ---------------------------
 class CNN(nn.Module):
-    accum_steps: int  # microbatches per window; AccumBatchNorm must know it
-
     @nn.compact
     def __call__(self, x, train: bool):
         x = nn.relu(nn.Conv(16, (3, 3))(x))
         x = nn.Conv(32, (3, 3))(x)
-        # Same arguments as flax.linen.BatchNorm, plus accum_steps.
-        x = accumjax.AccumBatchNorm(accum_steps=self.accum_steps, momentum=0.9, name="bn")(
-            x, use_running_average=not train
-        )
+        # Same arguments as flax.linen.BatchNorm. No accum_steps: make_train_step closes the
+        # layer's window once per optimizer window, so the model does not need to know K.
+        x = accumjax.AccumBatchNorm(momentum=0.9, name="bn")(x, use_running_average=not train)
         x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
         return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
-def train(accum_steps):
+def train(k):
     """Trains from scratch; returns (test accuracy, running BN stats after the first update)."""
-    model = CNN(accum_steps=accum_steps)
+    model = CNN()
     variables = model.init(jax.random.key(SEED), x_train[:1], train=False)
-    # Stream mode: accumulation lives in the optimizer. accumulate(adam, K) adds up K microbatch
-    # gradients and applies Adam to their mean on every K-th call (K=1: plain Adam).
-    tx = accumjax.accumulate(optax.adam(3e-3), accum_steps) if accum_steps > 1 else optax.adam(3e-3)
+    # accumulate(adam, K) adds up K microbatch gradients and applies Adam to their mean on every
+    # K-th call (K=1: plain Adam). This is the only place K is stated.
+    tx = accumjax.accumulate(optax.adam(3e-3), k)
     state = accumjax.TrainState.create(
         apply_fn=model.apply,
         params=variables["params"],
@@ -90,16 +90,17 @@ def train(accum_steps):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
         return loss, new_model_state
 
-    # One call = one microbatch; parameters change on every accum_steps-th call.
-    step = accumjax.make_train_step(loss_fn, accum_steps=accum_steps, mode="stream")
+    # One call = one microbatch; parameters (and running BN statistics) change on every K-th
+    # call, when the window closes.
+    step = accumjax.make_train_step(loss_fn, mode="stream")
 
     first_stats = None
     data = batches()
-    micro = BATCH // accum_steps
-    for i in tqdm(range(UPDATES), desc=f"accum_steps={accum_steps}", ncols=80):
+    micro = BATCH // k
+    for i in tqdm(range(UPDATES), desc=f"K={k}", ncols=80):
         batch = next(data)
-        for k in range(accum_steps):  # the same 256 images, as accum_steps slices
-            microbatch = jax.tree.map(lambda a, k=k: a[k * micro : (k + 1) * micro], batch)
+        for j in range(k):  # the same 256 images, as k slices
+            microbatch = jax.tree.map(lambda a, j=j: a[j * micro : (j + 1) * micro], batch)
             state, metrics = step(state, microbatch)
         assert bool(metrics["updated"]) and int(state.step) == i + 1
         if i == 0:  # copy now: the step donates (reuses) the input state's buffers
@@ -111,8 +112,8 @@ def train(accum_steps):
     return accuracy, first_stats
 
 
-acc_full, stats_full = train(accum_steps=1)  # batch 256 at once
-acc_accum, stats_accum = train(accum_steps=BATCH // MICRO)  # 8 microbatches of 32
+acc_full, stats_full = train(k=1)  # batch 256 at once
+acc_accum, stats_accum = train(k=BATCH // MICRO)  # 8 microbatches of 32
 
 # The BatchNorm layer's input depends only on the parameters and the data, which are the same
 # for both runs before the first update, so its pooled statistics must match the full batch's

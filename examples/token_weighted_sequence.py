@@ -7,7 +7,11 @@ microbatch's loss is the mean over its own tokens, and averaging those K means
 
 ``accumulate(..., scaling="weighted")`` with ``update(..., weight=n_tokens)`` accumulates
 ``sum_i n_i g_i`` and divides by ``sum_i n_i``: exactly the gradient of the token-mean loss of the
-whole accumulated batch. This script checks that against a float64 full-batch computation.
+whole accumulated batch. This script checks that against a float64 full-batch computation, first
+with the optimizer on its own, then with a train step from
+``make_train_step(loss_fn, weight_fn=...)``, which reads K and the scaling from the state's
+optimizer (``tx=accumulate(inner, K, scaling="weighted")``) and takes each microbatch's weight
+from ``weight_fn(microbatch)``.
 
 Run: python examples/token_weighted_sequence.py
 """
@@ -105,4 +109,30 @@ print(f'max |mean     - full batch| (float64):   {err_mean:.3e}   scaling="mean"
 # "weighted" matches the full batch to float32 round-off; "mean" is off by orders of magnitude.
 assert err_weighted < 1e-5 * scale, "weighted accumulation should match the full-batch gradient"
 assert err_mean > 1000 * err_weighted, "mean scaling should be visibly biased on ragged batches"
+
+
+# --- The same with a train step: K and scaling="weighted" stated once, in the optimizer ----------
+# With optax.sgd(LR) as the inner optimizer, the window's update is -LR times the gradient it saw;
+# a large LR makes the step dwarf the float32 rounding of the parameters it is added to.
+LR = 1000.0
+
+
+def loss_fn(params, batch):
+    return microbatch_loss(params, batch["x"], batch["y"], batch["mask"])
+
+
+state = accumjax.TrainState.create(
+    apply_fn=None,
+    params=jax.tree.map(jnp.copy, params),  # the step donates its input state
+    tx=accumjax.accumulate(optax.sgd(LR), K, scaling="weighted"),
+)
+# weight_fn gives each microbatch's weight: its number of tokens.
+step = accumjax.make_train_step(loss_fn, weight_fn=lambda batch: jnp.sum(batch["mask"]))
+for i in range(K):  # stream mode: one microbatch per call, the update on the K-th
+    state, metrics = step(state, {"x": inputs[i], "y": targets[i], "mask": mask[i]})
+assert bool(metrics["updated"]) and int(state.step) == 1
+step_grads = jax.tree.map(lambda before, after: (before - after) / LR, params, state.params)
+err_step = max_abs_diff(step_grads, reference)
+print(f"max |train step - full batch| (float64):  {err_step:.3e}   make_train_step(weight_fn=...)")
+assert err_step < 1e-5 * scale, "the weighted train step should match the full-batch gradient"
 print("weighted scaling reproduces the full-batch token-mean gradient: True")

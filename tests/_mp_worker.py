@@ -34,7 +34,9 @@ def loss_fn(params, batch):
 def make_tx():
     import optax
 
-    return optax.sgd(0.05, momentum=0.9)
+    import accumjax
+
+    return accumjax.accumulate(optax.sgd(0.05, momentum=0.9), ACCUM_STEPS)
 
 
 def main(process_id: int, port: int, out: str) -> None:
@@ -62,9 +64,7 @@ def main(process_id: int, port: int, out: str) -> None:
         "x": jax.make_array_from_process_local_data(sharding, x[local], x.shape),
         "y": jax.make_array_from_process_local_data(sharding, y[local], y.shape),
     }
-    step = accumjax.make_train_step(
-        loss_fn, accum_steps=ACCUM_STEPS, mode="scan", axis_name="data", mesh=mesh
-    )
+    step = accumjax.make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh)
     losses = []
     for _ in range(NUM_STEPS):
         state, metrics = step(state, batch)

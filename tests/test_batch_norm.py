@@ -6,6 +6,7 @@ per-microbatch variances (the seed library's AccumBatchNormalization) would fail
 """
 
 from functools import partial
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -16,7 +17,13 @@ from flax.core import FrozenDict
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from accumjax.batch_norm import ACCUMULATOR_NAMES, AccumBatchNorm, convert_batch_norm_variables
+from accumjax.batch_norm import (
+    ACCUMULATOR_NAMES,
+    AccumBatchNorm,
+    close_batch_norm_windows,
+    convert_batch_norm_variables,
+)
+from accumjax.distributed import count_collectives
 
 MOMENTUM = 0.9
 # float32 sums over a few hundred elements of O(10) values plus three momentum updates:
@@ -129,7 +136,7 @@ def test_window_stats_equal_batchnorm_on_concatenated_batch(shape):
 def test_accum_steps_one_matches_batchnorm_exactly(fast):
     data = _microbatches(1, 3, (8, 4))
     kwargs = dict(momentum=MOMENTUM, use_fast_variance=fast, scale_init=nn.initializers.normal())
-    accum, flax_bn = AccumBatchNorm(**kwargs), nn.BatchNorm(**kwargs)
+    accum, flax_bn = AccumBatchNorm(accum_steps=1, **kwargs), nn.BatchNorm(**kwargs)
     accum_vars, flax_vars = _init(accum, data[0]), _init(flax_bn, data[0])
     assert set(accum_vars["batch_stats"]) == {"mean", "var", *ACCUMULATOR_NAMES}
     assert jax.tree.map(jnp.shape, accum_vars["params"]) == {"bias": (4,), "scale": (4,)}
@@ -345,7 +352,7 @@ def test_init_and_eval_do_not_update():
 class _SharedLayer(nn.Module):
     """Applies one normalization layer to two inputs in a single forward pass."""
 
-    accum_steps: int
+    accum_steps: int | None
 
     @nn.compact
     def __call__(self, pair, use_running_average=False, mask=None):
@@ -388,19 +395,19 @@ class _Net(nn.Module):
 
 def test_convert_batch_norm_variables_swaps_layers():
     data = _microbatches(11, 5, (8, 3))
-    old_model, new_model = _Net(nn.BatchNorm), _Net(AccumBatchNorm)
+    old_model, new_model = _Net(nn.BatchNorm), _Net(partial(AccumBatchNorm, accum_steps=1))
     old_vars = _init(old_model, data[0])
     _, old_history = _train(old_model, old_vars, data[:2])
     trained = {**old_vars, "batch_stats": old_history[-1]}
     snapshot = jax.tree.map(np.array, trained)
 
-    converted = convert_batch_norm_variables(trained)
+    converted = convert_batch_norm_variables(trained, momentum=None)  # self-closing layout
     jax.tree.map(np.testing.assert_array_equal, trained, snapshot)  # input untouched
     for layer in ("bn1", "bn2"):
         assert set(converted["batch_stats"][layer]) == {"mean", "var", *ACCUMULATOR_NAMES}
     expected_tree = jax.tree.structure(_init(new_model, data[0]))
     assert jax.tree.structure(converted) == expected_tree
-    assert convert_batch_norm_variables(converted) == converted  # idempotent
+    assert convert_batch_norm_variables(converted, momentum=None) == converted  # idempotent
     assert isinstance(convert_batch_norm_variables(FrozenDict(trained)), FrozenDict)
 
     # Identical eval outputs, then identical training with accum_steps=1.
@@ -445,3 +452,285 @@ def test_rejects_bad_inputs():
         bn.init(jax.random.key(0), x, mask=jnp.ones((4, 2), bool))
     with pytest.raises(ValueError, match="out of range"):
         AccumBatchNorm(axis=2, use_running_average=False).init(jax.random.key(0), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step-driven windows (accum_steps=None) closed by close_batch_norm_windows
+# ---------------------------------------------------------------------------------------------
+
+STEP_DRIVEN_NAMES = {"mean", "var", *ACCUMULATOR_NAMES, "momentum"}
+
+
+def test_step_driven_window_equals_batchnorm_on_concatenated_batch():
+    steps, windows, shape = 4, 2, (6, 5, 3)
+    data = _microbatches(20, steps * windows, shape)
+    accum = AccumBatchNorm(momentum=MOMENTUM)  # accum_steps=None: step-driven
+    variables = _init(accum, data[0])
+    stats = variables["batch_stats"]
+    assert set(stats) == STEP_DRIVEN_NAMES
+    assert stats["momentum"].dtype == jnp.float32 and stats["momentum"].shape == ()
+
+    flax_bn = nn.BatchNorm(momentum=MOMENTUM)
+    concatenated = data.reshape(windows, steps * shape[0], *shape[1:])
+    _, flax_history = _train(flax_bn, _init(flax_bn, concatenated[0]), concatenated)
+    close = jax.jit(close_batch_norm_windows)
+    for w in range(windows):
+        micro = data[w * steps : (w + 1) * steps]
+        outputs, history = _train(accum, {**variables, "batch_stats": stats}, micro)
+        pooled = history[-1]
+        # The layer pools but never touches the running statistics.
+        np.testing.assert_array_equal(pooled["mean"], stats["mean"])
+        np.testing.assert_array_equal(pooled["var"], stats["var"])
+        assert int(pooled["acc_step"]) == steps
+        stats = close(pooled, jnp.array(True))
+        # float32 sums as in the self-closing tests, plus the float32 momentum leaf
+        # (1 - momentum differs by ~1e-7 relative): RTOL covers both.
+        for name in ("mean", "var"):
+            _assert_close(stats[name], flax_history[w][name])
+        assert int(stats["acc_step"]) == 0
+        assert not any(np.any(stats[name]) for name in ACCUMULATOR_NAMES[:3])
+        # Training outputs are BatchNorm's on each microbatch (same float32 formulas).
+        if w == 0:
+            flax_vars = {"params": variables["params"], "batch_stats": flax_history[0]}
+            for x, y in zip(micro, outputs, strict=True):
+                expected, _ = flax_bn.apply(
+                    flax_vars, x, use_running_average=False, mutable=["batch_stats"]
+                )
+                # Sums vs means in another order; E[x^2] - E[x]^2 amplifies the rounding
+                # by mean^2 / var (large here): the float32 RTOL covers it.
+                _assert_close(y, expected)
+
+
+def test_step_driven_window_float64_is_tight():
+    steps, shape, momentum = 3, (5, 4, 2), 0.75  # 0.75 is exact in the float32 leaf
+    with jax.enable_x64(True):
+        data = _microbatches(21, steps, shape).astype(np.float64)
+        kwargs = dict(momentum=momentum, param_dtype=jnp.float64, force_float32_reductions=False)
+        accum = AccumBatchNorm(**kwargs)
+        variables = _init(accum, data[0])
+        _, history = _train(accum, variables, data)
+        assert history[-1]["acc_mean"].dtype == jnp.float64
+        stats = close_batch_norm_windows(history[-1], True)
+        assert stats["mean"].dtype == stats["var"].dtype == jnp.float64
+        flax_bn = nn.BatchNorm(**kwargs)
+        whole = data.reshape(1, -1, *shape[1:])
+        _, flax_history = _train(flax_bn, _init(flax_bn, whole[0]), whole)
+        _, ref_mean, ref_var = _np_stats(whole[0])
+        # float64 sums of a few hundred O(10) values: ~1e-15 relative.
+        for ours, flax_value, ref in (
+            (stats["mean"], flax_history[0]["mean"], (1 - momentum) * ref_mean),
+            (stats["var"], flax_history[0]["var"], momentum + (1 - momentum) * ref_var),
+        ):
+            np.testing.assert_allclose(ours, flax_value, rtol=1e-12, atol=1e-13)
+            np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-13)
+
+
+def test_close_with_apply_false_resets_only_the_window():
+    data = _microbatches(22, 2, (6, 3))
+    accum = AccumBatchNorm(momentum=MOMENTUM)
+    variables = _init(accum, data[0])
+    trained = close_batch_norm_windows(_train(accum, variables, data)[1][-1], True)
+    _, history = _train(accum, {**variables, "batch_stats": trained}, data)
+    skipped = close_batch_norm_windows(history[-1], False)
+    assert np.any(history[-1]["acc_count"])
+    for name in ("mean", "var", "momentum"):
+        np.testing.assert_array_equal(skipped[name], trained[name])
+    for name in ACCUMULATOR_NAMES:
+        assert not np.any(skipped[name]) and skipped[name].dtype == trained[name].dtype
+    assert jax.tree.structure(skipped) == jax.tree.structure(trained)
+
+
+def test_close_under_jit_with_traced_apply():
+    data = _microbatches(23, 2, (6, 3))
+    accum = AccumBatchNorm(momentum=MOMENTUM)
+    pooled = {"batch_stats": _train(accum, _init(accum, data[0]), data)[1][-1]}
+    traces = []
+
+    @jax.jit
+    def close(stats, apply):
+        traces.append(apply)
+        return close_batch_norm_windows(stats, apply)
+
+    for apply in (True, False):
+        jitted = close(pooled, jnp.asarray(apply))
+        eager = close_batch_norm_windows(pooled, apply)
+        for name in ("mean", "var"):
+            np.testing.assert_array_max_ulp(
+                jitted["batch_stats"][name], eager["batch_stats"][name], maxulp=2
+            )
+    assert len(traces) == 1  # one trace serves both values of apply
+    with pytest.raises(ValueError, match="scalar"):
+        close_batch_norm_windows(pooled, jnp.ones(2, bool))
+
+
+def test_close_leaves_other_entries_and_self_closing_layers_alone():
+    x = _microbatches(24, 1, (6, 3))[0]
+    step_driven = _train(AccumBatchNorm(), _init(AccumBatchNorm(), x), [x])[1][-1]
+    self_closing = AccumBatchNorm(accum_steps=4)
+    own = _train(self_closing, _init(self_closing, x), [x])[1][-1]
+    tree = FrozenDict({"batch_stats": {"a": step_driven, "b": own}, "other": {"mean": x}})
+    closed = close_batch_norm_windows(tree, True)
+    assert isinstance(closed, FrozenDict)
+    assert closed["batch_stats"]["b"] == own and closed["other"]["mean"] is x
+    assert int(closed["batch_stats"]["a"]["acc_step"]) == 0
+    assert np.any(closed["batch_stats"]["a"]["mean"] != step_driven["mean"])
+
+
+def test_step_driven_shared_layer_needs_no_call_factor():
+    steps, calls, shape = 3, 2, (4, 3)
+    data = _microbatches(25, steps * calls, shape).reshape(steps, calls, *shape)
+    model = _SharedLayer(accum_steps=None)
+    _, history = _train(model, _init(model, data[0]), data)
+    pooled = history[-1]
+    assert int(pooled["AccumBatchNorm_0"]["acc_step"]) == steps * calls
+    stats = close_batch_norm_windows(pooled, True)["AccumBatchNorm_0"]
+    ref_mean, ref_var = _np_running([data.reshape(-1, *shape)])
+    _assert_close(stats["mean"], ref_mean)
+    _assert_close(stats["var"], ref_var)
+
+
+class _TwoNorms(nn.Module):
+    """Two step-driven norms side by side (their inputs do not depend on each other)."""
+
+    @nn.compact
+    def __call__(self, x, use_running_average=False, mask=None):
+        a = AccumBatchNorm(momentum=MOMENTUM)(x, use_running_average)
+        b = AccumBatchNorm(momentum=MOMENTUM)(jnp.abs(x) ** 1.5, use_running_average)
+        return a + b
+
+
+def test_close_pools_across_devices_with_one_all_reduce():
+    devices, steps = 8, 3
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+    data = _microbatches(26, steps, (devices * 2, 3))  # global microbatches (K, B, C)
+    model = _TwoNorms()
+    variables = _init(model, data[0])
+    params = variables["params"]
+
+    def window(stats, xs, axis_name):
+        for x in xs:
+            _, updates = model.apply(
+                {"params": params, "batch_stats": stats}, x, mutable=["batch_stats"]
+            )
+            stats = updates["batch_stats"]
+        return close_batch_norm_windows(stats, True, axis_name=axis_name)
+
+    # Single device: every call sees the whole global microbatch.
+    single = jax.jit(partial(window, axis_name=None))(variables["batch_stats"], data)
+
+    # 8 devices: each normalizes its rows alone; the close pools the windows.
+    sharded = jax.jit(
+        jax.shard_map(
+            partial(window, axis_name="data"),
+            mesh=mesh,
+            in_specs=(P(), P(None, "data")),
+            out_specs=P(),
+        )
+    )
+    compiled = sharded.lower(variables["batch_stats"], data).compile()
+    assert count_collectives(compiled)["all-reduce"] == 1  # both layers, one all-reduce
+    pooled = compiled(variables["batch_stats"], data)
+    for layer in ("AccumBatchNorm_0", "AccumBatchNorm_1"):
+        for name in ("mean", "var"):
+            # Shifted per-device sums vs one-device sums: float32 rounding only.
+            _assert_close(pooled[layer][name], single[layer][name])
+        assert int(pooled[layer]["acc_step"]) == 0
+    _, ref_mean, ref_var = _np_stats(data.reshape(-1, 3))
+    _assert_close(pooled["AccumBatchNorm_0"]["mean"], (1 - MOMENTUM) * ref_mean)
+    _assert_close(pooled["AccumBatchNorm_0"]["var"], MOMENTUM + (1 - MOMENTUM) * ref_var)
+
+
+# ---------------------------------------------------------------------------------------------
+# Converting a model whose norms are created without names (Flax ResNet example style)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    """conv -> norm -> relu -> conv -> norm, plus the shortcut; norms are unnamed."""
+
+    norm: Any
+
+    @nn.compact
+    def __call__(self, x, use_running_average):
+        y = nn.relu(self.norm(use_running_average=use_running_average)(nn.Conv(4, (3, 3))(x)))
+        y = self.norm(use_running_average=use_running_average)(nn.Conv(4, (3, 3))(y))
+        return nn.relu(x + y)
+
+
+class _ResNet(nn.Module):
+    norm: Any
+
+    @nn.compact
+    def __call__(self, x, use_running_average=False, mask=None):
+        x = nn.relu(self.norm(use_running_average=use_running_average)(nn.Conv(4, (3, 3))(x)))
+        for _ in range(2):
+            x = _Block(self.norm)(x, use_running_average)
+        return nn.Dense(2)(x.mean((1, 2)))
+
+
+def test_convert_unnamed_norms_in_resnet_style_model():
+    images = _microbatches(27, 3, (4, 6, 6, 3))
+    old = _ResNet(partial(nn.BatchNorm, momentum=MOMENTUM))
+    new = _ResNet(partial(AccumBatchNorm, momentum=MOMENTUM))
+    variables = old.init(jax.random.key(0), images[0])
+    _, history = _train(old, variables, images)  # non-trivial running statistics
+    trained = {**variables, "batch_stats": history[-1]}
+    assert "BatchNorm_0" in trained["batch_stats"]["_Block_1"]
+
+    converted = convert_batch_norm_variables(trained)
+    new_init = new.init(jax.random.key(0), images[0])
+    assert jax.tree.structure(converted) == jax.tree.structure(new_init)
+    np.testing.assert_array_equal(
+        converted["batch_stats"]["_Block_1"]["AccumBatchNorm_1"]["var"],
+        trained["batch_stats"]["_Block_1"]["BatchNorm_1"]["var"],
+    )
+    x = images[0]
+    np.testing.assert_array_equal(
+        new.apply(converted, x, use_running_average=True),
+        old.apply(trained, x, use_running_average=True),
+    )
+    # The converted variables train (step-driven) and close in a nested tree.
+    _, new_history = _train(new, converted, images[:2])
+    closed = close_batch_norm_windows({"batch_stats": new_history[-1]}, True)
+    assert int(closed["batch_stats"]["_Block_0"]["AccumBatchNorm_0"]["acc_step"]) == 0
+
+
+class _Chain(nn.Module):
+    """Dense -> norm three times, with per-position norm classes and widths."""
+
+    norms: tuple[Any, ...]
+
+    @nn.compact
+    def __call__(self, x, use_running_average=False, mask=None):
+        for width, norm in zip((3, 4, 5), self.norms, strict=True):
+            x = norm(momentum=MOMENTUM, use_running_average=use_running_average)(nn.Dense(width)(x))
+        return x
+
+
+def test_convert_partial_swap_with_target():
+    data = _microbatches(28, 2, (6, 2))
+    old = _Chain((nn.BatchNorm,) * 3)
+    new = _Chain((nn.BatchNorm, AccumBatchNorm, nn.BatchNorm))
+    variables = old.init(jax.random.key(0), data[0])
+    trained = {**variables, "batch_stats": _train(old, variables, data)[1][-1]}
+    target = new.init(jax.random.key(1), data[0])  # eager: keys in creation order
+
+    converted = convert_batch_norm_variables(trained, target=target)
+    assert list(converted["batch_stats"]) == ["BatchNorm_0", "AccumBatchNorm_0", "BatchNorm_1"]
+    assert set(converted["batch_stats"]["BatchNorm_1"]) == {"mean", "var"}
+    np.testing.assert_array_equal(
+        converted["params"]["BatchNorm_1"]["scale"], trained["params"]["BatchNorm_2"]["scale"]
+    )
+    np.testing.assert_array_equal(
+        new.apply(converted, data[0], use_running_average=True),
+        old.apply(trained, data[0], use_running_average=True),
+    )
+    # Without target, a full swap is assumed; the layout then does not fit this model.
+    with pytest.raises(ValueError, match="AccumBatchNorm"):
+        convert_batch_norm_variables(convert_batch_norm_variables(trained, target=target))
+    # Keys sorted by jax.jit(init) map the wrong layers; their shapes give it away.
+    with pytest.raises(ValueError, match="shape"):
+        convert_batch_norm_variables(trained, target=jax.jit(new.init)(jax.random.key(1), data[0]))
+    with pytest.raises(ValueError, match="cannot match"):
+        fewer = _Chain((nn.BatchNorm, AccumBatchNorm, partial(AccumBatchNorm, name="named")))
+        convert_batch_norm_variables(trained, target=fewer.init(jax.random.key(1), data[0]))

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import optax.transforms
 import pytest
+from flax import linen as nn
 
 from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
 
@@ -30,7 +31,7 @@ def ref_unit_norms(x: np.ndarray) -> np.ndarray:
     if np.count_nonzero(np.array(x.shape) != 1) <= 1:  # Scalar / vector: one unit.
         return np.full(x.shape, np.sqrt(np.sum(x * x)))
     out = np.empty_like(x)
-    if x.ndim == 4:  # HWIO: each output channel is the slice x[..., o].
+    if x.ndim in (4, 5):  # HWIO / DHWIO: each output channel is the slice x[..., o].
         for o in range(x.shape[-1]):
             out[..., o] = np.sqrt(np.sum(x[..., o] ** 2))
         return out
@@ -86,6 +87,7 @@ RATIOS = {
     "scale": 0.5,
     "row": 2.0,
     "conv1d": [3.0, 0.5, 2.0, 0.3],
+    "conv3d": [0.4, 2.5, 0.8, 6.0],
 }
 
 
@@ -163,6 +165,7 @@ UNIT_SHAPES = {
     "dense": ((5, 4), (1, 4)),  # Flax Dense (in, out).
     "conv1d": ((3, 5, 4), (1, 5, 4)),  # Rank 3: per axis 0, as optax and the TF library.
     "conv": ((3, 3, 2, 6), (1, 1, 1, 6)),  # HWIO.
+    "conv3d": ((2, 3, 2, 2, 4), (1, 1, 1, 1, 4)),  # DHWIO: per output channel, as optax.
 }
 
 
@@ -189,9 +192,19 @@ def test_unitwise_norm_per_output_unit_and_vs_optax():
             np.testing.assert_array_equal(full, optax_default[k], err_msg=k)
 
 
-def test_unitwise_norm_rejects_rank_5():
-    with pytest.raises(ValueError, match="rank 0 to 4"):
-        unitwise_norm(jnp.ones((2, 2, 2, 2, 2)))
+def test_unitwise_norm_rejects_rank_6():
+    with pytest.raises(ValueError, match="rank 0 to 5"):
+        unitwise_norm(jnp.ones((2, 2, 2, 2, 2, 2)))
+
+
+def test_agc_rank_6_error_names_the_leaf():
+    params = {"ok": jnp.ones((2, 3)), "block": {"kernel6d": jnp.ones((2,) * 6)}}
+    with pytest.raises(ValueError, match=r"rank 0 to 5; leaf \['block'\]\['kernel6d'\]"):
+        adaptive_clip_grad(params, params)
+    # Masked out, the leaf passes through unchanged.
+    mask = {"ok": True, "block": {"kernel6d": False}}
+    out = adaptive_clip_grad(params, params, mask=mask)
+    assert out["block"]["kernel6d"] is params["block"]["kernel6d"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,6 +216,7 @@ def test_agc_matches_optax_exactly_op_by_op():
     # Eager mode compiles every op separately (slow), so this uses a Dense and a conv kernel;
     # every leaf kind is compared under jit below.
     params = make_params(seed=12, only=("dense", "conv"))
+    params["conv3d"] = jnp.asarray(np.random.default_rng(15).normal(size=(2, 3, 2, 2, 4)))
     grads = grads_with_ratios(params, RATIOS, 0.01, 1e-3, seed=13)
     tx = optax.adaptive_grad_clip(clipping=0.01, eps=1e-3)
     # Op by op, both run the same float32 operations on the same values (sum of squares, sqrt,
@@ -217,6 +231,7 @@ def test_agc_matches_optax_exactly_op_by_op():
 def test_agc_matches_float64_reference_and_optax(clip_factor, eps):
     params = make_params(seed=12)
     params["conv1d"] = jnp.asarray(np.random.default_rng(14).normal(size=(3, 5, 4)), jnp.float32)
+    params["conv3d"] = jnp.asarray(np.random.default_rng(15).normal(size=(2, 3, 2, 2, 4)))
     grads = grads_with_ratios(params, RATIOS, clip_factor, eps, seed=13)
     tx = optax.adaptive_grad_clip(clipping=clip_factor, eps=eps)
 
@@ -543,3 +558,93 @@ def test_placement_per_microbatch_differs_from_accumulated():
         for k in params:
             np.testing.assert_array_equal(small[k], loose[k] / K)
         assert any(not np.allclose(loose[k], tight[k], rtol=1e-3) for k in params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv3D (rank-5 kernels) in a real model
+# ---------------------------------------------------------------------------------------------
+
+
+class _Conv3DNet(nn.Module):
+    """Conv3D -> relu -> global mean pool -> Dense: kernels of rank 5 and 2, biases."""
+
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(4, kernel_size=(2, 2, 2), param_dtype=self.param_dtype)(x)
+        x = nn.relu(x).mean(axis=(1, 2, 3))
+        return nn.Dense(3, param_dtype=self.param_dtype)(x)
+
+
+def _conv3d_problem(dtype):
+    rng = np.random.default_rng(31)
+    x = jnp.asarray(rng.normal(size=(8, 4, 5, 3, 2)), dtype)  # (B, D, H, W, C)
+    y = jnp.asarray(rng.normal(size=(8, 3)) * 3.0, dtype)
+    model = _Conv3DNet(param_dtype=dtype)
+    params = model.init(jax.random.key(0), x[:1])["params"]
+
+    def loss(p, xs, ys):
+        return 0.5 * jnp.mean(jnp.sum((model.apply({"params": p}, xs) - ys) ** 2, axis=-1))
+
+    return x, y, params, loss
+
+
+def test_agc_on_conv3d_model_clips_per_output_channel():
+    x, y, params, loss = _conv3d_problem(jnp.float32)
+    kernel = params["Conv_0"]["kernel"]
+    assert kernel.shape == (2, 2, 2, 2, 4)  # DHWIO
+    clip_factor = 1e-3
+
+    @jax.jit
+    def run(p):
+        g = jax.grad(loss)(p, x, y)
+        return g, adaptive_clip_grad(p, g, clip_factor)
+
+    grads, clipped = run(params)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(clipped))
+    norms = unitwise_norm(clipped["Conv_0"]["kernel"])
+    assert norms.shape == (1, 1, 1, 1, 4)
+    g_kernel, p_kernel = np.asarray(grads["Conv_0"]["kernel"]), np.asarray(kernel)
+    threshold = clip_factor * np.maximum(ref_unit_norms(p_kernel)[0, 0, 0, 0], 1e-3)
+    g_norms = ref_unit_norms(g_kernel)[0, 0, 0, 0]
+    assert (g_norms > threshold).any()  # the check below is not vacuous
+    np.testing.assert_allclose(
+        np.asarray(norms).ravel(), np.minimum(g_norms, threshold), rtol=F32_RTOL
+    )
+    np.testing.assert_allclose(
+        clipped["Conv_0"]["kernel"],
+        ref_agc(p_kernel, g_kernel, clip_factor, 1e-3),
+        rtol=F32_RTOL,
+        atol=1e-12,
+    )
+
+
+def test_agc_on_accumulated_gradient_equals_full_batch_float64():
+    with jax.enable_x64(True):
+        x, y, params, loss = _conv3d_problem(jnp.float64)
+        grad_fn = jax.jit(jax.grad(loss))
+        full = grad_fn(params, x, y)
+        # Microbatch gradients of the mean loss, summed and divided by K.
+        micro = [
+            grad_fn(params, xs, ys) for xs, ys in zip(jnp.split(x, K), jnp.split(y, K), strict=True)
+        ]
+        accumulated = jax.tree.map(lambda *g: sum(g) / K, *micro)
+        assert all(leaf.dtype == jnp.float64 for leaf in jax.tree.leaves(accumulated))
+        # float64 sums of the same terms in a different order: ~1e-16 relative.
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=F64_RTOL), accumulated, full
+        )
+
+        kernel = params["Conv_0"]["kernel"]
+        ratios = ref_unit_norms(full["Conv_0"]["kernel"]) / ref_unit_norms(kernel)
+        clip_factor = float(np.sqrt(ratios.min() * ratios.max()))  # clips some units only
+        clip = jax.jit(lambda p, g: adaptive_clip_grad(p, g, clip_factor))
+        on_accumulated, on_full = clip(params, accumulated), clip(params, full)
+        kept = np.asarray(on_full["Conv_0"]["kernel"] == full["Conv_0"]["kernel"]).all((0, 1, 2, 3))
+        assert kept.any() and not kept.all()
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=F64_RTOL, atol=1e-15),
+            on_accumulated,
+            on_full,
+        )

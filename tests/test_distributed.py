@@ -203,8 +203,8 @@ def test_scan_step_all_reduces_once_per_window_vs_naive():
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     params, batch = _problem()
     tx = optax.sgd(0.1, momentum=0.9)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
-    step = accumjax.make_train_step(_loss, accum_steps=K, mode="scan", axis_name="data", mesh=mesh)
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=accumjax.accumulate(tx, K))
+    step = accumjax.make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh)
     lowered = step.lower(state, batch)
     ours = count_collectives(lowered, per_execution=True)
     assert ours == _counts(all_reduce=1)
@@ -231,13 +231,14 @@ class _BNModel(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(4)(x)
-        x = accumjax.AccumBatchNorm(use_running_average=False, accum_steps=K)(x)
+        x = accumjax.AccumBatchNorm(use_running_average=False)(x)  # closed by the step
         return nn.Dense(3)(x)
 
 
-def test_scan_step_with_model_state_and_float16_still_one_all_reduce():
-    # AccumBatchNorm's batch_stats hold an int32 counter: it travels as float32 in the same
-    # group, so the window still has exactly one all-reduce.
+def test_scan_step_with_model_state_and_float16_reduces_once_per_window():
+    # One all-reduce for the gradients, weights and counts; one for the BatchNorm windows'
+    # pooled sums (every layer in one group). float16 adds none: the loss scale follows the
+    # window's reduced count.
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     _, batch = _problem()
     model = _BNModel()
@@ -253,14 +254,14 @@ def test_scan_step_with_model_state_and_float16_still_one_all_reduce():
     state = accumjax.TrainState.create(
         apply_fn=model.apply,
         params=params,
-        tx=optax.adam(1e-3),
+        tx=accumjax.accumulate(optax.adam(1e-3), K),
         model_state=model_state,
         loss_scale=accumjax.dynamic_loss_scale(),
     )
     step = accumjax.make_train_step(
-        loss_fn, accum_steps=K, mode="scan", axis_name="data", mesh=mesh, mixed_precision="float16"
+        loss_fn, mode="scan", axis_name="data", mesh=mesh, mixed_precision="float16"
     )
-    assert count_collectives(step.lower(state, batch), per_execution=True) == _counts(1)
+    assert count_collectives(step.lower(state, batch), per_execution=True) == _counts(2)
 
 
 def test_pmap_scan_step_all_reduces_once_per_window():
@@ -268,9 +269,12 @@ def test_pmap_scan_step_all_reduces_once_per_window():
     assert jax.device_count() >= n
     params, batch = _problem()
     state = replicate(
-        accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1)), n
+        accumjax.TrainState.create(
+            apply_fn=None, params=params, tx=accumjax.accumulate(optax.sgd(0.1), K)
+        ),
+        n,
     )
-    step = accumjax.make_train_step(_loss, accum_steps=K, mode="scan", axis_name="data")
+    step = accumjax.make_train_step(_loss, mode="scan", axis_name="data")
     local = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
     assert count_collectives(step.lower(state, local), per_execution=True) == _counts(1)
 
@@ -283,17 +287,16 @@ def test_stream_step_all_reduces_only_in_the_window_end_branch():
     microbatch = jax.tree.map(lambda x: x[:16], batch)
     tx = accumjax.accumulate(optax.sgd(0.1), K, axis_name="data")
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
-    step = accumjax.make_train_step(_loss, accum_steps=K, axis_name="data", mesh=mesh)
+    step = accumjax.make_train_step(_loss, axis_name="data", mesh=mesh)
     lowered = step.lower(state, microbatch)
     assert count_collectives(lowered) == _counts(all_reduce=1)
     assert count_collectives(lowered, per_execution=True, default_trip_count=1) == _counts(1)
     (line,) = _all_reduce_lines(lowered)
     assert "f32[5,3]" in line and "f32[3]" in line
-    # float16 adds one scalar all-reduce per call: every replica must agree to skip.
-    f16 = accumjax.make_train_step(
-        _loss, accum_steps=K, axis_name="data", mesh=mesh, mixed_precision="float16"
-    )
-    assert count_collectives(f16.lower(state, microbatch)) == _counts(all_reduce=2)
+    # float16 adds none: an overflow is a skipped microbatch, counted in the window's one
+    # reduction, and the loss scale is adjusted once per window from that count.
+    f16 = accumjax.make_train_step(_loss, axis_name="data", mesh=mesh, mixed_precision="float16")
+    assert count_collectives(f16.lower(state, microbatch)) == _counts(all_reduce=1)
 
 
 # ----------------------------------------------------------------------------- multi-process
@@ -342,7 +345,7 @@ def test_two_process_scan_matches_single_process(tmp_path):
     # Reference in this process: the same scan-mode steps on one device, whole batch.
     x, y, params = worker.problem()
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=worker.make_tx())
-    step = accumjax.make_train_step(worker.loss_fn, accum_steps=worker.ACCUM_STEPS, mode="scan")
+    step = accumjax.make_train_step(worker.loss_fn, mode="scan")
     losses = []
     for _ in range(worker.NUM_STEPS):
         state, metrics = step(state, {"x": jnp.asarray(x), "y": jnp.asarray(y)})

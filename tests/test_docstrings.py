@@ -11,8 +11,10 @@ MODULES = [
     "clipping",
     "distributed",
     "loss_scale",
+    "nnx_batch_norm",
     "scaling",
     "train_step",
+    "window",
 ]
 
 

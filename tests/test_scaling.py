@@ -1,22 +1,10 @@
-"""Tests of `accumjax.scaling`: the strategies' denominators and weight validation."""
+"""Tests of `accumjax.scaling`: strategy names and weight validation (denominators: test_window)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from accumjax import scaling
-
-
-@pytest.mark.parametrize(
-    ("name", "expected"), [("mean", 8.0), ("sum", 1.0), ("count", 0.0), ("weighted", 0.0)]
-)
-def test_fixed_denominator(name, expected):
-    assert float(scaling.fixed_denominator(name, jnp.asarray(8))) == expected
-
-
-def test_denominator_falls_back_to_weight_sum():
-    assert float(scaling.denominator(jnp.asarray(0.0), jnp.asarray(5.0))) == 5.0
-    assert float(scaling.denominator(jnp.asarray(4.0), jnp.asarray(5.0))) == 4.0
 
 
 def test_validate_scaling():

@@ -54,9 +54,8 @@ def _windows(x, y):
 
 
 def _microbatches(window):
-    return [
-        jax.tree.map(lambda a, i=i: a[i : i + MICRO], window) for i in range(0, K * MICRO, MICRO)
-    ]
+    """Scan mode's strided microbatches: microbatch i is rows i, i + K, ..."""
+    return [jax.tree.map(lambda a, i=i: a[i::K], window) for i in range(K)]
 
 
 def _full_batch_reference(tx, params, windows, loss=loss_fn):
@@ -95,14 +94,14 @@ def test_stream_scan_and_full_batch_agree(name):
     windows = _windows(x, y)
     ref = _full_batch_reference(TXS[name](), _params(), windows)
 
-    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=TXS[name]())
-    scan = make_train_step(loss_fn, accum_steps=K, mode="scan")
+    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(TXS[name](), K))
+    scan = make_train_step(loss_fn, mode="scan")
     for window in windows:
         scan_state, metrics = scan(scan_state, window)
         assert bool(metrics["updated"])
 
     stream_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(TXS[name](), K))
-    stream = make_train_step(loss_fn, accum_steps=K, mode="stream")
+    stream = make_train_step(loss_fn, mode="stream")
     updated = []
     for window in windows:
         for mb in _microbatches(window):
@@ -128,8 +127,8 @@ def test_scan_sgd_matches_numpy_float64():
         resid = 2.0 * (xw @ w + b - yw) / yw.size  # d mean((xw+b-y)^2) / d pred
         w, b = w - lr * xw.T @ resid, b - lr * resid.sum(0)
 
-    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(lr))
-    step = make_train_step(loss_fn, accum_steps=K, mode="scan")
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(lr), K))
+    step = make_train_step(loss_fn, mode="scan")
     for window in _windows(x, y):
         state, _ = step(state, window)
     # float32 forward/backward vs exact float64 arithmetic on O(1) data: ~1e-6 relative.
@@ -142,7 +141,8 @@ def test_scan_unroll_and_single_microbatch_match_full_batch(accum_steps, unroll)
     x, y = _data()
     windows = _windows(x, y)
     ref = _full_batch_reference(optax.adam(0.05), _params(), windows)
-    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.adam(0.05))
+    tx = accumulate(optax.adam(0.05), accum_steps)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
     step = make_train_step(loss_fn, accum_steps=accum_steps, mode="scan", unroll=unroll)
     for window in windows:
         state, metrics = step(state, window)
@@ -190,14 +190,16 @@ def test_weighted_scan_and_stream_match_full_batch_masked_mean():
     tx = lambda: optax.sgd(0.1, momentum=0.9)
     ref = _full_batch_reference(tx(), _params(), windows, loss=_masked_loss)
 
-    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=tx())
-    scan = make_train_step(_masked_loss, accum_steps=K, mode="scan", weight_fn=_count_valid)
+    scan_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(tx(), K, scaling="weighted")
+    )
+    scan = make_train_step(_masked_loss, mode="scan", weight_fn=_count_valid)
     stream_state = TrainState.create(
         apply_fn=None, params=_params(), tx=accumulate(tx(), K, scaling="weighted")
     )
-    stream = make_train_step(_masked_loss, accum_steps=K, weight_fn=_count_valid)
-    unweighted_state = TrainState.create(apply_fn=None, params=_params(), tx=tx())
-    unweighted = make_train_step(_masked_loss, accum_steps=K, mode="scan")
+    stream = make_train_step(_masked_loss, weight_fn=_count_valid)
+    unweighted_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(tx(), K))
+    unweighted = make_train_step(_masked_loss, mode="scan")
     for window in windows:
         scan_state, metrics = scan(scan_state, window)
         unweighted_state, _ = unweighted(unweighted_state, window)
@@ -219,12 +221,12 @@ def test_has_aux_scan_stacks_microbatch_aux_and_stream_returns_it():
 
     x, y = _data()
     window = _windows(x, y)[0]
-    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
-    scan_state, metrics = make_train_step(aux_loss, accum_steps=K, mode="scan", has_aux=True)(
-        scan_state, window
+    scan_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K)
     )
+    scan_state, metrics = make_train_step(aux_loss, mode="scan", has_aux=True)(scan_state, window)
     assert metrics["aux"]["first_y"].shape == (K,)
-    np.testing.assert_array_equal(metrics["aux"]["first_y"], y[0 : K * MICRO : MICRO, 0])
+    np.testing.assert_array_equal(metrics["aux"]["first_y"], y[0:K, 0])  # strided
     micro_losses = [float(loss_fn(_params(), mb)) for mb in _microbatches(window)]
     np.testing.assert_allclose(metrics["aux"]["loss"], micro_losses, rtol=1e-6)
     # metrics["loss"] is the mean of the microbatch losses, i.e. the full-batch loss.
@@ -233,7 +235,7 @@ def test_has_aux_scan_stacks_microbatch_aux_and_stream_returns_it():
     stream_state = TrainState.create(
         apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K)
     )
-    step = make_train_step(aux_loss, accum_steps=K, has_aux=True)
+    step = make_train_step(aux_loss, has_aux=True)
     _, metrics = step(stream_state, _microbatches(window)[0])
     assert float(metrics["aux"]["first_y"]) == y[0, 0]
 
@@ -277,8 +279,7 @@ def _bn_reference(bn_loss, tx, params, model_state, windows, devices=1):
             ms = model_state
             local = jax.tree.map(lambda a, lo=d * rows, n=rows: a[lo : lo + n], window)
             for i in range(K):
-                size = rows // K
-                mb = jax.tree.map(lambda a, lo=i * size, n=size: a[lo : lo + n], local)
+                mb = jax.tree.map(lambda a, i=i: a[i::K], local)  # strided, as scan mode
                 g, ms = grad_fn(params, ms, mb)
                 grads.append(g)
             states.append(ms)
@@ -295,16 +296,19 @@ def test_model_state_threaded_through_scan_and_stream():
     ref_params, ref_state = _bn_reference(bn_loss, tx(), params, model_state, windows)
 
     scan_state = TrainState.create(
-        apply_fn=None, params=_fresh(params), tx=tx(), model_state=_fresh(model_state)
+        apply_fn=None,
+        params=_fresh(params),
+        tx=accumulate(tx(), K),
+        model_state=_fresh(model_state),
     )
-    scan = make_train_step(bn_loss, accum_steps=K, mode="scan")
+    scan = make_train_step(bn_loss, mode="scan")
     stream_state = TrainState.create(
         apply_fn=None,
         params=_fresh(params),
         tx=accumulate(tx(), K),
         model_state=_fresh(model_state),
     )
-    stream = make_train_step(bn_loss, accum_steps=K)
+    stream = make_train_step(bn_loss)
     for window in windows:
         scan_state, _ = scan(scan_state, window)
         for mb in _microbatches(window):
@@ -332,10 +336,10 @@ def test_scan_agc_clips_the_accumulated_gradient_once():
     grads = jax.grad(loss_fn)(params, window)
     clipped = accumjax.adaptive_clip_grad(params, grads, clip_factor, 1e-3)
     ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, clipped)
-    state = TrainState.create(apply_fn=None, params=_fresh(params), tx=optax.sgd(0.1))
-    step = make_train_step(
-        loss_fn, accum_steps=K, mode="scan", use_agc=True, clip_factor=clip_factor
+    state = TrainState.create(
+        apply_fn=None, params=_fresh(params), tx=accumulate(optax.sgd(0.1), K)
     )
+    step = make_train_step(loss_fn, mode="scan", use_agc=True, clip_factor=clip_factor)
     state, _ = step(state, window)
     _assert_tree_close(state.params, ref, F32)
     # Clipping is active here: the unclipped step lands elsewhere.
@@ -355,12 +359,14 @@ def test_bfloat16_computes_in_bf16_with_float32_master_state():
 
     x, y = _data()
     window = _windows(x, y)[0]
-    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.adam(0.05))
-    step = make_train_step(recording_loss, accum_steps=K, mode="scan", mixed_precision="bfloat16")
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.05), K))
+    step = make_train_step(recording_loss, mode="scan", mixed_precision="bfloat16")
     new, metrics = step(state, window)
     assert seen and set(seen) == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16))}
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(new.params))
-    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(new.opt_state[0].mu))
+    assert all(
+        leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(new.opt_state.inner_tx_state[0].mu)
+    )
     assert metrics["loss"].dtype == jnp.float32
 
     grads32 = jax.grad(loss_fn)(_params(), window)
@@ -390,17 +396,16 @@ def test_float16_scan_skips_overflowed_window_and_lowers_scale():
     state = TrainState.create(
         apply_fn=None,
         params=_params(),
-        tx=optax.adam(0.05),
+        tx=accumulate(optax.adam(0.05), K, on_nonfinite="skip_window"),
         loss_scale=accumjax.dynamic_loss_scale(initial=2.0**10, period=2),
     )
-    step = make_train_step(
-        loss_fn, accum_steps=K, mode="scan", mixed_precision="float16", donate=False
-    )
+    step = make_train_step(loss_fn, mode="scan", mixed_precision="float16", donate=False)
     bad = _huge(windows[0], rows=slice(K * MICRO - 1, K * MICRO))  # last microbatch only
     after, metrics = step(state, bad)
     assert not bool(metrics["grads_finite"]) and not bool(metrics["updated"])
     _assert_tree_equal(after.params, state.params)
-    _assert_tree_equal(after.opt_state, state.opt_state)
+    _assert_tree_equal(after.opt_state.inner_tx_state, state.opt_state.inner_tx_state)
+    assert int(after.opt_state.skipped_windows) == 1 and int(after.opt_state.nonfinite_count) == 1
     assert int(after.step) == 0
     assert float(after.loss_scale.loss_scale) == 2.0**9 and float(metrics["loss_scale"]) == 2.0**9
 
@@ -422,9 +427,12 @@ def test_float16_loss_scaling_rescues_underflowing_gradients():
 
     def run(loss_scale):
         state = TrainState.create(
-            apply_fn=None, params=_params(), tx=optax.sgd(1e8), loss_scale=loss_scale
+            apply_fn=None,
+            params=_params(),
+            tx=accumulate(optax.sgd(1e8), K),
+            loss_scale=loss_scale,
         )
-        step = make_train_step(tiny_loss, accum_steps=K, mode="scan", mixed_precision="float16")
+        step = make_train_step(tiny_loss, mode="scan", mixed_precision="float16")
         return step(state, window)[0]
 
     ref = _full_batch_reference(optax.sgd(1e8), _params(), [window], loss=tiny_loss)
@@ -440,29 +448,41 @@ def test_float16_stream_skips_overflowed_microbatch_bit_for_bit():
     x, y = _data()
     window = _windows(x, y)[0]
     micro = _microbatches(window)
-    # No loss scale given: float16 mode creates the default one.
+    # No loss scale given: float16 mode creates the default one (2**15).
     state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.05), K))
     assert state.loss_scale is None
-    step = make_train_step(loss_fn, accum_steps=K, mixed_precision="float16", donate=False)
+    step = make_train_step(loss_fn, mixed_precision="float16", donate=False)
+    _, metrics = step(state, micro[0])
+    assert float(metrics["loss_scale"]) == 2.0**15
+    # 2**15 is borderline for these O(1) gradients (65504 is float16's largest value).
+    state = state.replace(loss_scale=accumjax.dynamic_loss_scale(initial=2.0**12))
     state, metrics = step(state, micro[0])
-    assert isinstance(state.loss_scale, accumjax.DynamicLossScale)
-    assert float(metrics["loss_scale"]) == 2.0**15 and not bool(metrics["updated"])
+    assert not bool(metrics["updated"]) and bool(metrics["grads_finite"])
 
     after, metrics = step(state, _huge(micro[1]))
     assert not bool(metrics["grads_finite"])
+    # The overflowed microbatch is a non-finite microbatch: skipped and counted, the window
+    # goes on; nothing else changed bit for bit, and the scale waits for the window's end.
     _assert_tree_equal(after.params, state.params)
-    _assert_tree_equal(after.opt_state, state.opt_state)  # micro_step did not advance
-    assert float(after.loss_scale.loss_scale) == 2.0**14
+    _assert_tree_equal(after.opt_state.inner_tx_state, state.opt_state.inner_tx_state)
+    _assert_tree_equal(after.opt_state.window.grad_sum, state.opt_state.window.grad_sum)
+    assert int(after.opt_state.window.micro_step) == 2
+    assert float(after.loss_scale.loss_scale) == 2.0**12
 
-    for mb in micro[1:]:
+    for mb in micro[2:]:
         after, metrics = step(after, mb)
     assert bool(metrics["updated"]) and int(after.step) == 1
+    assert float(after.loss_scale.loss_scale) == 2.0**11  # lowered once, at the window's end
+    assert int(after.opt_state.nonfinite_count) == 1
     scan_state = TrainState.create(
-        apply_fn=None, params=_params(), tx=optax.adam(0.05), loss_scale=after.loss_scale
+        apply_fn=None,
+        params=_params(),
+        tx=accumulate(optax.adam(0.05), K),
+        loss_scale=accumjax.dynamic_loss_scale(initial=2.0**12),
     )
-    scan = make_train_step(loss_fn, accum_steps=K, mode="scan", mixed_precision="float16")
-    scan_state, _ = scan(scan_state, window)
-    # Same float16 microbatch gradients as the scan step, skipped microbatch excluded.
+    scan = make_train_step(loss_fn, mode="scan", mixed_precision="float16")
+    scan_state, _ = scan(scan_state, _huge(window, rows=slice(1, 2)))  # row 1: microbatch 1
+    # Same float16 microbatch gradients and the same skipped microbatch in both modes.
     _assert_tree_close(after.params, scan_state.params, SAME_SUM)
 
 
@@ -483,10 +503,12 @@ def test_data_parallel_scan_mesh_and_pmap_match_full_batch():
     tx = lambda: optax.sgd(0.05, momentum=0.9)  # not Adam: blind to a wrong gradient scale
     ref = _full_batch_reference(tx(), _params(), windows)
 
-    mesh_state = TrainState.create(apply_fn=None, params=_params(), tx=tx())
-    mesh_step = make_train_step(loss_fn, accum_steps=K, mode="scan", axis_name="data", mesh=_mesh())
-    pmap_state = replicate(TrainState.create(apply_fn=None, params=_params(), tx=tx()), N_DEV)
-    pmap_step = make_train_step(loss_fn, accum_steps=K, mode="scan", axis_name="data")
+    mesh_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(tx(), K))
+    mesh_step = make_train_step(loss_fn, mode="scan", axis_name="data", mesh=_mesh())
+    pmap_state = replicate(
+        TrainState.create(apply_fn=None, params=_params(), tx=accumulate(tx(), K)), N_DEV
+    )
+    pmap_step = make_train_step(loss_fn, mode="scan", axis_name="data")
     for window in windows:
         mesh_state, mesh_metrics = mesh_step(mesh_state, window)
         pmap_state, pmap_metrics = pmap_step(pmap_state, _per_device(window))
@@ -494,8 +516,8 @@ def test_data_parallel_scan_mesh_and_pmap_match_full_batch():
     _assert_tree_close(mesh_state.params, ref, F32)
     _assert_tree_close(unreplicate(pmap_state.params), ref, F32)
     _assert_tree_equal(pmap_state.params["w"][0], pmap_state.params["w"][-1])
-    assert mesh_metrics["loss"].shape == () and pmap_metrics["loss"].shape == (N_DEV,)
-    np.testing.assert_allclose(mesh_metrics["loss"], pmap_metrics["loss"][0], rtol=1e-6)
+    assert mesh_metrics["loss"].shape == pmap_metrics["loss"].shape == (N_DEV,)  # per device
+    np.testing.assert_allclose(mesh_metrics["loss"], pmap_metrics["loss"], rtol=1e-6)
 
 
 def _dp_windows(rows=2):
@@ -507,12 +529,11 @@ def _dp_windows(rows=2):
 
 def _stream_dp_microbatches(window):
     """The K stream-mode calls of a window, each as (global batch, per-device batch):
-    call i gives device d the i-th quarter of device d's rows in scan mode."""
+    call i gives device d the rows of device d's scan-mode microbatch i (strided)."""
     per_dev = _per_device(window)
-    size = per_dev["x"].shape[1] // K
     calls = []
     for i in range(K):
-        local = jax.tree.map(lambda a, lo=i * size: a[:, lo : lo + size], per_dev)
+        local = jax.tree.map(lambda a, i=i: a[:, i::K], per_dev)
         calls.append((jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), local), local))
     return calls
 
@@ -523,9 +544,9 @@ def test_data_parallel_stream_mesh_and_pmap_match_full_batch():
     ref = _full_batch_reference(tx(), _params(), windows)
     inner = lambda: accumulate(tx(), K, axis_name="data")
     mesh_state = TrainState.create(apply_fn=None, params=_params(), tx=inner())
-    mesh_step = make_train_step(loss_fn, accum_steps=K, axis_name="data", mesh=_mesh())
+    mesh_step = make_train_step(loss_fn, axis_name="data", mesh=_mesh())
     pmap_state = replicate(TrainState.create(apply_fn=None, params=_params(), tx=inner()), N_DEV)
-    pmap_step = make_train_step(loss_fn, accum_steps=K, axis_name="data")
+    pmap_step = make_train_step(loss_fn, axis_name="data")
     for window in windows:
         for global_batch, local in _stream_dp_microbatches(window):
             mesh_state, mesh_metrics = mesh_step(mesh_state, global_batch)
@@ -543,16 +564,19 @@ def test_data_parallel_model_state_scan_and_stream_match_reference():
     tx = lambda: optax.sgd(0.1, momentum=0.9)
     ref_params, ref_state = _bn_reference(bn_loss, tx(), params, model_state, windows, N_DEV)
     scan_state = TrainState.create(
-        apply_fn=None, params=_fresh(params), tx=tx(), model_state=_fresh(model_state)
+        apply_fn=None,
+        params=_fresh(params),
+        tx=accumulate(tx(), K),
+        model_state=_fresh(model_state),
     )
-    scan = make_train_step(bn_loss, accum_steps=K, mode="scan", axis_name="data", mesh=_mesh())
+    scan = make_train_step(bn_loss, mode="scan", axis_name="data", mesh=_mesh())
     stream_state = TrainState.create(
         apply_fn=None,
         params=_fresh(params),
         tx=accumulate(tx(), K, axis_name="data"),
         model_state=_fresh(model_state),
     )
-    stream = make_train_step(bn_loss, accum_steps=K, axis_name="data", mesh=_mesh())
+    stream = make_train_step(bn_loss, axis_name="data", mesh=_mesh())
     for window in windows:
         scan_state, _ = scan(scan_state, window)
         for global_batch, _ in _stream_dp_microbatches(window):
@@ -577,10 +601,15 @@ def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
     mesh = _mesh()
     window = _dp_windows()[0]
     last_row = slice(len(window["x"]) - 1, None)  # lands on the last device only
-    state = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
+    tx = accumulate(optax.sgd(0.1), K, on_nonfinite="skip_window")
+    state = TrainState.create(
+        apply_fn=None,
+        params=_params(),
+        tx=tx,
+        loss_scale=accumjax.dynamic_loss_scale(initial=2.0**8),  # clean data stays finite
+    )
     scan = make_train_step(
         loss_fn,
-        accum_steps=K,
         mode="scan",
         axis_name="data",
         mesh=mesh,
@@ -588,9 +617,9 @@ def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
         donate=False,
     )
     after, metrics = scan(state, _huge(window, last_row))
-    assert not bool(metrics["grads_finite"])
+    assert metrics["grads_finite"].tolist() == [True] * (N_DEV - 1) + [False]  # per device
     _assert_every_replica_equal(after.params, state.params)
-    _assert_every_replica_equal(after.loss_scale.loss_scale, jnp.float32(2.0**14))
+    _assert_every_replica_equal(after.loss_scale.loss_scale, jnp.float32(2.0**7))
 
     stream_state = TrainState.create(
         apply_fn=None,
@@ -599,18 +628,22 @@ def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
         loss_scale=accumjax.dynamic_loss_scale(initial=2.0**8),  # clean data stays finite
     )
     stream = make_train_step(
-        loss_fn, accum_steps=K, axis_name="data", mesh=mesh, mixed_precision="float16", donate=False
+        loss_fn, axis_name="data", mesh=mesh, mixed_precision="float16", donate=False
     )
-    microbatch = _stream_dp_microbatches(window)[0][0]
-    last_row = slice(len(microbatch["x"]) - 1, None)
-    after, metrics = stream(stream_state, _huge(microbatch, last_row))
-    assert not bool(metrics["grads_finite"])
-    # No replica advanced its window or touched its accumulator (each device's own copy).
-    _assert_every_replica_equal(after.opt_state, stream_state.opt_state)
+    calls = [batch for batch, _ in _stream_dp_microbatches(window)]
+    last_row = slice(len(calls[0]["x"]) - 1, None)
+    after, metrics = stream(stream_state, _huge(calls[0], last_row))
+    assert metrics["grads_finite"].tolist() == [True] * (N_DEV - 1) + [False]
+    _assert_every_replica_equal(after.params, stream_state.params)
+    for batch in calls[1:]:
+        after, metrics = stream(after, batch)
+    assert bool(metrics["updated"])
+    # One window-end reduction: every replica counts the one overflow, lowers the scale once
+    # and applies the same update (the other devices' first microbatch included).
+    _assert_every_replica_equal(after.opt_state.nonfinite_count, jnp.int32(1))
     _assert_every_replica_equal(after.loss_scale.loss_scale, jnp.float32(2.0**7))
-    after, metrics = stream(after, microbatch)
-    assert bool(metrics["grads_finite"])
-    _assert_every_replica_equal(after.opt_state.micro_step, jnp.int32(1))
+    reference = jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), after.params)
+    _assert_every_replica_equal(after.params, reference)
 
 
 # ----------------------------------------------------------------------------- errors & misc
@@ -625,7 +658,10 @@ def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
         ({"mode": "loop"}, ValueError, "mode"),
         ({"mixed_precision": "fp8"}, ValueError, "mixed_precision"),
         ({"mixed_precision": "float32"}, ValueError, "mixed_precision"),
-        ({"use_agc": True}, ValueError, "adaptive_clip"),
+        ({"use_agc": True, "clip_factor": 0}, ValueError, "clip_factor"),
+        ({"use_agc": True, "agc_eps": "1"}, TypeError, "agc_eps"),
+        ({"agc_mask": {}}, ValueError, "agc_mask"),
+        ({"accum_steps": 2**31}, ValueError, "accum_steps"),
         ({"mesh": "mesh", "axis_name": "data"}, TypeError, "Mesh"),
         ({"weight_fn": 3}, TypeError, "weight_fn"),
         ({"unroll": 0}, ValueError, "unroll"),
@@ -649,17 +685,40 @@ def test_trace_time_errors():
     window = _windows(x, y)[0]
     plain = TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
     wrapped = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
-    with pytest.raises(TypeError, match=r"accumjax.accumulate\(inner_tx, 4\)"):
+    with pytest.raises(ValueError, match=r"accum_steps=4.*K is 1"):
         make_train_step(loss_fn, accum_steps=K)(plain, window)
-    with pytest.raises(TypeError, match="plain inner optimizer"):
-        make_train_step(loss_fn, accum_steps=K, mode="scan")(wrapped, window)
-    with pytest.raises(ValueError, match="not divisible by accum_steps=3"):
-        make_train_step(loss_fn, accum_steps=3, mode="scan")(plain, window)
+    with pytest.raises(ValueError, match=r"accum_steps=2.*K is 4"):
+        make_train_step(loss_fn, accum_steps=2, mode="scan")(wrapped, window)
+    three = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), 3))
+    with pytest.raises(ValueError, match="not divisible by K=3"):
+        make_train_step(loss_fn, mode="scan")(three, window)
+    schedule = accumulate(optax.sgd(0.1), lambda n: jnp.int32(2))
+    scheduled = TrainState.create(apply_fn=None, params=_params(), tx=schedule)
+    with pytest.raises(TypeError, match="schedule"):
+        make_train_step(loss_fn, mode="scan")(scheduled, window)
+    other = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K, axis_name="model")
+    )
+    with pytest.raises(ValueError, match="axis_name"):
+        make_train_step(loss_fn)(other, window)
     flax_state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"accumjax\.TrainState"):
         make_train_step(loss_fn)(flax_state, window)
-    with pytest.raises(TypeError, match="scaling='weighted'"):
-        make_train_step(loss_fn, weight_fn=lambda b: 1.0)(plain, window)
+    with pytest.raises(ValueError, match="scaling='weighted'"):
+        make_train_step(loss_fn, weight_fn=lambda b: 1.0)(wrapped, window)
+
+
+def test_resuming_under_another_k_or_scaling_is_refused():
+    x, y = _data()
+    window = _windows(x, y)[0]
+    saved = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    for tx, match in (
+        (accumulate(optax.sgd(0.1), 2), "every_k=4"),
+        (accumulate(optax.sgd(0.1), K, scaling="sum"), "scaling='mean'"),
+    ):
+        resumed = saved.replace(tx=tx)
+        with pytest.raises(ValueError, match=match):
+            make_train_step(loss_fn, mode="scan")(resumed, window)
 
 
 def test_has_aux_mismatch_errors():
@@ -693,9 +752,9 @@ def test_donation_and_create_validation():
     x, y = _data()
     window = _windows(x, y)[0]
     state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.1), K))
-    make_train_step(loss_fn, accum_steps=K, donate=False)(state, window)
+    make_train_step(loss_fn, donate=False)(state, window)
     assert not state.params["w"].is_deleted()
-    make_train_step(loss_fn, accum_steps=K)(state, window)
+    make_train_step(loss_fn)(state, window)
     assert state.params["w"].is_deleted()  # donated to the output
     with pytest.raises(TypeError, match="DynamicLossScale"):
         TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1), loss_scale=2.0)

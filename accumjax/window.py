@@ -1,0 +1,372 @@
+"""The accumulation window: the one core behind every entry point of accumjax.
+
+A *window* collects the gradients of K microbatches and closes into one gradient. The
+optax wrapper `accumjax.accumulate`, both modes of `accumjax.make_train_step` and the
+BatchNorm window follow the same four steps, defined once here:
+
+1. ``init_window``: an empty accumulator created like the parameters (``zeros_like``, so a
+   sharded parameter gets an accumulator with the same sharding).
+2. ``add_microbatch`` (or ``first_microbatch``, where the first gradient becomes the
+   accumulator instead of being added to zeros): inspect the microbatch (weight, norm,
+   non-finite values, the user's ``skip_fn``) and add ``w_i * c_i * g_i`` when it is usable.
+3. ``close_window``: at most one cross-device reduction (a grouped ``psum``), then the
+   decision: a window is *usable* when its weight sum is > 0, its scaled sum is finite and
+   the policy allows it.
+4. the caller applies the update (and closes model-state windows) only when usable.
+
+The shape follows optax's microbatching accumulators (init / add / finalize) and jmp's loss
+scales: the policy is a static value, never a chain of ``None`` checks in the callers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from accumjax import scaling as scaling_lib
+
+__all__ = [
+    "ON_NONFINITE",
+    "Closed",
+    "Microbatch",
+    "Policy",
+    "Window",
+    "add_microbatch",
+    "close_window",
+    "first_microbatch",
+    "global_norm",
+    "init_window",
+    "run_once",
+    "saturating_add",
+]
+
+OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
+ON_NONFINITE: tuple[str, ...] = ("skip_microbatch", "skip_window", "propagate")
+SkipFn = Callable[[Any, Any], Any]
+
+
+class Policy(NamedTuple):
+    """How a window treats its microbatches (static: part of the program, not of the state).
+
+    Attributes:
+      scaling: ``"mean"``, ``"sum"``, ``"count"`` or ``"weighted"`` (see `accumjax.scaling`).
+      max_norm: clip each microbatch gradient's global norm to this before adding, or None.
+      on_nonfinite: ``"skip_microbatch"``, ``"skip_window"`` or ``"propagate"``.
+      skip_fn: ``skip_fn(grads, params) -> bool``: the user's reason to skip a microbatch.
+      accumulator_dtype: minimum accumulator precision (``None``: the parameters' dtypes).
+    """
+
+    scaling: scaling_lib.Scaling = "mean"
+    max_norm: float | None = None
+    on_nonfinite: OnNonfinite = "skip_microbatch"
+    skip_fn: SkipFn | None = None
+    accumulator_dtype: Any = jnp.float32
+
+    @property
+    def detects(self) -> bool:
+        """Whether non-finite microbatches and sums are looked for."""
+        return self.on_nonfinite != "propagate"
+
+
+class Window(NamedTuple):
+    """The open window: a pytree of arrays.
+
+    Attributes:
+      grad_sum: ``sum_i w_i * c_i * g_i`` over the added microbatches (``c_i`` the clip
+        factor), in the accumulator dtype, shaped and sharded like the parameters.
+      weight_sum: sum of the added microbatches' weights (their count unless weighted),
+        float32.
+      micro_step: microbatches seen in this window, skipped ones included, int32.
+      window_nonfinite: microbatches with a NaN/Inf gradient or an invalid weight, int32.
+      window_skipped: microbatches not added, whatever the reason, int32.
+    """
+
+    grad_sum: Any
+    weight_sum: jax.Array
+    micro_step: jax.Array
+    window_nonfinite: jax.Array
+    window_skipped: jax.Array
+
+
+class Microbatch(NamedTuple):
+    """What ``add_microbatch`` learned about one microbatch (scalars).
+
+    Attributes:
+      added: whether its gradient went into the window; model state follows this.
+      nonfinite: whether its gradient (or weight) was not finite.
+    """
+
+    added: jax.Array
+    nonfinite: jax.Array
+
+
+class Closed(NamedTuple):
+    """A closed window (after the cross-device reduction).
+
+    Attributes:
+      grads: the scaled window gradient, in the accumulator dtype.
+      apply: whether the window is usable (its update may be applied).
+      nonfinite_count: the window's non-finite microbatches, summed over devices.
+      skipped_count: the window's skipped microbatches, summed over devices.
+      norm: the global norm of ``grads`` (float32).
+    """
+
+    grads: Any
+    apply: jax.Array
+    nonfinite_count: jax.Array
+    skipped_count: jax.Array
+    norm: jax.Array
+
+
+def _accumulator_dtype(dtype: Any, minimum: Any) -> Any:
+    return dtype if minimum is None else jnp.promote_types(dtype, minimum)
+
+
+def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
+    """An empty window whose accumulator is created like ``params`` (same sharding).
+
+    Args:
+      params: the parameters (arrays or shape/dtype structures).
+      accumulator_dtype: minimum precision; a leaf accumulates in
+        ``promote_types(leaf dtype, accumulator_dtype)``, ``None`` keeps the leaf's dtype.
+
+    Returns:
+      A `Window` with a zero ``grad_sum`` and zero counters.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import window
+      >>> w = window.init_window({"w": jnp.zeros(2, jnp.bfloat16)})
+      >>> w.grad_sum["w"].dtype, int(w.micro_step)
+      (dtype('float32'), 0)
+    """
+    grad_sum = jax.tree.map(
+        lambda p: jnp.zeros_like(p, dtype=_accumulator_dtype(p.dtype, accumulator_dtype)), params
+    )
+    return empty_like(Window(grad_sum, *(jnp.zeros(()),) * 4))
+
+
+def empty_like(window: Window) -> Window:
+    """``window`` emptied: zero sum (same dtypes and shardings) and counters."""
+    return Window(
+        grad_sum=jax.tree.map(jnp.zeros_like, window.grad_sum),
+        weight_sum=jnp.zeros((), jnp.float32),
+        micro_step=jnp.zeros((), jnp.int32),
+        window_nonfinite=jnp.zeros((), jnp.int32),
+        window_skipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """Global L2 norm of a pytree, summed in float32 or wider whatever the leaf dtype."""
+    squares = [
+        jnp.sum(jnp.square(jnp.abs(x).astype(jnp.promote_types(jnp.abs(x).dtype, jnp.float32))))
+        for x in jax.tree.leaves(tree)
+    ]
+    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))).astype(jnp.float32)
+
+
+def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
+    """``counter + amount`` for non-negative int32 values, held at the int32 maximum."""
+    top = jnp.iinfo(jnp.int32).max
+    amount = jnp.asarray(amount, jnp.int32)
+    return jnp.where(counter > top - amount, top, counter + amount).astype(jnp.int32)
+
+
+def _inspect(
+    policy: Policy, grads: Any, weight: Any, params: Any
+) -> tuple[jax.Array | None, jax.Array, jax.Array, jax.Array]:
+    """``(factor, weight, added, nonfinite)`` of one microbatch; ``factor`` None means 1."""
+    w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
+    factor = w if policy.scaling == "weighted" else None
+    needs_norm = policy.detects or policy.max_norm is not None
+    norm = global_norm(grads) if needs_norm else None
+    finite = w_ok if norm is None or not policy.detects else w_ok & jnp.isfinite(norm)
+    added = finite
+    if policy.skip_fn is not None:
+        added = added & ~jnp.asarray(policy.skip_fn(grads, params), bool)
+    if policy.max_norm is not None and norm is not None:
+        tiny = jnp.finfo(jnp.float32).tiny
+        clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
+        factor = clip if factor is None else factor * clip
+    return factor, jnp.where(added, w, 0.0), added, ~finite
+
+
+def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
+    return saturating_add(window_count, flag.astype(jnp.int32))
+
+
+def add_microbatch(
+    policy: Policy, window: Window, grads: Any, weight: Any = None, params: Any = None
+) -> tuple[Window, Microbatch]:
+    """Adds one microbatch gradient to the window when it is usable.
+
+    Args:
+      policy: the window's `Policy`.
+      window: the open `Window`.
+      grads: the microbatch gradient, structured like the accumulator.
+      weight: the microbatch weight (``scaling="weighted"`` only).
+      params: the parameters, passed to ``policy.skip_fn``.
+
+    Returns:
+      ``(window, microbatch)``: the new window and what was decided about the microbatch.
+    """
+    factor, w, added, nonfinite = _inspect(policy, grads, weight, params)
+    select = policy.detects or policy.skip_fn is not None or policy.scaling == "weighted"
+
+    def add(a: jax.Array, g: jax.Array) -> jax.Array:
+        g = g.astype(a.dtype)
+        new = a + (g if factor is None else factor.astype(a.dtype) * g)
+        return jnp.where(added, new, a) if select else new
+
+    window = Window(
+        grad_sum=jax.tree.map(add, window.grad_sum, grads),
+        weight_sum=window.weight_sum + w,
+        micro_step=_count(window.micro_step, jnp.ones((), bool)),
+        window_nonfinite=_count(window.window_nonfinite, nonfinite),
+        window_skipped=_count(window.window_skipped, ~added),
+    )
+    return window, Microbatch(added, nonfinite)
+
+
+def first_microbatch(
+    policy: Policy, like: Window, grads: Any, weight: Any = None, params: Any = None
+) -> tuple[Window, Microbatch]:
+    """Opens a window with its first microbatch: the gradient becomes the accumulator.
+
+    Equal to ``add_microbatch(policy, empty_like(like), ...)`` without the zeros: XLA can
+    reuse the gradient's buffer, so a two-microbatch window holds no extra accumulator.
+
+    Args:
+      policy: the window's `Policy`.
+      like: a window whose accumulator dtypes the new one takes (its values are not read).
+      grads: the first microbatch's gradient.
+      weight: its weight (``scaling="weighted"`` only).
+      params: the parameters, passed to ``policy.skip_fn``.
+
+    Returns:
+      ``(window, microbatch)`` as `add_microbatch`.
+    """
+    factor, w, added, nonfinite = _inspect(policy, grads, weight, params)
+
+    def start(a: jax.Array, g: jax.Array) -> jax.Array:
+        g = g.astype(a.dtype)
+        g = g if factor is None else factor.astype(a.dtype) * g
+        return jnp.where(added, g, jnp.zeros_like(g))
+
+    empty = empty_like(like)
+    window = empty._replace(
+        grad_sum=jax.tree.map(start, like.grad_sum, grads),
+        weight_sum=w,
+        micro_step=jnp.ones((), jnp.int32),
+        window_nonfinite=nonfinite.astype(jnp.int32),
+        window_skipped=(~added).astype(jnp.int32),
+    )
+    return window, Microbatch(added, nonfinite)
+
+
+def _denominator(policy: Policy, every_k: jax.Array, weight_sum: jax.Array, devices: int) -> Any:
+    if policy.scaling == "mean":
+        return jnp.asarray(every_k, jnp.float32) * devices
+    if policy.scaling == "sum":
+        return jnp.ones((), jnp.float32)
+    return weight_sum
+
+
+def _psum_window(
+    grad_sum: Any, weight_sum: jax.Array, counts: tuple[jax.Array, jax.Array], axis_name: str
+) -> tuple[Any, jax.Array, tuple[jax.Array, jax.Array]]:
+    """One all-reduce: the scalars travel in the accumulator's dtype when it is float32 or
+    float64 (counts stay exact below 2**24), else in float32 beside it."""
+    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(grad_sum)}
+    dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
+        dtype = jnp.dtype(jnp.float32)
+    scalars = jnp.stack([weight_sum, *counts]).astype(dtype)
+    grad_sum, scalars = jax.lax.psum((grad_sum, scalars), axis_name)
+    scalars = scalars.astype(jnp.float32)
+    return grad_sum, scalars[0], (scalars[1].astype(jnp.int32), scalars[2].astype(jnp.int32))
+
+
+def close_window(
+    policy: Policy, window: Window, every_k: Any, axis_name: str | None = None
+) -> Closed:
+    """Reduces the window once across devices, scales it and decides whether it is usable.
+
+    Args:
+      policy: the window's `Policy`.
+      window: the window to close.
+      every_k: K of this window (``"mean"`` divides by K times the number of devices).
+      axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
+        one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
+
+    Returns:
+      A `Closed`: ``apply`` is True when the weight sum is > 0, the scaled sum is finite
+      (when the policy detects non-finite values) and no microbatch was non-finite under
+      ``"skip_window"``.
+    """
+    grad_sum, weight_sum = window.grad_sum, window.weight_sum
+    counts = (window.window_nonfinite, window.window_skipped)
+    devices = 1
+    if axis_name is not None:
+        grad_sum, weight_sum, counts = _psum_window(grad_sum, weight_sum, counts, axis_name)
+        devices = jax.lax.axis_size(axis_name)
+    denom = _denominator(policy, every_k, weight_sum, devices)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    grads = jax.tree.map(lambda a: a / safe.astype(a.dtype), grad_sum)
+    norm = global_norm(grads)
+    apply = weight_sum > 0
+    if policy.detects:
+        apply = apply & jnp.isfinite(norm)
+    if policy.on_nonfinite == "skip_window":
+        apply = apply & (counts[0] == 0)
+    return Closed(grads, apply, counts[0], counts[1], norm)
+
+
+def run_once(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
+    """``fn(operand)`` if ``pred`` else ``operand``, updating ``operand`` in place.
+
+    A ``lax.while_loop`` that runs at most once: unlike ``lax.cond``, XLA updates a loop's
+    carry in place, so a large operand (an optimizer state) is not copied when ``pred`` is
+    False. Under differentiation the same computation runs as a ``lax.cond`` (loops are not
+    reverse-differentiable), so ``jax.grad`` works through it.
+
+    Args:
+      pred: a boolean scalar.
+      fn: a function from ``operand`` to a pytree of the same structure and types. It must
+        not close over traced values that are differentiated (pass them in ``operand``).
+      operand: the pytree.
+
+    Returns:
+      ``fn(operand)`` or ``operand``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import window
+      >>> int(window.run_once(jnp.array(True), lambda x: x + 1, jnp.array(1)))
+      2
+    """
+    converted, consts = jax.closure_convert(fn, operand)  # closed-over tracers become inputs
+    return _run_once(converted, pred, operand, tuple(consts))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _run_once(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
+    def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+        return jnp.zeros((), bool), fn(carry[1], *consts)
+
+    return jax.lax.while_loop(lambda carry: carry[0], body, (pred, operand))[1]
+
+
+@_run_once.defjvp
+def _run_once_jvp(fn: Callable[..., Any], primals: Any, tangents: Any) -> Any:
+    pred, operand, consts = primals
+
+    def branch(op: Any, cs: tuple) -> Any:
+        return jax.lax.cond(pred, lambda o: fn(o, *cs), lambda o: o, op)
+
+    return jax.jvp(branch, (operand, consts), (tangents[1], tangents[2]))

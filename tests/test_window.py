@@ -1,0 +1,295 @@
+"""The one accumulation window: the same policies in every mode, and nothing is ever poisoned.
+
+References: the state before the window (bit for bit), a float64 full-batch computation, and
+optax.MultiSteps for differentiation through the optimizer.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import accumjax
+from accumjax import TrainState, accumulate, make_train_step, window
+
+K = 4
+ROWS = 8  # per microbatch
+
+
+def _data(seed=0, rows=K * ROWS):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 5)).astype(np.float32)
+    y = rng.normal(size=(rows, 3)).astype(np.float32)
+    return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(6, use_bias=False)(x)
+        x = accumjax.AccumBatchNorm(use_running_average=False, momentum=0.8)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+def _setup(tx, dtype=jnp.float32):
+    model = _Net()
+    variables = model.init(jax.random.key(0), jnp.ones((2, 5)))
+    params = jax.tree.map(lambda p: p.astype(dtype), variables["params"])
+
+    def loss_fn(params, model_state, batch):
+        pred, new = model.apply(
+            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2), new
+
+    state = TrainState.create(
+        apply_fn=None,
+        params=params,
+        tx=tx,
+        model_state={"batch_stats": variables["batch_stats"]},
+        loss_scale=accumjax.dynamic_loss_scale(initial=2.0**8),
+    )
+    return loss_fn, state
+
+
+def _nan_rows(batch, rows):
+    x = np.array(batch["x"])
+    x[rows] = np.nan
+    return {**batch, "x": jnp.asarray(x)}
+
+
+def _equal(a, b):
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
+
+
+PRECISIONS = [None, "bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("policy", ["skip_microbatch", "skip_window"])
+def test_stream_nan_microbatch_changes_nothing_and_is_counted(policy, precision):
+    loss_fn, state = _setup(accumulate(optax.adam(1e-2), K, on_nonfinite=policy))
+    step = make_train_step(loss_fn, mixed_precision=precision, donate=False)
+    batch = _data()
+    micro = [jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)]
+    state, _ = step(state, micro[0])
+    before = state
+    after, metrics = step(state, _nan_rows(micro[1], slice(0, 1)))
+    # Bit for bit: params, the optimizer's inner state and window sum, the model state.
+    _equal(after.params, before.params)
+    _equal(after.opt_state.inner_tx_state, before.opt_state.inner_tx_state)
+    _equal(after.opt_state.window.grad_sum, before.opt_state.window.grad_sum)
+    _equal(after.model_state, before.model_state)
+    assert int(after.opt_state.window.window_nonfinite) == 1
+    for mb in micro[2:]:
+        after, metrics = step(after, mb)
+    s = accumjax.stats(after.opt_state)
+    assert int(s.num_nonfinite) == 1 and int(s.skipped_microbatches) == 1
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after.params))
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after.model_state))
+    if policy == "skip_window":  # nothing applied: as before the window
+        assert not bool(metrics["updated"]) and int(after.step) == 0
+        assert int(s.skipped_windows) == 1
+        _equal(after.params, before.params)
+        _equal(after.opt_state.inner_tx_state, before.opt_state.inner_tx_state)
+        stats = after.model_state["batch_stats"]["AccumBatchNorm_0"]
+        _equal(stats["mean"], before.model_state["batch_stats"]["AccumBatchNorm_0"]["mean"])
+        assert float(jnp.sum(stats["acc_count"])) == 0.0  # window reset
+    else:
+        assert bool(metrics["updated"]) and int(after.step) == 1
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("policy", ["skip_microbatch", "skip_window"])
+def test_scan_nan_microbatch(policy, precision):
+    loss_fn, state = _setup(accumulate(optax.adam(1e-2), K, on_nonfinite=policy, scaling="count"))
+    step = make_train_step(loss_fn, mode="scan", mixed_precision=precision, donate=False)
+    batch = _data()
+    after, metrics = step(state, _nan_rows(batch, slice(1, 2)))  # row 1: microbatch 1
+    s = accumjax.stats(after.opt_state)
+    assert int(s.num_nonfinite) == 1 and int(s.skipped_microbatches) == 1
+    for tree in (after.params, after.model_state, after.opt_state):
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+    if policy == "skip_window":
+        assert not bool(metrics["updated"]) and int(after.step) == 0
+        _equal(after.params, state.params)
+        _equal(after.opt_state.inner_tx_state, state.opt_state.inner_tx_state)
+        _equal(after.model_state, state.model_state)
+        return
+    # The NaN microbatch is simply absent: equal to a stream window over the other three
+    # microbatches with "count" scaling (same float32 gradients, same order of addition).
+    assert bool(metrics["updated"])
+    stream_loss, stream_state = _setup(accumulate(optax.adam(1e-2), K - 1, scaling="count"))
+    stream = make_train_step(stream_loss, mixed_precision=precision)
+    for i in (0, 2, 3):
+        stream_state, _ = stream(stream_state, jax.tree.map(lambda a, i=i: a[i::K], batch))
+    tol = {"rtol": 1e-6, "atol": 1e-6} if precision is None else {"rtol": 1e-2, "atol": 1e-3}
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), b, **tol),
+        after.params,
+        stream_state.params,
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), b, **tol),
+        after.model_state,
+        stream_state.model_state,
+    )
+
+
+def test_overflowing_sum_of_finite_microbatches_skips_the_window():
+    big = jnp.asarray([60000.0], jnp.float16)  # finite; two of them overflow float16
+    tx = accumulate(optax.sgd(1.0), 2, scaling="sum", accumulator_dtype=None)
+    params = {"a": jnp.zeros(1, jnp.float16)}
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update({"a": big}, state, params)
+    assert not bool(accumjax.has_updated(state)) and int(state.skipped_windows) == 1
+    assert int(state.nonfinite_count) == 0  # no microbatch was bad; the sum was
+    assert float(optax.apply_updates(params, updates)["a"][0]) == 0.0
+
+
+def _loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+def test_scan_zero_weights_never_apply_and_negative_weights_are_skipped():
+    params = {"w": jnp.ones((5, 3))}
+    batch = _data()
+    tx = accumulate(optax.sgd(0.1), K, scaling="weighted")
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = make_train_step(_loss, mode="scan", weight_fn=lambda b: 0.0, donate=False)
+    after, metrics = step(state, batch)  # a fully padded batch
+    assert not bool(metrics["updated"])
+    _equal(after.params, params)
+    assert int(after.opt_state.skipped_windows) == 1
+    weights = iter([1.0, -1.0, 1.0, 1.0])
+    w = jnp.asarray([next(weights) for _ in range(K)])
+    batch = {**batch, "w": jnp.tile(w, ROWS)}  # strided: microbatch i has weight w[i]
+    step = make_train_step(_loss, mode="scan", weight_fn=lambda b: b["w"][0], donate=False)
+    after, metrics = step(state, batch)
+    assert bool(metrics["updated"]) and int(after.opt_state.nonfinite_count) == 1
+
+
+def test_float64_stays_float64_end_to_end():
+    with jax.enable_x64(True):
+        batch = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), _data())
+        params = {"w": jnp.ones((5, 3), jnp.float64)}
+        grad = jax.grad(_loss)(params, batch)
+        ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, grad)
+        for mode in ("scan", "stream"):
+            tx = accumulate(optax.sgd(0.1), K)
+            state = TrainState.create(apply_fn=None, params=params, tx=tx)
+            step = make_train_step(_loss, mode=mode, donate=False)
+            calls = [batch] if mode == "scan" else [
+                jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)
+            ]  # fmt: skip
+            for b in calls:
+                state, _ = step(state, b)
+            assert state.params["w"].dtype == jnp.float64
+            assert state.opt_state.window.grad_sum["w"].dtype == jnp.float64
+            # float64 sums in another order: 1e-15 relative, far below float32's 1e-7.
+            np.testing.assert_allclose(state.params["w"], ref["w"], rtol=1e-13, atol=1e-14)
+
+
+def test_complex_parameters_stay_complex():
+    params = {"z": jnp.ones(3, jnp.complex64)}
+    tx = accumulate(optax.sgd(0.1), 2)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    loss = lambda p, b: jnp.sum(jnp.abs(p["z"] - b) ** 2)
+    step = make_train_step(loss, donate=False)
+    for _ in range(2):
+        state, metrics = step(state, jnp.full(3, 1j, jnp.complex64))
+    assert state.params["z"].dtype == jnp.complex64 and bool(metrics["updated"])
+    assert float(jnp.abs(jnp.imag(state.params["z"][0]))) > 0.0
+
+
+def test_step_counts_updates_whichever_way_the_state_advances():
+    tx = accumulate(optax.sgd(0.1), K)
+    state = TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=tx)
+    for _ in range(2 * K + 1):
+        state = state.apply_gradients(grads={"w": jnp.ones(2)})
+    assert int(state.step) == 2
+
+
+def test_field_names_do_not_collide_with_optax_wrappers():
+    inner = optax.chain(
+        optax.apply_if_finite(optax.inject_hyperparams(optax.adam)(1e-3), 3),
+        optax.masked(optax.sgd(0.1), {"w": True}),
+    )
+    state = accumulate(inner, K).init({"w": jnp.zeros(2)})
+    for name in accumjax.AccumulationState._fields + window.Window._fields:
+        optax.tree_utils.tree_get(state, name)  # raises on 0 or 2+ matches
+
+
+def test_grad_through_update_matches_multisteps():
+    params = {"w": jnp.ones(3)}
+
+    def meta(lr, make):
+        tx = make(lr)
+        state = tx.init(params)
+        p = params
+        for i in range(2):
+            updates, state = tx.update({"w": (i + 1.0) * p["w"]}, state, p)
+            p = optax.apply_updates(p, updates)
+        return jnp.sum(p["w"] ** 2)
+
+    ours = jax.grad(meta)(0.1, lambda lr: accumulate(optax.sgd(lr), 2))
+    theirs = jax.grad(meta)(0.1, lambda lr: optax.MultiSteps(optax.sgd(lr), 2))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    assert abs(float(ours)) > 0.1
+
+
+def test_skip_fn_skips_and_counts():
+    tx = accumulate(optax.sgd(1.0), 2, skip_fn=lambda g, p: optax.tree.norm(g) > 10.0)
+    params = {"a": jnp.zeros(2)}
+    state = tx.init(params)
+    _, state = tx.update({"a": jnp.array([100.0, 0.0])}, state, params)
+    updates, state = tx.update({"a": jnp.array([2.0, 2.0])}, state, params)
+    np.testing.assert_allclose(updates["a"], [-1.0, -1.0])  # mean over K = 2: only one added
+    assert int(state.skipped_microbatches) == 1 and int(state.nonfinite_count) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_norm": "1"}, TypeError, "max_norm"),
+        ({"max_norm": True}, TypeError, "max_norm"),
+        ({"max_norm": float("nan")}, ValueError, "max_norm"),
+        ({"skip_fn": 3}, TypeError, "skip_fn"),
+    ],
+)
+def test_bad_policy_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        accumulate(optax.sgd(1.0), 2, **kwargs)
+
+
+def test_plain_optax_state_is_refused_by_update():
+    tx = accumulate(optax.sgd(1.0), 2)
+    with pytest.raises(TypeError, match="AccumulationState"):
+        tx.update({"a": jnp.ones(1)}, optax.sgd(1.0).init({"a": jnp.ones(1)}))
+
+
+def test_counters_saturate():
+    top = jnp.iinfo(jnp.int32).max
+    assert int(window.saturating_add(jnp.int32(top - 1), jnp.int32(5))) == top
+    assert int(window.saturating_add(jnp.int32(3), jnp.int32(4))) == 7
+
+
+def test_shard_map_nan_on_one_device_keeps_replicas_identical():
+    assert jax.device_count() >= 8
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    params = {"w": jnp.ones((5, 3))}
+    batch = _data(rows=8 * K * 2)
+    tx = accumulate(optax.adam(0.1), K, scaling="count")
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh, donate=False)
+    after, metrics = step(state, _nan_rows(batch, slice(len(batch["x"]) - 1, None)))
+    assert bool(metrics["updated"])
+    s = after.opt_state
+    for leaf in (after.params["w"], s.nonfinite_count, s.skipped_microbatches):
+        shards = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+        assert len(shards) == 8 and all(np.array_equal(shards[0], x) for x in shards)
+    assert int(s.nonfinite_count) == 1 and bool(jnp.all(jnp.isfinite(after.params["w"])))
