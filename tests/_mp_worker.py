@@ -68,7 +68,8 @@ def main(process_id: int, port: int, out: str) -> None:
     losses = []
     for _ in range(NUM_STEPS):
         state, metrics = step(state, batch)
-        losses.append(float(np.asarray(metrics["loss"].addressable_shards[0].data)))
+        shards = metrics["loss"].addressable_shards  # one loss per device
+        losses.append(float(np.mean([np.asarray(shard.data) for shard in shards])))
 
     def local_copy(a):
         return np.asarray(a.addressable_shards[0].data)

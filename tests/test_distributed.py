@@ -236,9 +236,9 @@ class _BNModel(nn.Module):
 
 
 def test_scan_step_with_model_state_and_float16_reduces_once_per_window():
-    # One all-reduce for the gradients, weights and counts; one for the BatchNorm windows'
-    # pooled sums (every layer in one group). float16 adds none: the loss scale follows the
-    # window's reduced count.
+    # The gradients, weights and counts go in one psum and the BatchNorm windows' pooled sums
+    # (every layer) in another; XLA combines the two into one all-reduce. float16 adds none:
+    # the loss scale follows the window's reduced count.
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     _, batch = _problem()
     model = _BNModel()
@@ -261,7 +261,7 @@ def test_scan_step_with_model_state_and_float16_reduces_once_per_window():
     step = accumjax.make_train_step(
         loss_fn, mode="scan", axis_name="data", mesh=mesh, mixed_precision="float16"
     )
-    assert count_collectives(step.lower(state, batch), per_execution=True) == _counts(2)
+    assert count_collectives(step.lower(state, batch), per_execution=True) == _counts(1)
 
 
 def test_pmap_scan_step_all_reduces_once_per_window():
@@ -359,4 +359,6 @@ def test_two_process_scan_matches_single_process(tmp_path):
         # a few ulps after 3 momentum steps.
         np.testing.assert_allclose(results[0][key], state.params[key], rtol=1e-5, atol=1e-6)
     assert int(results[0]["step"]) == worker.NUM_STEPS
-    np.testing.assert_allclose(results[0]["loss"], losses, rtol=1e-5)
+    # Each process reports the mean of its devices' losses (equal rows per device).
+    mean_loss = (results[0]["loss"] + results[1]["loss"]) / 2
+    np.testing.assert_allclose(mean_loss, losses, rtol=1e-5)
