@@ -34,6 +34,12 @@ from accumjax.loss_scale import (
     unscale_grads,
 )
 from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
+from accumjax.planner import (
+    MicrobatchPlan,
+    compiled_memory_bytes,
+    plan_microbatches,
+    plan_microbatches_for,
+)
 from accumjax.train_step import TrainState, make_train_step
 
 __version__ = "0.1.0"
@@ -43,6 +49,7 @@ __all__ = [
     "AccumulationState",
     "AccumulationStats",
     "DynamicLossScale",
+    "MicrobatchPlan",
     "NNXAccumBatchNorm",
     "TrainState",
     "accumulate",
@@ -52,6 +59,7 @@ __all__ = [
     "adjust_loss_scale",
     "all_finite",
     "close_batch_norm_windows",
+    "compiled_memory_bytes",
     "compute_norm",
     "convert_batch_norm_variables",
     "count_collectives",
@@ -59,6 +67,8 @@ __all__ = [
     "dynamic_loss_scale",
     "has_updated",
     "make_train_step",
+    "plan_microbatches",
+    "plan_microbatches_for",
     "replicate",
     "reset",
     "scale_loss",

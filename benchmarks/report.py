@@ -1,4 +1,4 @@
-"""Prints the README's benchmark table from ``benchmarks/results/results.json``."""
+"""Prints the README's benchmark tables from ``benchmarks/results/results.json``."""
 
 from __future__ import annotations
 
@@ -67,4 +67,10 @@ def table(r: dict) -> str:
 
 if __name__ == "__main__":
     results = json.loads((Path(__file__).parent / "results" / "results.json").read_text())
-    print(table(results))
+    if all(k in results for k in ("accumulate", "scan", "collectives", "accuracy")):
+        print(table(results))
+    if "transformer" in results:
+        from benchmarks.bench_transformer import table as transformer_table
+
+        print()
+        print(transformer_table(results["transformer"]))

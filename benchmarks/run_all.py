@@ -1,12 +1,16 @@
 """Runs every benchmark and writes ``benchmarks/results/results.json`` and PNG plots.
 
-    python -m benchmarks.run_all                       # from the repository root
-    python -m benchmarks.run_all --quick --only accuracy collectives   # a smoke run
+    python -m benchmarks.run_all                          # from the repository root
+    python -m benchmarks.run_all --quick                  # fewer timing rounds
+    python -m benchmarks.run_all --only transformer       # one benchmark, merged into results.json
+    python -m benchmarks.run_all --device gpu --size large
+
+``--device auto`` (the default) uses a GPU when JAX sees one; on a GPU the transformer
+benchmark also records the device's memory statistics (``memory_stats()``) and the absolute
+step times are those of the GPU. ``--device cpu`` forces the CPU backend.
 
 Timings are ratios measured side by side in one run (this machine is noisy); memory and
-collective counts come from XLA and are deterministic. ``--quick`` (one call per case, one
-round) and ``--only`` print the results and write nothing, so the published figures stay those
-of a full run.
+collective counts come from XLA and are deterministic.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
+import jax
 import matplotlib.pyplot as plt
 
-from benchmarks import bench_accumulate, bench_accuracy, bench_scan, common
+from benchmarks import bench_accumulate, bench_accuracy, bench_scan, bench_transformer, common
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -36,7 +41,11 @@ def _collectives() -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_collectives"],
         cwd=root,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        env={
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+            "JAX_PLATFORMS": "cpu",  # 8 host devices, also on a GPU machine
+        },
         capture_output=True,
         text=True,
         timeout=600,
@@ -117,53 +126,107 @@ def plot(results: dict[str, Any]) -> list[Path]:
     return paths
 
 
-BENCHMARKS = ("accumulate", "scan", "accuracy", "collectives")
-
-
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.run_all",
-        description="Run the accumjax benchmarks (a full run writes benchmarks/results/).",
+def plot_transformer(result: dict[str, Any]) -> Path:
+    """Temp memory vs K (one line per variant, plus the floor) and time vs optax.microbatch."""
+    ks = result["K"]
+    timed = "time_vs_optax_microbatch" in result
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(14 if timed else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    for name, values in result["temp_mib"].items():
+        ax.plot(ks, values, marker="o", label=name, lw=2.5 if name == "accumjax_scan" else 1.2)
+    ax.plot(ks, result["floor_mib"], "k--", label="floor (acc + grad + activations)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    m = result["model"]
+    ax.set(
+        title=f"Transformer LM ({m['params'] / 1e6:.1f}M params, batch {m['batch']}x{m['seq']}): "
+        "XLA temp memory",
+        xlabel="K (microbatches per update)",
+        ylabel="MiB",
     )
+    ax.legend(fontsize=8)
+    if timed:
+        ax = axes[0][1]
+        for name, values in result["time_vs_optax_microbatch"].items():
+            ax.plot(ks, values, marker="o", label=name, lw=2.5 if name == "accumjax_scan" else 1.2)
+        ax.axhline(1.0, color="gray", ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set(title="Time per update / optax.microbatch", xlabel="K", ylabel="ratio")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / "transformer_memory.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _select_device(device: str) -> None:
+    """Picks the backend before JAX initialises one."""
+    if device == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    elif device == "gpu" and jax.default_backend() != "gpu":
+        raise SystemExit(f"--device gpu, but JAX's default backend is {jax.default_backend()}.")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Runs the accumjax benchmarks.")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="one timed call per case and one round: checks that everything runs; the "
-        "timings are meaningless and nothing is written",
+        help="one timed call and round for accumulate/scan, fewer transformer rounds "
+        "(a smoke run: its timings are not to be published)",
+    )
+    parser.add_argument(
+        "--size", choices=sorted(bench_transformer.SIZES), default=None, help="transformer size"
     )
     parser.add_argument(
         "--only",
-        nargs="+",
-        choices=BENCHMARKS,
-        metavar="NAME",
-        help=f"run only these benchmarks ({', '.join(BENCHMARKS)}); nothing is written",
+        choices=["all", "accumulate", "scan", "accuracy", "collectives", "transformer"],
+        default="all",
+        help="run one benchmark and merge it into an existing results.json",
     )
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parse(argv)
-    names = args.only or BENCHMARKS
+    args = _args(argv)
+    _select_device(args.device)
+    RESULTS.mkdir(exist_ok=True)
+    gpu = jax.default_backend() == "gpu"
+    size = args.size or ("large" if gpu and not args.quick else "small")
     timing = {"calls": 1, "rounds": 1} if args.quick else {}
-    runners = {
+    runs = {
         "accumulate": lambda: bench_accumulate.run(**timing),
         "scan": lambda: bench_scan.run(**timing),
         "accuracy": bench_accuracy.run,
         "collectives": _collectives,
+        "transformer": lambda: bench_transformer.run(size, rounds=2 if args.quick else 3),
     }
+    path = RESULTS / "results.json"
+    results: dict[str, Any] = {}
+    if args.only != "all" and path.exists():
+        results = json.loads(path.read_text())
     start = time.time()
-    results: dict[str, Any] = {"machine": common.machine()}
-    for name in names:
-        results[name] = runners[name]()
-    results["seconds"] = time.time() - start
-    if args.quick or args.only:
-        print(json.dumps(results, indent=2))
-        return
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    paths = plot(results)
-    print(json.dumps({k: v for k, v in results.items() if k != "accuracy"}, indent=2))
-    print("wrote", RESULTS / "results.json", *paths)
+    machine = {**common.machine(), "gpu": gpu}
+    for name, fn in runs.items():
+        if args.only in ("all", name):
+            results[name] = fn()
+    if args.only == "all":
+        results["machine"] = machine
+    else:  # merged into results from another run: keep that run's machine at the top
+        results[args.only]["machine"] = machine
+    results["seconds" if args.only == "all" else f"seconds_{args.only}"] = time.time() - start
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    paths = []
+    if all(k in results for k in ("accumulate", "scan", "accuracy")):
+        paths += plot(results)
+    if "transformer" in results:
+        paths.append(plot_transformer(results["transformer"]))
+        print(bench_transformer.table(results["transformer"]))
+    skip = ("accuracy", "transformer")
+    print(json.dumps({k: v for k, v in results.items() if k not in skip}, indent=2))
+    print("wrote", path, *paths)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ MODULES = [
     "distributed",
     "loss_scale",
     "nnx_batch_norm",
+    "planner",
     "scaling",
     "train_step",
     "window",

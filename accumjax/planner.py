@@ -1,0 +1,304 @@
+"""A microbatch planner: the smallest K whose compiled step fits a memory budget.
+
+Gradient accumulation trades time for memory: K microbatches of ``B / K`` rows need less
+memory than one batch of ``B`` rows, at the cost of K sequential passes. The right K is the
+smallest one whose step fits in the device's memory. :func:`plan_microbatches` finds it
+without running anything: it lowers and compiles the scan-mode step for each candidate K
+(abstract ``jax.ShapeDtypeStruct`` arguments from ``jax.eval_shape``; nothing is executed
+and nothing is allocated) and reads XLA's compile-time memory analysis.
+
+The predicted footprint of a compiled step (:func:`compiled_memory_bytes`) is::
+
+    argument + output - alias + temp + generated_code     (device-side figures)
+
+* ``argument``: the input buffers (state and batch); ``output``: the results (new state,
+  metrics); ``alias``: outputs that reuse donated input buffers (``donate=True``, the
+  default of :func:`accumjax.make_train_step`), counted once; ``temp``: XLA's scratch
+  buffers (activations, gradients, the accumulator, the optimizer's temporaries);
+  ``generated_code``: the executable, where the backend reports it.
+
+Caveats: XLA's figure is the compiler's buffer assignment, not an allocator trace: the
+runtime adds fragmentation and allocator overhead (keep a few percent of headroom, e.g.
+``memory_budget=int(0.9 * limit)``); other live arrays in the process (a second copy of
+the state, prefetched batches) are not part of the step and must be subtracted from the
+budget by the caller; without donation (``donate=False``) ``alias`` is 0 and the input
+and output states are both counted, as they are both alive; host-side figures
+(``host_*`` fields, e.g. host-offloaded buffers) are not counted, since the budget is a
+device budget.
+
+:func:`plan_microbatches_for` is the generic core: it takes any ``compile_for_k``
+callable, so it also plans custom steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from accumjax.accumulation import accumulate, config_of, with_every_k
+from accumjax.train_step import make_train_step
+
+__all__ = [
+    "MicrobatchPlan",
+    "compiled_memory_bytes",
+    "plan_microbatches",
+    "plan_microbatches_for",
+]
+
+CompileForK = Callable[[int], jax.stages.Compiled]
+
+
+class MicrobatchPlan(NamedTuple):
+    """The result of a plan.
+
+    Attributes:
+      accum_steps: the chosen K (the smallest candidate whose step fits).
+      microbatch_size: rows per microbatch, ``batch_size // accum_steps`` (``None`` when
+        :func:`plan_microbatches_for` was not given ``batch_size``).
+      predicted_bytes: :func:`compiled_memory_bytes` of the chosen step.
+      budget_bytes: the budget it was planned against.
+      tried: ``(k, predicted_bytes)`` for every candidate compiled, in increasing K.
+    """
+
+    accum_steps: int
+    microbatch_size: int | None
+    predicted_bytes: int
+    budget_bytes: int
+    tried: tuple[tuple[int, int], ...]
+
+
+def compiled_memory_bytes(compiled: jax.stages.Compiled) -> int:
+    """Device bytes a compiled computation needs, from XLA's compile-time memory analysis.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(*args).compile()``).
+
+    Returns:
+      ``argument + output - alias + temp + generated_code`` bytes (see the module docstring).
+
+    Raises:
+      ValueError: if the backend reports no memory analysis.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, accumjax.planner as planner
+      >>> x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+      >>> compiled = jax.jit(lambda a: a + 1).lower(x).compile()
+      >>> planner.compiled_memory_bytes(compiled) >= 2 * 256 * 256 * 4  # input + output
+      True
+    """
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise ValueError(
+            "this backend reports no compile-time memory analysis "
+            "(compiled.memory_analysis() is None); the planner cannot predict memory here."
+        )
+    total = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+    return int(total + getattr(stats, "generated_code_size_in_bytes", 0))
+
+
+def _check_budget(budget_bytes: Any, name: str) -> int:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise TypeError(f"{name} must be an int number of bytes, got {budget_bytes!r}.")
+    if budget_bytes <= 0:
+        raise ValueError(f"{name} must be > 0 bytes, got {budget_bytes}.")
+    return budget_bytes
+
+
+def _check_candidates(candidates: Any) -> tuple[int, ...]:
+    if isinstance(candidates, str | bytes) or not isinstance(candidates, Sequence):
+        raise TypeError(f"candidates must be a sequence of ints >= 1, got {candidates!r}.")
+    for k in candidates:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"candidates must be ints >= 1, got {k!r} in {list(candidates)}.")
+    if not candidates:
+        raise ValueError("candidates must not be empty.")
+    return tuple(sorted(set(candidates)))
+
+
+def _no_fit(tried: Sequence[tuple[int, int]], budget_bytes: int) -> ValueError:
+    k, smallest = min(tried, key=lambda t: t[1])
+    return ValueError(
+        f"no candidate K fits the budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB): "
+        f"the smallest predicted footprint is {smallest} bytes ({smallest / 2**20:.1f} MiB) at "
+        f"K={k}; tried (K, bytes) = {list(tried)}. Raise the budget, shrink the batch or the "
+        "model, or add larger candidates (or rematerialisation)."
+    )
+
+
+def plan_microbatches_for(
+    compile_for_k: CompileForK,
+    candidates: Sequence[int],
+    budget_bytes: int,
+    *,
+    batch_size: int | None = None,
+) -> MicrobatchPlan:
+    """The smallest K whose compiled computation fits ``budget_bytes``.
+
+    Candidates are compiled in increasing K and the search stops at the first that fits,
+    so a plan costs one compilation per K that does not fit, plus one.
+
+    Args:
+      compile_for_k: ``k -> jax.stages.Compiled``: the step for K microbatches, compiled
+        (not run; lower it with abstract ``jax.ShapeDtypeStruct`` arguments).
+      candidates: the Ks to consider (ints >= 1; sorted and de-duplicated here).
+      budget_bytes: the memory budget in bytes.
+      batch_size: the global batch size, to report ``microbatch_size``; optional.
+
+    Returns:
+      A :class:`MicrobatchPlan` for the smallest fitting K.
+
+    Raises:
+      ValueError / TypeError: for invalid arguments, or if no candidate fits (the message
+        gives the smallest predicted footprint).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, accumjax.planner as planner
+      >>> def compile_for_k(k):  # sum of squares of a (1024, 256) batch in k chunks
+      ...     x = jax.ShapeDtypeStruct((k, 1024 // k, 256), jnp.float32)
+      ...     f = lambda x: jax.lax.map(lambda c: jnp.sum(jnp.exp(c) * c), x).sum()
+      ...     return jax.jit(f).lower(x).compile()
+      >>> plan = planner.plan_microbatches_for(compile_for_k, [1, 2, 4], 2**40, batch_size=1024)
+      >>> plan.accum_steps, plan.microbatch_size, len(plan.tried)
+      (1, 1024, 1)
+    """
+    if not callable(compile_for_k):
+        raise TypeError(f"compile_for_k must be callable, got {type(compile_for_k).__name__}.")
+    ks = _check_candidates(candidates)
+    budget_bytes = _check_budget(budget_bytes, "budget_bytes")
+    if batch_size is not None:
+        _check_budget(batch_size, "batch_size")
+    tried: list[tuple[int, int]] = []
+    for k in ks:
+        predicted = compiled_memory_bytes(compile_for_k(k))
+        tried.append((k, predicted))
+        if predicted <= budget_bytes:
+            micro = None if batch_size is None else batch_size // k
+            return MicrobatchPlan(k, micro, predicted, budget_bytes, tuple(tried))
+    raise _no_fit(tried, budget_bytes)
+
+
+def _batch_size(batch: Any) -> int:
+    sizes = {tuple(jax.numpy.shape(x)[:1]) for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or sizes == {()}:
+        raise ValueError(
+            "batch must be a pytree of arrays sharing one leading batch axis, got leading "
+            f"shapes {sorted(sizes)}."
+        )
+    return sizes.pop()[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _device_budget() -> int:
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        raise ValueError(
+            f"memory_budget=None uses the device's memory limit, but JAX reports none for "
+            f"{device} ({device.platform} reports no bytes_limit); pass memory_budget=<bytes>."
+        )
+    return int(limit)
+
+
+def _abstract(tree: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves (static fields such as ``tx`` are kept)."""
+    return jax.eval_shape(lambda t: t, tree)
+
+
+def _scan_step_for_k(loss_fn: Any, state: Any, k: int, **kwargs: Any) -> tuple[Any, Any]:
+    """The jitted scan-mode step for K microbatches, and the (abstract) state it takes.
+
+    K lives in the optimizer: ``state.tx`` is rebuilt with K (`accumjax.with_every_k`, or
+    ``accumulate(state.tx, K)`` around a plain optimizer) and its state from shapes only.
+    """
+    tx = with_every_k(state.tx, k) if config_of(state.tx) else accumulate(state.tx, k)
+    opt_state = jax.eval_shape(tx.init, state.params)
+    return make_train_step(loss_fn, mode="scan", **kwargs), state.replace(
+        tx=tx, opt_state=opt_state
+    )
+
+
+def plan_microbatches(
+    loss_fn: Callable[..., Any],
+    state: Any,
+    batch: Any,
+    *,
+    memory_budget: int | None = None,
+    candidates: Sequence[int] | None = None,
+    **make_train_step_kwargs: Any,
+) -> MicrobatchPlan:
+    """The smallest K (largest microbatch) whose scan-mode train step fits in memory.
+
+    Compiles ``accumjax.make_train_step(loss_fn, mode="scan", ...)`` for candidate Ks in
+    increasing order, from abstract shapes only (nothing runs, nothing is allocated), and
+    returns the first whose predicted footprint (:func:`compiled_memory_bytes`) fits.
+
+    Args:
+      loss_fn: the loss, as for :func:`accumjax.make_train_step`.
+      state: an :class:`accumjax.TrainState` (arrays or ``jax.ShapeDtypeStruct`` leaves).
+      batch: the global batch (arrays or ``jax.ShapeDtypeStruct`` leaves, one leading axis).
+      memory_budget: bytes; ``None`` means the device's own limit
+        (``memory_stats()["bytes_limit"]``) where JAX reports one (GPU, TPU; not CPU).
+      candidates: the Ks to try; default: every divisor of the batch size. Each must
+        divide the batch size.
+      **make_train_step_kwargs: further options of ``make_train_step`` (``has_aux``,
+        ``mixed_precision``, ``donate``, ``unroll``, ...); not ``accum_steps`` or ``mode``.
+
+    Returns:
+      A :class:`MicrobatchPlan`: ``accum_steps``, ``microbatch_size``, ``predicted_bytes``,
+      ``budget_bytes`` and the ``(k, bytes)`` pairs tried.
+
+    Raises:
+      ValueError / TypeError: for invalid arguments (the message names the argument), if
+        ``memory_budget`` is ``None`` and the device reports no limit, or if no candidate
+        fits (the message gives the smallest predicted footprint).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, accumjax
+      >>> from accumjax.planner import plan_microbatches
+      >>> params = {"w": jnp.zeros((64, 512)), "v": jnp.zeros((512, 1))}
+      >>> def loss_fn(params, batch):
+      ...     h = jnp.tanh(batch["x"] @ params["w"])
+      ...     return jnp.mean((h @ params["v"] - batch["y"]) ** 2)
+      >>> state = accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+      >>> batch = {"x": jnp.ones((256, 64)), "y": jnp.ones((256, 1))}
+      >>> big = plan_microbatches(loss_fn, state, batch, memory_budget=2**40)
+      >>> big.accum_steps, big.microbatch_size
+      (1, 256)
+      >>> plan = plan_microbatches(loss_fn, state, batch, memory_budget=big.predicted_bytes - 1)
+      >>> plan.accum_steps > 1, plan.predicted_bytes <= plan.budget_bytes
+      (True, True)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    for name in ("accum_steps", "mode"):
+        if name in make_train_step_kwargs:
+            raise TypeError(f"plan_microbatches chooses {name}; do not pass {name}=.")
+    batch_size = _batch_size(batch)
+    if candidates is None:
+        candidates = _divisors(batch_size)
+    ks = _check_candidates(candidates)
+    bad = [k for k in ks if batch_size % k]
+    if bad:
+        raise ValueError(f"candidates {bad} do not divide the batch size {batch_size}.")
+    if memory_budget is None:
+        budget = _device_budget()
+    else:
+        budget = _check_budget(memory_budget, "memory_budget")
+    abstract_state, abstract_batch = _abstract(state), _abstract(batch)
+
+    def compile_for_k(k: int) -> jax.stages.Compiled:
+        step, state_k = _scan_step_for_k(loss_fn, abstract_state, k, **make_train_step_kwargs)
+        return step.lower(state_k, abstract_batch).compile()
+
+    return plan_microbatches_for(compile_for_k, ks, budget, batch_size=batch_size)
