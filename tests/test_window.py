@@ -293,3 +293,92 @@ def test_shard_map_nan_on_one_device_keeps_replicas_identical():
         shards = [np.asarray(shard.data) for shard in leaf.addressable_shards]
         assert len(shards) == 8 and all(np.array_equal(shards[0], x) for x in shards)
     assert int(s.nonfinite_count) == 1 and bool(jnp.all(jnp.isfinite(after.params["w"])))
+
+
+def test_data_parallel_batch_norm_window_pools_the_global_batch_exactly():
+    # Devices see batches with different means: averaging per-device statistics (on every
+    # call, or once per window) loses the spread between devices; pooling keeps it. Integer
+    # and key leaves of the model state pass through untouched.
+    assert jax.device_count() >= 8
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    model = nn.Sequential([nn.Dense(4), accumjax.AccumBatchNorm(use_running_average=False)])
+    rows = 8 * 2 * 3  # 8 devices x K=2 microbatches x 3 rows
+    x = np.random.default_rng(0).normal(size=(rows, 5)).astype(np.float32)
+    x += np.repeat(np.arange(8.0, dtype=np.float32), rows // 8)[:, None]  # device offsets
+    variables = model.init(jax.random.key(0), x[:2])
+    momentum = 0.99  # AccumBatchNorm's default
+
+    def loss_fn(params, model_state, batch):
+        out, new = model.apply(
+            {"params": params, "batch_stats": model_state["batch_stats"]},
+            batch,
+            mutable=["batch_stats"],
+        )
+        count = model_state["count"] + 1
+        return jnp.mean(out**2), {**model_state, **new, "count": count}
+
+    model_state = {
+        "batch_stats": variables["batch_stats"],
+        "count": jnp.int32(0),
+        "key": jax.random.key(3),
+    }
+    state = TrainState.create(
+        apply_fn=None,
+        params=variables["params"],
+        tx=accumulate(optax.sgd(0.0), 2),
+        model_state=model_state,
+    )
+    step = make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh, donate=False)
+    after, _ = step(state, jnp.asarray(x))
+    kernel, bias = (
+        variables["params"]["layers_0"]["kernel"],
+        variables["params"]["layers_0"]["bias"],
+    )
+    h = np.asarray(x, np.float64) @ np.asarray(kernel, np.float64) + np.asarray(bias)
+    stats = after.model_state["batch_stats"]["layers_1"]
+    # float32 shifted sums over 48 rows vs float64: ~1e-6 relative.
+    np.testing.assert_allclose(stats["mean"], (1 - momentum) * h.mean(0), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        stats["var"], momentum + (1 - momentum) * h.var(0), rtol=2e-5, atol=1e-6
+    )
+    assert int(after.model_state["count"]) == 2  # per device: its two microbatches
+    assert jax.random.key_data(after.model_state["key"]).tolist() == (
+        jax.random.key_data(model_state["key"]).tolist()
+    )
+
+
+@pytest.mark.parametrize("agc", [False, True])
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize("scaling", ["mean", "sum", "count", "weighted"])
+def test_every_scaling_matches_a_float64_full_batch_reference(scaling, mode, agc):
+    with jax.enable_x64(True):
+        batch = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), _data(seed=4))
+        mask = (np.arange(K * ROWS) % 3 != 0) | (np.arange(K * ROWS) < K)  # ragged
+        batch["m"] = jnp.asarray(mask, jnp.float64)
+        params = {"w": jnp.asarray(np.random.default_rng(5).normal(size=(5, 3)), jnp.float64)}
+
+        def loss(p, b):  # masked mean over the (micro)batch's valid rows
+            err = jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=-1)
+            return jnp.sum(err * b["m"]) / jnp.sum(b["m"])
+
+        micro = [jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)]
+        if scaling == "weighted":  # sum_i n_i g_i / sum_i n_i: the full-batch masked mean
+            grad = jax.grad(loss)(params, batch)
+        else:  # mean of the microbatch gradients (times K for "sum")
+            grads = [jax.grad(loss)(params, mb) for mb in micro]
+            grad = jax.tree.map(lambda *g: sum(g) / (1 if scaling == "sum" else K), *grads)
+        clipped = accumjax.adaptive_clip_grad(params, grad, 0.05, 1e-3) if agc else grad
+        ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, clipped)
+        assert agc != np.allclose(clipped["w"], grad["w"])  # AGC is active when asked
+
+        tx = accumulate(optax.sgd(0.1), K, scaling=scaling)
+        state = TrainState.create(apply_fn=None, params=params, tx=tx)
+        weight_fn = (lambda b: jnp.sum(b["m"])) if scaling == "weighted" else None
+        step = make_train_step(
+            loss, mode=mode, use_agc=agc, clip_factor=0.05, weight_fn=weight_fn, donate=False
+        )
+        for b in [batch] if mode == "scan" else micro:
+            state, _ = step(state, b)
+        assert int(state.step) == 1
+        # float64 sums in another order: ~1e-16 relative per operation.
+        np.testing.assert_allclose(state.params["w"], ref["w"], rtol=1e-12, atol=1e-13)
