@@ -419,6 +419,7 @@ def end_window(
     extra_args: dict[str, Any],
     transform: Callable[[Any, Any], Any] | None = None,
     apply_to_params: bool = False,
+    closed: window_lib.Closed | None = None,
 ) -> tuple[Any, AccumulationState]:
     """Closes the window: reduce once, decide, and run ``inner`` only if the window is usable.
 
@@ -437,17 +438,26 @@ def end_window(
       transform: ``transform(grads, params) -> grads`` applied to the window gradient before
         ``inner`` (e.g. adaptive gradient clipping), or None.
       apply_to_params: return the updated parameters instead of the updates.
+      closed: the window already closed (reduced and decided, e.g. inside a ``shard_map``
+        around the microbatch loop), or None to close ``state.window`` here.
 
     Returns:
       ``(out, state)``: ``out`` is the updates (meaningful only when ``state.updated``) or the
       new parameters; the new state has an empty window and updated counters.
     """
-    closed = window_lib.close_window(config.policy, state.window, state.every_k, config.axis_name)
-    grads = jax.tree.map(lambda a, x: a.astype(x.dtype), closed.grads, grads_like)
+    if closed is None:
+        closed = window_lib.close_window(
+            config.policy, state.window, state.every_k, config.axis_name
+        )
+    dtypes = jax.tree.map(jnp.result_type, grads_like)
 
     def update(operand: Any) -> Any:
-        out, inner_state, given, grads, extra_args = operand
+        out, inner_state, given, closed, extra_args = operand
         params = out if apply_to_params else given
+        # Scaled here, inside the loop, so the division fuses into the inner update.
+        grads = jax.tree.map(
+            lambda g, dtype: g.astype(dtype), window_lib.scaled_gradient(closed), dtypes
+        )
         if transform is not None:
             grads = transform(grads, params)
         updates, new_inner = config.inner.update(grads, inner_state, params, **extra_args)
@@ -456,17 +466,12 @@ def end_window(
         new_inner = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_inner, inner_state)
         out = optax.apply_updates(params, updates) if apply_to_params else updates
         out = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), out, initial)
-        return out, new_inner, given, grads, extra_args
+        return out, new_inner, given, closed, extra_args
 
     # With apply_to_params the parameters travel once (as ``out``): a loop carry holding the
     # same buffer twice would force XLA to copy it.
-    operand = (
-        initial,
-        state.inner_tx_state,
-        None if apply_to_params else params,
-        grads,
-        extra_args,
-    )
+    given = None if apply_to_params else params
+    operand = (initial, state.inner_tx_state, given, closed, extra_args)
     out, inner_state, *_ = window_lib.run_once(closed.apply, update, operand)
     apply = closed.apply
     update_count = jnp.where(apply, optax.safe_increment(state.update_count), state.update_count)

@@ -530,6 +530,9 @@ def _scan_step(setup: _Setup) -> Step:
                 aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, aux_rest)
         opt = acc._replace(window=micro.window, updated=jnp.zeros((), bool))
         fields = _close(setup, config, _Fields(state.params, opt, micro.model_state, loss_scale))
+        # The state's own (stream) window is handed back untouched: its buffer is donated to
+        # the output instead of a fresh zero accumulator being allocated every step.
+        fields = fields._replace(opt=fields.opt._replace(window=acc.window))
         if state.model_state is not None:  # a skipped window leaves all model state as it was
             kept = _select(fields.opt.updated, fields.model_state, state.model_state)
             fields = fields._replace(model_state=kept)

@@ -42,6 +42,7 @@ __all__ = [
     "init_window",
     "run_once",
     "saturating_add",
+    "scaled_gradient",
 ]
 
 OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
@@ -108,14 +109,16 @@ class Closed(NamedTuple):
     """A closed window (after the cross-device reduction).
 
     Attributes:
-      grads: the scaled window gradient, in the accumulator dtype.
+      grad_sum: the window's sum after the reduction, in the accumulator dtype.
+      denominator: what it is divided by (`scaled_gradient`), float32, > 0.
       apply: whether the window is usable (its update may be applied).
       nonfinite_count: the window's non-finite microbatches, summed over devices.
       skipped_count: the window's skipped microbatches, summed over devices.
-      norm: the global norm of ``grads`` (float32).
+      norm: the global norm of the scaled gradient (float32).
     """
 
-    grads: Any
+    grad_sum: Any
+    denominator: jax.Array
     apply: jax.Array
     nonfinite_count: jax.Array
     skipped_count: jax.Array
@@ -277,23 +280,52 @@ def _denominator(policy: Policy, every_k: jax.Array, weight_sum: jax.Array, devi
     return weight_sum
 
 
-def _psum_window(
-    grad_sum: Any, weight_sum: jax.Array, counts: tuple[jax.Array, jax.Array], axis_name: str
+def _reduce_window(
+    grad_sum: Any,
+    weight_sum: jax.Array,
+    counts: tuple[jax.Array, jax.Array],
+    axis_name: str,
+    scatter: Any,
 ) -> tuple[Any, jax.Array, tuple[jax.Array, jax.Array]]:
-    """One all-reduce: the scalars travel in the accumulator's dtype when it is float32 or
-    float64 (counts stay exact below 2**24), else in float32 beside it."""
-    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(grad_sum)}
+    """The window's one reduction: a grouped ``psum`` of the replicated leaves and the
+    scalars (which travel in the accumulator's dtype when it is float32 or float64, so counts
+    stay exact below 2**24), and a ``psum_scatter`` of the leaves sharded over the axis."""
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    dims = [None] * len(leaves) if scatter is None else treedef.flatten_up_to(scatter)
+    summed = [i for i, d in enumerate(dims) if d is None]
+    dtypes = {jnp.dtype(leaves[i].dtype) for i in summed}
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
     scalars = jnp.stack([weight_sum, *counts]).astype(dtype)
-    grad_sum, scalars = jax.lax.psum((grad_sum, scalars), axis_name)
+    reduced, scalars = jax.lax.psum(([leaves[i] for i in summed], scalars), axis_name)
+    for i, x in zip(summed, reduced, strict=True):
+        leaves[i] = x
+    for i, d in enumerate(dims):
+        if d is not None:
+            leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=d, tiled=True)
     scalars = scalars.astype(jnp.float32)
-    return grad_sum, scalars[0], (scalars[1].astype(jnp.int32), scalars[2].astype(jnp.int32))
+    counts = (scalars[1].astype(jnp.int32), scalars[2].astype(jnp.int32))
+    return jax.tree.unflatten(treedef, leaves), scalars[0], counts
+
+
+def _global_norm(grad_sum: Any, axis_name: str | None, scatter: Any) -> jax.Array:
+    """Global norm of a reduced sum whose scattered leaves are shards of the whole."""
+    if axis_name is None or scatter is None:
+        return global_norm(grad_sum)
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    dims = treedef.flatten_up_to(scatter)
+    whole = global_norm([x for x, d in zip(leaves, dims, strict=True) if d is None])
+    shards = global_norm([x for x, d in zip(leaves, dims, strict=True) if d is not None])
+    return jnp.sqrt(jnp.square(whole) + jax.lax.psum(jnp.square(shards), axis_name))
 
 
 def close_window(
-    policy: Policy, window: Window, every_k: Any, axis_name: str | None = None
+    policy: Policy,
+    window: Window,
+    every_k: Any,
+    axis_name: str | None = None,
+    scatter: Any = None,
 ) -> Closed:
     """Reduces the window once across devices, scales it and decides whether it is usable.
 
@@ -303,6 +335,9 @@ def close_window(
       every_k: K of this window (``"mean"`` divides by K times the number of devices).
       axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
         one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
+      scatter: with ``axis_name``, a pytree like the sum holding, for each leaf, the
+        dimension its parameter is sharded on over ``axis_name`` (that leaf is
+        reduce-scattered: each device keeps its shard) or None (all-reduced); None for all.
 
     Returns:
       A `Closed`: ``apply`` is True when the weight sum is > 0, the scaled sum is finite
@@ -313,18 +348,25 @@ def close_window(
     counts = (window.window_nonfinite, window.window_skipped)
     devices = 1
     if axis_name is not None:
-        grad_sum, weight_sum, counts = _psum_window(grad_sum, weight_sum, counts, axis_name)
+        grad_sum, weight_sum, counts = _reduce_window(
+            grad_sum, weight_sum, counts, axis_name, scatter
+        )
         devices = jax.lax.axis_size(axis_name)
     denom = _denominator(policy, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
-    grads = jax.tree.map(lambda a: a / safe.astype(a.dtype), grad_sum)
-    norm = global_norm(grads)
+    # The scaled gradient's norm, without materializing the scaled gradient.
+    norm = _global_norm(grad_sum, axis_name, scatter) / safe
     apply = weight_sum > 0
     if policy.detects:
         apply = apply & jnp.isfinite(norm)
     if policy.on_nonfinite == "skip_window":
         apply = apply & (counts[0] == 0)
-    return Closed(grads, apply, counts[0], counts[1], norm)
+    return Closed(grad_sum, safe, apply, counts[0], counts[1], norm)
+
+
+def scaled_gradient(closed: Closed) -> Any:
+    """The window gradient: the (reduced) sum divided by the strategy's denominator."""
+    return jax.tree.map(lambda a: a / closed.denominator.astype(a.dtype), closed.grad_sum)
 
 
 def run_once(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
