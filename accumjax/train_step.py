@@ -22,6 +22,7 @@ gradient all-reduce per window.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -31,6 +32,7 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, PartitionSpec
 
+from accumjax import sharded
 from accumjax import window as window_lib
 from accumjax.accumulation import (
     AccumulationState,
@@ -327,11 +329,11 @@ def _accumulation(setup: _Setup, state: Any) -> tuple[Config, AccumulationState,
     return config, acc, owned
 
 
-def _key(rng: Any, state: Any, index: Any, axis_name: str | None) -> Any:
+def _key(rng: Any, step: Any, index: Any, axis_name: str | None) -> Any:
     """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
     if rng is None:
         return None
-    key = jax.random.fold_in(jax.random.fold_in(rng, state.step), index)
+    key = jax.random.fold_in(jax.random.fold_in(rng, step), index)
     if axis_name is not None:
         key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
     return key
@@ -392,14 +394,30 @@ class _Fields(NamedTuple):
     loss_scale: Any
 
 
-def _close(setup: _Setup, config: Config, fields: _Fields) -> _Fields:
-    """Closes the window: one reduction, the decision, the update, model state, loss scale."""
+def _close(
+    setup: _Setup, config: Config, fields: _Fields, closed: window_lib.Closed | None = None
+) -> _Fields:
+    """Closes the window: one reduction, the decision, the update, model state, loss scale.
+
+    With ``closed`` (reduced and decided inside a ``shard_map``, where the model state was
+    closed too) only the update and the loss scale are left.
+    """
     before = fields.opt
     params, opt = end_window(
-        config, before, fields.params, fields.params, fields.params, {}, setup.transform, True
+        config,
+        before,
+        fields.params,
+        fields.params,
+        fields.params,
+        {},
+        setup.transform,
+        True,
+        closed,
     )
     apply = opt.updated
-    model_state = _close_model_state(fields.model_state, apply, setup.axis_name)
+    model_state = fields.model_state
+    if closed is None:
+        model_state = _close_model_state(model_state, apply, setup.axis_name)
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = adjust_loss_scale(loss_scale, opt.nonfinite_count == before.nonfinite_count)
@@ -469,7 +487,7 @@ def _stream_step(setup: _Setup) -> Step:
         config, acc, owned = _accumulation(setup, state)
         loss_scale = _loss_scale(setup, state)
         params = _pvary(state.params, setup.axis_name)
-        key = _key(rng, state, acc.window.micro_step, setup.axis_name)
+        key = _key(rng, state.step, acc.window.micro_step, setup.axis_name)
         micro, loss, aux = _microbatch(
             setup, config, params, _start(setup, state, acc), batch, key, loss_scale, not owned
         )
@@ -501,45 +519,134 @@ def _strided(batch: Any, k: int) -> Any:
     return jax.tree.map(lambda x: jnp.reshape(x, (size // k, k, *jnp.shape(x)[1:])), batch)
 
 
+def _window_loop(
+    setup: _Setup,
+    config: Config,
+    params: Any,
+    start: _Micro,
+    batch: Any,
+    key: Callable[[Any], Any],
+    loss_scale: Any,
+) -> tuple[_Micro, Any]:
+    """The K strided microbatches of ``batch``: the first opens the window, a ``lax.scan``
+    adds the others. Returns the carry and the stacked aux (or None)."""
+    k = cast(int, config.static_k)
+    rows = _strided(batch, k)
+    take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
+    micro, _, aux0 = _microbatch(setup, config, params, start, take(0), key(0), loss_scale, True)
+
+    def body(carry: _Micro, i: jax.Array) -> tuple[_Micro, Any]:
+        carry, _, aux = _microbatch(
+            setup, config, params, carry, take(i), key(i), loss_scale, False
+        )
+        return carry, aux
+
+    aux = None if aux0 is None else jax.tree.map(lambda a: a[None], aux0)
+    if k > 1:
+        carry = _pvary(micro, setup.axis_name)
+        micro, aux_rest = jax.lax.scan(body, carry, jnp.arange(1, k), unroll=setup.unroll)
+        if aux is not None:
+            aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, aux_rest)
+    return micro, aux
+
+
+def _scan_finish(
+    setup: _Setup,
+    config: Config,
+    state: TrainState,
+    acc: AccumulationState,
+    owned: bool,
+    micro: _Micro,
+    aux: Any,
+    loss: Any,
+    loss_scale: Any,
+    closed: window_lib.Closed | None = None,
+) -> tuple[TrainState, dict]:
+    """Closes a scan-mode window (unless ``closed`` already) and builds the new state."""
+    opt = acc._replace(window=micro.window, updated=jnp.zeros((), bool))
+    fields = _Fields(state.params, opt, micro.model_state, loss_scale)
+    fields = _close(setup, config, fields, closed)
+    # The state's own (stream) window is handed back untouched: its buffer is donated to
+    # the output instead of a fresh zero accumulator being allocated every step.
+    fields = fields._replace(opt=fields.opt._replace(window=acc.window))
+    if state.model_state is not None:  # a skipped window leaves all model state as it was
+        kept = _select(fields.opt.updated, fields.model_state, state.model_state)
+        fields = fields._replace(model_state=kept)
+    return _finish(state, fields, owned, micro, aux, loss)
+
+
+def _window_loss(micro: _Micro) -> jax.Array:
+    return jnp.where(micro.loss_weight > 0, micro.loss_sum / micro.loss_weight, jnp.nan)
+
+
 def _scan_step(setup: _Setup) -> Step:
     def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
         config, acc, owned = _accumulation(setup, state)
-        k = cast(int, config.static_k)
         loss_scale = _loss_scale(setup, state)
         params = _pvary(state.params, setup.axis_name)
-        rows = _strided(batch, k)
-        take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
-        key = lambda i: _key(rng, state, i, setup.axis_name)
-        first = _start(setup, state, acc)
-        micro, _, aux0 = _microbatch(
-            setup, config, params, first, take(0), key(0), loss_scale, True
-        )
-
-        def body(carry: _Micro, i: jax.Array) -> tuple[_Micro, Any]:
-            carry, _, aux = _microbatch(
-                setup, config, params, carry, take(i), key(i), loss_scale, False
-            )
-            return carry, aux
-
-        aux = None if aux0 is None else jax.tree.map(lambda a: a[None], aux0)
-        if k > 1:
-            indices = jnp.arange(1, k)
-            micro, aux_rest = jax.lax.scan(body, _pvary(micro, setup.axis_name), indices,
-                                           unroll=setup.unroll)  # fmt: skip
-            if aux is not None:
-                aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, aux_rest)
-        opt = acc._replace(window=micro.window, updated=jnp.zeros((), bool))
-        fields = _close(setup, config, _Fields(state.params, opt, micro.model_state, loss_scale))
-        # The state's own (stream) window is handed back untouched: its buffer is donated to
-        # the output instead of a fresh zero accumulator being allocated every step.
-        fields = fields._replace(opt=fields.opt._replace(window=acc.window))
-        if state.model_state is not None:  # a skipped window leaves all model state as it was
-            kept = _select(fields.opt.updated, fields.model_state, state.model_state)
-            fields = fields._replace(model_state=kept)
-        loss = jnp.where(micro.loss_weight > 0, micro.loss_sum / micro.loss_weight, jnp.nan)
-        return _finish(state, fields, owned, micro, aux, loss)
+        key = lambda i: _key(rng, state.step, i, setup.axis_name)
+        start = _start(setup, state, acc)
+        micro, aux = _window_loop(setup, config, params, start, batch, key, loss_scale)
+        loss = _window_loss(micro)
+        return _scan_finish(setup, config, state, acc, owned, micro, aux, loss, loss_scale)
 
     return step
+
+
+def _sharded_scan_step(setup: _Setup) -> Callable[..., tuple[TrainState, dict]]:
+    """Scan mode under ``jit`` with a sharded batch: the microbatch loop and the window's one
+    reduction run in a ``shard_map`` built from the arrays' shardings (`accumjax.sharded`);
+    the update runs in the global view, on parameters as they are sharded."""
+    plain = _scan_step(setup)
+
+    def step(state: TrainState, batch: Any, rng: Any, layout: Any) -> tuple[TrainState, dict]:
+        if layout is None:
+            return plain(state, batch, rng)
+        config, acc, owned = _accumulation(setup, state)
+        loss_scale = _loss_scale(setup, state)
+        specs = layout.param_specs()
+        local_step = partial(_local_window, setup, config, layout)
+        data, whole = PartitionSpec(layout.axis), PartitionSpec()
+        closed_specs = window_lib.Closed(specs, *(whole,) * 5)  # pyright: ignore[reportArgumentType]
+        closed, model_state, loss, aux = jax.shard_map(
+            local_step,
+            mesh=layout.mesh,
+            in_specs=(specs, whole, data, whole, whole, whole),
+            out_specs=(closed_specs, whole, data, data),
+            check_vma=False,
+        )(state.params, state.model_state, batch, rng, state.step, loss_scale)
+        window = acc.window._replace(window_nonfinite=closed.nonfinite_count)
+        micro = _Micro(window, model_state, jnp.zeros(()), jnp.zeros(()))
+        return _scan_finish(setup, config, state, acc, owned, micro, aux, loss, loss_scale, closed)
+
+    return step
+
+
+def _local_window(
+    setup: _Setup,
+    config: Config,
+    layout: Any,
+    params: Any,
+    model_state: Any,
+    batch: Any,
+    rng: Any,
+    step_count: Any,
+    loss_scale: Any,
+) -> tuple[window_lib.Closed, Any, jax.Array, Any]:
+    """One device's part of a sharded window: its rows' gradients, summed locally, then the
+    window's one reduction (all-reduce, or reduce-scatter for sharded parameters)."""
+    params = sharded.gather(params, layout)
+    zero = jnp.zeros((), jnp.float32)
+    like = window_lib.init_window(params, config.policy.accumulator_dtype)  # dtypes only
+    key = lambda i: _key(rng, step_count, i, layout.axis)
+    start = _Micro(like, model_state, zero, zero)
+    micro, aux = _window_loop(setup, config, params, start, batch, key, loss_scale)
+    closed = window_lib.close_window(
+        config.policy, micro.window, config.static_k, layout.axis, layout.scatter()
+    )
+    model_state = _close_model_state(micro.model_state, closed.apply, layout.axis)
+    loss = sharded.expand(_window_loss(micro))
+    return closed, model_state, loss, None if aux is None else sharded.expand(aux)
 
 
 def _varying_axes(x: Any) -> frozenset[str]:
@@ -642,10 +749,16 @@ def _agc(
     return lambda grads, params: adaptive_clip_grad(params, grads, clip_factor, agc_eps, agc_mask)
 
 
-def _checked_once(jitted: Any, pmapped: bool) -> Any:
-    """``jitted`` that, on its first call, checks the (concrete) state against its optimizer:
-    a checkpoint resumed under another K or scaling is refused before anything runs."""
+def _checked_once(jitted: Any, pmapped: bool, sharded_scan: bool = False) -> Any:
+    """``jitted`` that, on its first call, checks the (concrete) state against its optimizer
+    (a checkpoint resumed under another K or scaling is refused before anything runs), and,
+    for scan mode under ``jit``, passes the arrays' `accumjax.sharded.Layout` (static)."""
     checked: list[bool] = []
+
+    def args(state: Any, batch: Any, rng: Any) -> tuple[Any, ...]:
+        if not sharded_scan:
+            return state, batch, rng
+        return state, batch, rng, sharded.layout_of(state.params, batch)
 
     def step(state: Any, batch: Any, rng: Any = None) -> Any:
         if not checked:
@@ -654,9 +767,9 @@ def _checked_once(jitted: Any, pmapped: bool) -> Any:
                 opt = state.opt_state
                 check_state(config, jax.tree.map(lambda x: x[0], opt) if pmapped else opt)
             checked.append(True)
-        return jitted(state, batch, rng)
+        return jitted(*args(state, batch, rng))
 
-    step.lower = lambda state, batch, rng=None: jitted.lower(state, batch, rng)  # pyright: ignore[reportFunctionMemberAccess]
+    step.lower = lambda state, batch, rng=None: jitted.lower(*args(state, batch, rng))  # pyright: ignore[reportFunctionMemberAccess]
     step.__wrapped__ = jitted  # pyright: ignore[reportFunctionMemberAccess]
     return step
 
@@ -809,8 +922,13 @@ def make_train_step(
         transform=_agc(use_agc, clip_factor, agc_eps, agc_mask),
         unroll=unroll,
     )
-    step = _stream_step(setup) if mode == "stream" else _scan_step(setup)
     donate_argnums = (0,) if donate else ()
+    if axis_name is None and mode == "scan":
+        jitted = jax.jit(
+            _sharded_scan_step(setup), static_argnums=(3,), donate_argnums=donate_argnums
+        )
+        return _checked_once(jitted, False, sharded_scan=True)
+    step = _stream_step(setup) if mode == "stream" else _scan_step(setup)
     if axis_name is None:
         return _checked_once(jax.jit(step, donate_argnums=donate_argnums), False)
     if mesh is None:

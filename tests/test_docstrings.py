@@ -12,8 +12,10 @@ MODULES = [
     "distributed",
     "loss_scale",
     "nnx_batch_norm",
+    "nnx_train_step",
     "planner",
     "scaling",
+    "sharded",
     "train_step",
     "window",
 ]

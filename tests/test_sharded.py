@@ -1,0 +1,135 @@
+"""Scan mode under ``jit`` with sharded arrays (accumjax.sharded): JAX's default mesh.
+
+On 8 CPU devices: replicated data parallel and FSDP, Explicit and Auto meshes. References: the
+same step on unsharded arrays (one device's view), and collective counts in the compiled HLO.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import accumjax
+from accumjax import count_collectives, sharded
+
+K = 4
+N = 8
+
+
+def _loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def _problem():
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": rng.normal(size=(16, 32)).astype(np.float32),
+        "b1": np.zeros(32, np.float32),
+        "w2": rng.normal(size=(32, 4)).astype(np.float32) * 0.3,
+    }
+    batch = {
+        "x": rng.normal(size=(N * K * 2, 16)).astype(np.float32),
+        "y": rng.normal(size=(N * K * 2, 4)).astype(np.float32),
+    }
+    return params, batch
+
+
+FSDP = {"w1": P("data", None), "b1": P(), "w2": P("data", None)}
+
+
+def _mesh(kind):
+    assert jax.device_count() >= N
+    types = (AxisType.Explicit,) if kind == "explicit" else (AxisType.Auto,)
+    return jax.make_mesh((N,), ("data",), axis_types=types)
+
+
+def _run(mesh, fsdp, steps=3):
+    params, batch = _problem()
+    with jax.set_mesh(mesh):
+        specs = FSDP if fsdp else dict.fromkeys(params, P())
+        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+        step = accumjax.make_train_step(_loss, mode="scan")
+        compiled = step.lower(state, batch).compile()
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+    return state, metrics, compiled
+
+
+def _reference(steps=3):
+    params, batch = _problem()
+    tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = accumjax.make_train_step(_loss, mode="scan")
+    with jax.default_device(jax.devices()[0]):
+        for _ in range(steps):
+            state, _ = step(state, batch)
+    return state
+
+
+def _spec(x):
+    """A leaf's PartitionSpec with trailing unsharded dims dropped (Explicit vs Auto spelling)."""
+    spec = tuple(x.sharding.spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_scan_under_jit_matches_one_device_and_reduces_once_per_window(kind, fsdp):
+    state, metrics, compiled = _run(_mesh(kind), fsdp)
+    ref = _reference()
+    # Per-device float32 sums reduced once vs one device's sum over the same rows: a few ulps.
+    for key in ref.params:
+        np.testing.assert_allclose(state.params[key], ref.params[key], rtol=2e-5, atol=2e-6)
+    assert metrics["loss"].shape == (N,)  # one loss per device
+
+    static = count_collectives(compiled)
+    executed = count_collectives(compiled, per_execution=True, default_trip_count=1)
+    assert executed == static  # nothing inside the microbatch loop (or it would count K-1x)
+    assert static["all-gather"] == (2 if fsdp else 0)  # FSDP: the two kernels, once; no batch
+    if fsdp:
+        assert static["reduce-scatter"] == 2  # one per sharded gradient, once per window
+        assert static["all-reduce"] <= 1  # the small replicated bias and the scalars
+    else:
+        assert static == {**static, "all-reduce": 1, "reduce-scatter": 0}
+
+
+def test_fsdp_state_stays_sharded_and_memory_scales_down():
+    mesh = _mesh("explicit")
+    state, _, compiled = _run(mesh, fsdp=True, steps=1)
+    for key, spec in FSDP.items():
+        want = _spec(jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, spec)))
+        assert _spec(state.params[key]) == want
+        assert _spec(state.opt_state.window.grad_sum[key]) == want  # accumulator like params
+        assert _spec(state.opt_state.inner_tx_state[0].trace[key]) == want  # momentum too
+    _, _, replicated = _run(mesh, fsdp=False, steps=1)
+
+    def held(c):
+        m = c.memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes
+
+    _, batch = _problem()
+    batch_bytes = sum(v.nbytes for v in batch.values()) // N  # the batch is sharded in both
+    # 1/N of the replicated state plus the per-device batch, bias and scalars (< 2 KiB here).
+    assert held(compiled) <= (held(replicated) - 2 * batch_bytes) / N + 2 * batch_bytes + 4096
+
+
+def test_layout_of_rejects_what_it_cannot_split():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P("data")))
+        tp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "model")))
+        with pytest.raises(NotImplementedError, match="model"):
+            sharded.layout_of({"w": tp}, batch)
+        both = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P(("data", "model"))))
+        with pytest.raises(NotImplementedError, match="one mesh axis"):
+            sharded.layout_of({"w": jnp.ones(3)}, both)
+    assert sharded.layout_of({"w": jnp.ones(3)}, jnp.ones((8, 3))) is None  # one device
