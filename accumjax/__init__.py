@@ -34,6 +34,12 @@ from accumjax.loss_scale import (
     unscale_grads,
 )
 from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
+from accumjax.nnx_train_step import (
+    NNXTrainState,
+    make_nnx_train_step,
+    nnx_train_state,
+    nnx_update,
+)
 from accumjax.planner import (
     MicrobatchPlan,
     compiled_memory_bytes,
@@ -51,6 +57,7 @@ __all__ = [
     "DynamicLossScale",
     "MicrobatchPlan",
     "NNXAccumBatchNorm",
+    "NNXTrainState",
     "TrainState",
     "accumulate",
     "accumulated_gradients",
@@ -66,7 +73,10 @@ __all__ = [
     "data_sharding",
     "dynamic_loss_scale",
     "has_updated",
+    "make_nnx_train_step",
     "make_train_step",
+    "nnx_train_state",
+    "nnx_update",
     "plan_microbatches",
     "plan_microbatches_for",
     "replicate",

@@ -1,8 +1,18 @@
-"""All-reduces per accumulation window: accumjax scan mode against a naive per-microbatch pmean.
+"""Collectives per accumulation window, replicated data parallel and FSDP, on 8 devices.
 
 Runs on 8 host CPU devices (set before JAX starts, so run it as its own process). The figures
 come from the compiled HLO (``accumjax.count_collectives``): instructions in the program and
 instructions executed per step (loop bodies times their trip count).
+
+1. accumjax scan mode with ``mesh=``/``axis_name=`` (``shard_map``) against a naive
+   ``shard_map`` whose scan ``pmean``s every microbatch gradient (all-reduces only).
+2. ``sharded``: plain ``jit`` on arrays sharded over a ``jax.make_mesh`` mesh (no
+   ``shard_map`` written by the user), parameters replicated (``P()``) or FSDP-sharded
+   (``P("data", None)``), batch ``P("data")``: all-reduce / reduce-scatter / all-gather per
+   window and per-device memory (argument + output + temp, ``memory_analysis``) for accumjax
+   scan mode, ``accumjax.accumulate`` and ``optax.MultiSteps`` in a jitted per-microbatch step
+   (K calls: the per-call counts times K; memory is one call's), and a jitted ``lax.scan``
+   that sums ``jax.grad`` over the microbatches (XLA reduces each microbatch's gradient).
 """
 
 from __future__ import annotations
@@ -17,8 +27,9 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import accumjax
 from benchmarks import common
@@ -53,6 +64,125 @@ def _naive_step(mesh: Mesh, tx: optax.GradientTransformation):
     )
 
 
+OPS = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+def _memory(compiled: Any) -> dict[str, float]:
+    """Per-device argument, output and temp memory of a compiled SPMD program, in MiB."""
+    m = compiled.memory_analysis()
+    parts = {
+        "argument_mib": m.argument_size_in_bytes / common.MiB,
+        "output_mib": m.output_size_in_bytes / common.MiB,
+        "temp_mib": m.temp_size_in_bytes / common.MiB,
+    }
+    return {**parts, "total_mib": sum(parts.values())}
+
+
+def _counts(compiled: Any, calls: int = 1) -> dict[str, int]:
+    """Collectives executed per window: per call (a conditional's costliest branch, an unknown
+    loop once) times the calls a window takes."""
+    c = accumjax.count_collectives(compiled, per_execution=True, default_trip_count=1)
+    return {op: c[op] * calls for op in OPS}
+
+
+def _per_microbatch_step(tx: optax.GradientTransformation):
+    """A jitted step fed one microbatch per call: gradient, ``tx.update``, apply."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _naive_scan(tx: optax.GradientTransformation):
+    """A jitted scan summing ``jax.grad`` over the microbatches (batch laid out ``(K, rows)``),
+    then one update: under a mesh XLA reduces every microbatch's gradient."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        def body(acc, mb):
+            return jax.tree.map(jnp.add, acc, jax.grad(_loss)(params, mb)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(body, zeros, batch)
+        grads = jax.tree.map(lambda g: g / K, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _param_spec(x: Any, fsdp: bool) -> PartitionSpec:
+    if fsdp and x.ndim == 2 and x.shape[0] % jax.device_count() == 0:
+        return PartitionSpec("data", None)
+    return PartitionSpec()
+
+
+def sharded_table(kind: str = "explicit") -> dict[str, Any]:
+    """Collectives per window and per-device memory under ``jit`` on a mesh (see the module
+    docstring); ``kind`` is the mesh's axis type ("explicit", ``jax.make_mesh``'s default in
+    jax 0.10, or "auto"). Both give the same counts here."""
+    n = jax.device_count()
+    types = (AxisType.Auto,) if kind == "auto" else (AxisType.Explicit,)
+    mesh = jax.make_mesh((n,), ("data",), axis_types=types)
+    host_params = common.mlp_params(DIMS)
+    x, y = common.batch(n * K * PER_DEVICE, DIMS[0], DIMS[-1])
+    tx = optax.adam(1e-3)
+    rows: dict[str, Any] = {}
+    with jax.set_mesh(mesh):
+        data = NamedSharding(mesh, PartitionSpec("data"))
+        window = jax.device_put({"x": x, "y": y}, data)
+        micro = jax.device_put({"x": x[: n * PER_DEVICE], "y": y[: n * PER_DEVICE]}, data)
+        stacked = jax.device_put(
+            {"x": x.reshape(K, -1, x.shape[1]), "y": y.reshape(K, -1)},
+            NamedSharding(mesh, PartitionSpec(None, "data")),
+        )
+        for layout in ("replicated", "fsdp"):
+            fsdp = layout == "fsdp"
+            params = {
+                k: jax.device_put(v, NamedSharding(mesh, _param_spec(v, fsdp)))
+                for k, v in host_params.items()
+            }
+            state = accumjax.TrainState.create(
+                apply_fn=None,  # type: ignore[arg-type]
+                params=params,
+                tx=accumjax.accumulate(tx, K),
+            )
+            scan = accumjax.make_train_step(_loss, mode="scan", donate=False)
+            acc_tx = accumjax.accumulate(tx, K)
+            ms_tx = optax.MultiSteps(tx, every_k_schedule=K)
+            compiled = {
+                "accumjax_scan": (scan.lower(state, window).compile(), 1),  # type: ignore[attr-defined]
+                "accumjax_stream_jit": (
+                    _per_microbatch_step(acc_tx)
+                    .lower(params, acc_tx.init(params), micro)
+                    .compile(),
+                    K,
+                ),
+                "multisteps_jit": (
+                    _per_microbatch_step(ms_tx).lower(params, ms_tx.init(params), micro).compile(),
+                    K,
+                ),
+                "naive_scan": (
+                    _naive_scan(tx).lower(params, tx.init(params), stacked).compile(),
+                    1,
+                ),
+            }
+            rows[layout] = {
+                name: {
+                    "calls_per_window": calls,
+                    "per_window": _counts(c, calls),
+                    "per_call_in_program": {op: accumjax.count_collectives(c)[op] for op in OPS},
+                    "memory_per_device": _memory(c),
+                }
+                for name, (c, calls) in compiled.items()
+            }
+    return {"mesh_axis_type": kind, "devices": n, "K": K, "dims": list(DIMS), **rows}
+
+
 def run() -> dict[str, Any]:
     assert jax.device_count() == 8, jax.device_count()
     mesh = Mesh(jax.devices(), ("data",))
@@ -81,6 +211,7 @@ def run() -> dict[str, Any]:
             "in_program": count(naive_hlo)["all-reduce"],
             "per_window": count(naive_hlo, per_execution=True)["all-reduce"],
         },
+        "sharded": sharded_table(),
     }
 
 

@@ -184,8 +184,9 @@ def _cases_for_k(size, params, batch, k, full_batch):
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=_tx())  # type: ignore[arg-type]
     for name, fn in (("accumjax_scan", loss), ("accumjax_scan_remat", loss_remat)):
         step, state_k = _scan_step_for_k(fn, state, k)
+        state_k = state_k.replace(opt_state=state_k.tx.init(params))  # concrete, to run
         compiled = step.lower(state_k, batch).compile()
-        out[name] = (compiled, lambda s, f=compiled: f(s, batch)[0], state_k)
+        out[name] = (compiled, lambda s, f=compiled: f(s, batch, None)[0], state_k)
     compiled = _optax_microbatch_step(loss, _tx(), size["batch"] // k).lower(carry, batch).compile()
     out["optax_microbatch"] = (compiled, lambda c, f=compiled: f(c, batch), carry)
     for name, tx in (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 def table(r: dict) -> str:
@@ -65,10 +66,34 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def sharded_table(sharded: dict[str, Any]) -> str:
+    """``results["collectives"]["sharded"]`` (``bench_collectives.sharded_table``) as Markdown:
+    collectives per window and per-device memory under ``jit`` on an 8-device mesh."""
+    lines = [
+        f"| {sharded['devices']} devices, K={sharded['K']}, per window | all-reduce | "
+        "reduce-scatter | all-gather | MiB per device (arg + out + temp) |",
+        "|---|---|---|---|---|",
+    ]
+    for layout in ("replicated", "fsdp"):
+        for name in sharded[layout]:
+            r = sharded[layout][name]
+            c, m = r["per_window"], r["memory_per_device"]
+            calls = f" ({r['calls_per_window']} calls)" if r["calls_per_window"] > 1 else ""
+            lines.append(
+                f"| {layout}: {name}{calls} | {c['all-reduce']} | {c['reduce-scatter']} | "
+                f"{c['all-gather']} | {m['total_mib']:.2f} ({m['argument_mib']:.2f} + "
+                f"{m['output_mib']:.2f} + {m['temp_mib']:.2f}) |"
+            )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     results = json.loads((Path(__file__).parent / "results" / "results.json").read_text())
     if all(k in results for k in ("accumulate", "scan", "collectives", "accuracy")):
         print(table(results))
+    if "sharded" in results.get("collectives", {}):
+        print()
+        print(sharded_table(results["collectives"]["sharded"]))
     if "transformer" in results:
         from benchmarks.bench_transformer import table as transformer_table
 

@@ -60,3 +60,17 @@ def test_data_parallel_8_devices():
 def test_checkpoint_resume():
     out = run_example("checkpoint_resume.py")
     assert "bit-identical: True" in out
+
+
+@pytest.mark.slow
+def test_fsdp_8_devices():
+    out = run_example("fsdp_8_devices.py", devices=8)
+    assert "collectives per window (K=4): all-reduce 1, reduce-scatter 3, all-gather 3" in out
+    assert "FSDP accumulation matches the single-device run: True" in out
+
+
+@pytest.mark.slow
+def test_nnx_digits():
+    out = run_example("nnx_digits.py")
+    assert "running BN stats after the first update" in out
+    assert "accumulated training matches full-batch training: True" in out

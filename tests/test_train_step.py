@@ -762,3 +762,130 @@ def test_donation_and_create_validation():
 
 def test_public_export():
     assert accumjax.make_train_step is make_train_step
+
+
+# ----------------------------------------------------------------------------- randomness
+
+
+def _dropout_loss(params, batch, key):
+    """Input dropout with the step's key; the mask comes back as aux."""
+    keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+    pred = jnp.where(keep, batch["x"] / 0.5, 0.0) @ params["w"] + params["b"]
+    return jnp.mean((pred - batch["y"]) ** 2), keep
+
+
+def _all_distinct(masks):
+    """Whether the masks (stacked on the leading axis) are pairwise different."""
+    flat = np.asarray(masks).reshape(len(masks), -1)
+    return len({m.tobytes() for m in flat}) == len(flat)
+
+
+_DROPOUT_TX = accumulate(optax.sgd(0.05), K)  # one tx object: the step compiles once
+
+
+def _dropout_step(mode, **kwargs):
+    return make_train_step(_dropout_loss, mode=mode, has_aux=True, **kwargs)
+
+
+def _dropout_run(step, mode, seed, windows):
+    """(state, masks): masks[w] stacks window w's K microbatch masks (and devices first)."""
+    params = jax.tree.map(lambda a: a.astype(jnp.float32), _params())  # not weakly typed
+    state = TrainState.create(apply_fn=None, params=params, tx=_DROPOUT_TX)
+    masks = []
+    for window in windows:
+        batches = [window] if mode == "scan" else _microbatches(window)
+        calls = []
+        for batch in batches:
+            state, metrics = step(state, batch, jax.random.key(seed))
+            calls.append(np.asarray(metrics["aux"]))
+        masks.append(calls[0] if mode == "scan" else np.stack(calls))
+    return state, masks
+
+
+def test_dropout_keys_differ_across_microbatches_and_steps_and_match_between_modes():
+    x, y = _data()
+    windows = _windows(x, y)
+    _, scan_masks = _dropout_run(_dropout_step("scan"), "scan", 0, windows)
+    _, stream_masks = _dropout_run(_dropout_step("stream"), "stream", 0, windows)
+    assert scan_masks[0].shape == (K, MICRO, 5)
+    assert _all_distinct(np.concatenate(scan_masks))  # every microbatch of every step
+    # The documented key: fold_in(fold_in(rng, state.step), microbatch index).
+    for s, window_masks in enumerate(scan_masks):
+        for i, mask in enumerate(window_masks):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), i)
+            np.testing.assert_array_equal(mask, jax.random.bernoulli(key, 0.5, mask.shape))
+    # Stream mode folds in the window position: the same key for the same microbatch.
+    for scan, stream in zip(scan_masks, stream_masks, strict=True):
+        np.testing.assert_array_equal(stream, scan)
+
+
+def test_dropout_keys_differ_across_devices_on_a_mesh():
+    windows = _dp_windows(rows=8)[:2]  # 8 rows per device and microbatch: 40-bit masks
+    step = _dropout_step("scan", axis_name="data", mesh=_mesh())
+    state, masks = _dropout_run(step, "scan", 0, windows)
+    assert masks[0].shape == (N_DEV, K, 8, 5)  # per device, per microbatch
+    every = np.concatenate([m.reshape(N_DEV * K, 8, 5) for m in masks])
+    assert _all_distinct(every)  # 2 steps x 8 devices x 4 microbatches
+    assert int(state.step) == 2
+
+
+def test_same_seed_is_bit_identical_and_another_seed_is_not():
+    x, y = _data()
+    windows = _windows(x, y)
+    for mode in ("scan", "stream"):
+        step = _dropout_step(mode)  # one compiled program: the seed is an argument
+        first, first_masks = _dropout_run(step, mode, 5, windows)
+        again, again_masks = _dropout_run(step, mode, 5, windows)
+        _, other_masks = _dropout_run(step, mode, 6, windows)
+        _assert_tree_equal(again.params, first.params)
+        _assert_tree_equal(again_masks, first_masks)
+        assert not np.array_equal(np.stack(other_masks), np.stack(first_masks))
+
+
+class _DropoutMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.relu(nn.Dense(64)(x))
+        x = nn.Dropout(0.3, deterministic=not train)(x)
+        return nn.Dense(10)(x)
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target
+    return train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+
+
+def test_dropout_mlp_on_digits_k4_reaches_the_accuracy_of_k1():
+    """Same examples per update (K=4 x 32 vs K=1 x 128), same init and batch order; only
+    the dropout masks differ (per microbatch vs per batch)."""
+    x_train, x_test, y_train, y_test = _digits()
+    model = _DropoutMLP()
+    params = model.init(jax.random.key(0), x_train[:1], train=False)["params"]
+
+    def loss(params, batch, key):
+        logits = model.apply({"params": params}, batch["x"], train=True, rngs={"dropout": key})
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    def accuracy(k, epochs=25, batch=128):
+        tx = accumulate(optax.adam(3e-3), k)
+        state = TrainState.create(apply_fn=None, params=_fresh(params), tx=tx)
+        step = make_train_step(loss, mode="scan")  # microbatches of batch // k rows
+        order = np.random.default_rng(0)
+        for _ in range(epochs):
+            perm = order.permutation(len(x_train))
+            for s in range(0, len(perm) - batch + 1, batch):
+                idx = perm[s : s + batch]
+                state, _ = step(state, {"x": x_train[idx], "y": y_train[idx]}, jax.random.key(1))
+        assert int(state.step) == epochs * (len(x_train) // batch)
+        logits = model.apply({"params": state.params}, x_test, train=False)
+        return float(np.mean(np.argmax(logits, -1) == y_test))
+
+    full, accumulated = accuracy(1), accuracy(4)
+    print(f"digits dropout MLP test accuracy: K=1 {full:.4f}, K=4 {accumulated:.4f}")
+    assert full > 0.93 and accumulated > 0.93
+    assert abs(full - accumulated) <= 0.02

@@ -1,0 +1,301 @@
+"""Tests for accumjax.nnx_train_step: the train step for Flax NNX models.
+
+References: an NNX full-batch optimizer step per window (float64), ``nnx.BatchNorm`` applied
+once to the concatenated window for running statistics, and ``nnx.Optimizer`` around
+``accumjax.accumulate``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import accumjax
+from accumjax.nnx_train_step import (
+    NNXTrainState,
+    make_nnx_train_step,
+    nnx_train_state,
+    nnx_update,
+)
+
+K = 4  # microbatches per window
+MICRO = 8  # rows per microbatch
+WINDOWS = 3
+FEATURES, HIDDEN, OUT = 5, 6, 3
+MOMENTUM = 0.9
+N_DEV = 8
+
+# float64: K microbatch means summed and divided by K vs one full-batch mean differ by
+# summation order only (~1e-16 relative), which Adam carries over 3 windows far below 1e-12.
+F64 = {"rtol": 1e-12, "atol": 1e-12}
+# float32: the same reordering, ~1e-7 absolute on O(1) parameters after a few Adam steps.
+F32 = {"rtol": 1e-5, "atol": 1e-6}
+# Running statistics: float32 sums of 32 values and the float32 momentum scalar of the
+# step-driven layer (as in test_nnx_batch_norm.py); far below the ~10% gap between the pooled
+# variance and the mean of per-microbatch variances.
+STATS = {"rtol": 2e-5, "atol": 2e-5}
+
+
+class MLP(nnx.Module):
+    """Linear -> tanh -> Linear, in ``dtype``."""
+
+    def __init__(self, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.hidden = nnx.Linear(FEATURES, HIDDEN, param_dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(HIDDEN, OUT, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.tanh(self.hidden(x)))
+
+
+class BNNet(nnx.Module):
+    """Linear -> step-driven NNXAccumBatchNorm -> relu -> Dropout (key at call) -> Linear."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
+        self.norm = accumjax.NNXAccumBatchNorm(HIDDEN, momentum=MOMENTUM, rngs=rngs)
+        self.dropout = nnx.Dropout(0.2)
+        self.head = nnx.Linear(HIDDEN, OUT, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.head(self.dropout(nnx.relu(self.norm(self.linear(x))), rngs=rngs))
+
+
+def mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def bn_loss(model, batch, key):
+    return jnp.mean((model(batch["x"], rngs=key) - batch["y"]) ** 2)
+
+
+def _windows(seed=0, dtype=np.float32, rows_per_window=K * MICRO, windows=WINDOWS):
+    rng = np.random.default_rng(seed)
+    rows = rows_per_window * windows
+    x = rng.normal(loc=1.0, size=(rows, FEATURES)).astype(dtype)
+    y = (x @ rng.normal(size=(FEATURES, OUT)) + 0.1 * rng.normal(size=(rows, OUT))).astype(dtype)
+    n = rows_per_window
+    return [
+        {"x": jnp.asarray(x[i : i + n]), "y": jnp.asarray(y[i : i + n])} for i in range(0, rows, n)
+    ]
+
+
+def _microbatches(window):
+    """Scan mode's strided microbatches: microbatch i is rows i, i + K, ..."""
+    return [jax.tree.map(lambda a, i=i: a[i::K], window) for i in range(K)]
+
+
+def _run(step, state, windows, mode, rng=None):
+    metrics = {}
+    for window in windows:
+        for batch in [window] if mode == "scan" else _microbatches(window):
+            state, metrics = step(state, batch, rng)
+    return state, metrics
+
+
+def _pure(tree):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(tree))
+
+
+def _assert_tree_close(actual, expected, tol):
+    actual, expected = _pure(actual), _pure(expected)
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, e, **tol)
+
+
+def _reference_batch_norm(model: BNNet, window) -> nnx.BatchNorm:
+    """``nnx.BatchNorm`` applied once to what the norm sees for the whole window (the
+    linear layer does not change within a window)."""
+    reference = nnx.BatchNorm(HIDDEN, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    reference(model.linear(window["x"]))
+    return reference
+
+
+def _assert_stats_equal_reference(state, reference):
+    norm = state.model_state["norm"]
+    np.testing.assert_allclose(norm["mean"][...], reference.mean[...], **STATS)
+    np.testing.assert_allclose(norm["var"][...], reference.var[...], **STATS)
+    assert int(norm["acc_step"][...]) == 0  # the step closed the window
+    np.testing.assert_array_equal(norm["acc_count"][...], np.zeros(HIDDEN))
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_float64_params_equal_nnx_full_batch_reference(mode):
+    with jax.enable_x64(True):
+        windows = _windows(dtype=np.float64)
+        reference = MLP(nnx.Rngs(0), jnp.float64)
+        opt = nnx.Optimizer(reference, optax.adam(0.05), wrt=nnx.Param)
+        for window in windows:  # one full-batch step per window
+            opt.update(reference, nnx.grad(mse)(reference, window))
+
+        tx = accumjax.accumulate(optax.adam(0.05), K)
+        state = nnx_train_state(MLP(nnx.Rngs(0), jnp.float64), tx)
+        state, metrics = _run(make_nnx_train_step(mse, mode=mode), state, windows, mode)
+        assert int(state.step) == WINDOWS and bool(metrics["updated"])
+        assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype("float64")}
+        _assert_tree_close(state.params, nnx.state(reference, nnx.Param), F64)
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_batch_norm_stats_after_one_window_equal_batch_norm_on_whole_window(mode):
+    window = _windows(seed=1, windows=1)[0]
+    model = BNNet(nnx.Rngs(0))
+    reference = _reference_batch_norm(model, window)  # before training: the initial linear
+    state = nnx_train_state(model, accumjax.accumulate(optax.adam(1e-2), K))
+    step = make_nnx_train_step(bn_loss, mode=mode)
+    state, metrics = _run(step, state, [window], mode, jax.random.key(0))
+    assert int(state.step) == 1 and bool(metrics["updated"])
+    _assert_stats_equal_reference(state, reference)
+    # The model may be merged back: it holds the closed statistics and trained parameters.
+    nnx_update(model, state)
+    np.testing.assert_array_equal(model.norm.mean[...], state.model_state["norm"]["mean"][...])
+    np.testing.assert_array_equal(model.head.kernel[...], state.params["head"]["kernel"][...])
+
+
+def test_scan_and_stream_agree_with_batch_norm_and_dropout_keys():
+    windows = _windows(seed=2, windows=2)
+    tx = lambda: accumjax.accumulate(optax.adam(1e-2), K)
+    results = {}
+    for mode in ("scan", "stream"):
+        state = nnx_train_state(BNNet(nnx.Rngs(0)), tx())
+        step = make_nnx_train_step(bn_loss, mode=mode)
+        results[mode], _ = _run(step, state, windows, mode, jax.random.key(3))
+    scan, stream = results["scan"], results["stream"]
+    assert int(scan.step) == int(stream.step) == 2
+    # Same microbatches, same keys (fold_in of step and microbatch index), same sums: only
+    # XLA's fusion choices differ between the two programs.
+    _assert_tree_close(scan.params, stream.params, F32)
+    _assert_tree_close(scan.model_state, stream.model_state, F32)
+
+
+def test_nnx_optimizer_with_accumulate_updates_once_per_window():
+    windows = _windows(seed=4)
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, accumjax.accumulate(optax.adam(0.05), K), wrt=nnx.Param)
+
+    @nnx.jit
+    def train(model, opt, batch):
+        opt.update(model, nnx.grad(mse)(model, batch))
+
+    for window in windows:
+        for i, micro in enumerate(_microbatches(window)):
+            before = _pure(nnx.state(model, nnx.Param))
+            assert bool(accumjax.should_update(opt.opt_state)) == (i == K - 1)
+            train(model, opt, micro)
+            assert bool(accumjax.has_updated(opt.opt_state)) == (i == K - 1)
+            if i < K - 1:  # mid-window: parameters untouched, bit for bit
+                after = _pure(nnx.state(model, nnx.Param))
+                jax.tree.map(np.testing.assert_array_equal, after, before)
+    assert int(opt.step[...]) == WINDOWS * K  # nnx.Optimizer counts calls...
+    assert int(accumjax.stats(opt.opt_state).total_cycles) == WINDOWS  # ...accumulate, updates
+
+    # The same training with make_nnx_train_step (stream mode: the same calls).
+    state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.adam(0.05), K))
+    state, _ = _run(make_nnx_train_step(mse), state, windows, "stream")
+    assert int(state.step) == WINDOWS
+    _assert_tree_close(state.params, nnx.state(model, nnx.Param), F32)
+
+
+# ----------------------------------------------------------------------------- features
+
+
+@pytest.mark.parametrize("path", ["mesh", "pmap"])
+def test_data_parallel_pools_batch_norm_over_the_global_window(path):
+    assert jax.device_count() >= N_DEV
+    window = _windows(seed=5, rows_per_window=N_DEV * K * 2, windows=1)[0]
+    model = BNNet(nnx.Rngs(0))
+    reference = _reference_batch_norm(model, window)
+    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K))
+    if path == "mesh":
+        mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
+        step = make_nnx_train_step(bn_loss, mode="scan", axis_name="data", mesh=mesh)
+        state, metrics = step(state, window, jax.random.key(0))
+    else:  # replicated state, per-device batches
+        step = make_nnx_train_step(bn_loss, mode="scan", axis_name="data")
+        per_device = jax.tree.map(lambda a: a.reshape(N_DEV, -1, *a.shape[1:]), window)
+        state, metrics = step(accumjax.replicate(state, N_DEV), per_device, jax.random.key(0))
+        state = accumjax.unreplicate(state)
+    assert isinstance(state, NNXTrainState)
+    assert int(state.step) == 1 and metrics["loss"].shape == (N_DEV,)
+    _assert_stats_equal_reference(state, reference)
+
+
+def test_bfloat16_keeps_float32_master_params_and_follows_float32_training():
+    windows = _windows(seed=6, windows=1)
+    results = {}
+    for precision in (None, "bfloat16"):
+        state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K))
+        step = make_nnx_train_step(mse, mode="scan", mixed_precision=precision)
+        results[precision], metrics = _run(step, state, windows, "scan")
+        assert bool(metrics["updated"])
+    assert {leaf.dtype for leaf in jax.tree.leaves(results["bfloat16"].params)} == {
+        jnp.dtype("float32")
+    }
+    # bfloat16 has 8 mantissa bits: one SGD step of 0.1 * O(1) gradients agrees to ~1e-2.
+    _assert_tree_close(results["bfloat16"].params, results[None].params, {"atol": 2e-2})
+
+
+def test_has_aux_and_model_held_dropout_rngs():
+    class Held(nnx.Module):  # dropout with its own nnx.Rngs: key and count are model state
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(FEATURES, OUT, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=7))
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    def loss(model, batch):
+        pred = model(batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2), pred == 0  # aux: the dropout mask
+
+    window = _windows(seed=7, windows=1)[0]
+    state = nnx_train_state(Held(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K))
+    count = int(state.model_state["dropout"]["rngs"]["count"][...])
+    step = make_nnx_train_step(loss, mode="scan", has_aux=True)
+    state, metrics = step(state, window)
+    masks = np.asarray(metrics["aux"])
+    assert masks.shape == (K, MICRO, OUT)
+    assert len({m.tobytes() for m in masks}) == K  # a fresh mask for every microbatch
+    assert int(state.model_state["dropout"]["rngs"]["count"][...]) == count + K
+
+
+def test_model_stays_usable_after_nnx_update_and_later_steps():
+    model = MLP(nnx.Rngs(0))
+    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K))
+    step = make_nnx_train_step(mse, mode="scan")
+    windows = _windows(seed=8, windows=2)
+    state, _ = step(state, windows[0])
+    nnx_update(model, state)
+    trained = _pure(nnx.state(model, nnx.Param))
+    state, _ = step(state, windows[1])  # donates the state nnx_update read from
+    assert int(state.step) == 2
+    jax.tree.map(np.testing.assert_array_equal, _pure(nnx.state(model, nnx.Param)), trained)
+    assert model(windows[0]["x"]).shape == (K * MICRO, OUT)
+    assert isinstance(state, NNXTrainState)
+    assert "func.func" in step.lower(state, windows[0]).as_text()  # lowers, as jit does
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="mode"):
+        make_nnx_train_step(mse, mode="loop")
+    with pytest.raises(TypeError, match="callable"):
+        make_nnx_train_step(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"flax\.nnx\.Module"):
+        nnx_train_state({"w": jnp.zeros(2)}, optax.sgd(0.1))  # type: ignore[arg-type]
+    plain = accumjax.TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match="NNXTrainState"):
+        make_nnx_train_step(mse)(plain, {"x": jnp.ones((2, FEATURES))})
+    with pytest.raises(TypeError, match="NNXTrainState"):
+        nnx_update(MLP(nnx.Rngs(0)), plain)  # type: ignore[arg-type]
+    window = _windows(seed=9, windows=1)[0]
+    state = nnx_train_state(MLP(nnx.Rngs(0)), optax.sgd(0.1))
+    with pytest.raises(TypeError, match="has_aux=True"):
+        make_nnx_train_step(lambda m, b: (mse(m, b), 0.0))(state, window)
+    with pytest.raises(TypeError, match="has_aux=True"):
+        make_nnx_train_step(mse, has_aux=True)(state, window)
