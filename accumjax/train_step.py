@@ -528,12 +528,55 @@ def _window_loop(
     key: Callable[[Any], Any],
     loss_scale: Any,
 ) -> tuple[_Micro, Any]:
-    """The K strided microbatches of ``batch``: the first opens the window, a ``lax.scan``
-    adds the others. Returns the carry and the stacked aux (or None)."""
+    """The window over the K strided microbatches of ``batch``: ``(carry, stacked aux)``.
+
+    Scan mode holds the whole window's data, so when the policy only looks for non-finite
+    values it need not inspect every microbatch: the gradients are added as they come (XLA
+    fuses each add into the gradient's computation, with no gradient-sized buffer and no
+    norm pass), and only a window whose sum is not finite (a NaN/Inf or overflowed
+    microbatch: any of them makes the sum non-finite) is computed again from its start with
+    the per-microbatch policy. The result is the same as inspecting every microbatch.
+    """
+    policy = config.policy
+    if not policy.detects or policy.skip_fn is not None or policy.max_norm is not None:
+        return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
+    blind = config._replace(policy=policy._replace(on_nonfinite="propagate"))
+    found = _microbatch_loop(setup, blind, params, start, batch, key, loss_scale)
+    finite = _all_finite(found[0].window.grad_sum)
+
+    def inspect_each(_: Any) -> tuple[_Micro, Any]:
+        return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
+
+    return window_lib.run_once(~finite, inspect_each, found)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones((), bool)
+
+
+def _microbatch_loop(
+    setup: _Setup,
+    config: Config,
+    params: Any,
+    start: _Micro,
+    batch: Any,
+    key: Callable[[Any], Any],
+    loss_scale: Any,
+) -> tuple[_Micro, Any]:
+    """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
+    ``lax.scan`` adds all K to a zero accumulator.
+
+    Every microbatch runs in the same loop body: computed outside the loop, the first one's
+    activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
+    loop) both microbatches' activations are alive at once.
+    """
     k = cast(int, config.static_k)
     rows = _strided(batch, k)
     take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
-    micro, _, aux0 = _microbatch(setup, config, params, start, take(0), key(0), loss_scale, True)
+    if k == 1:
+        micro, _, aux = _microbatch(setup, config, params, start, take(0), key(0), loss_scale, True)
+        return micro, None if aux is None else jax.tree.map(lambda a: a[None], aux)
 
     def body(carry: _Micro, i: jax.Array) -> tuple[_Micro, Any]:
         carry, _, aux = _microbatch(
@@ -541,13 +584,8 @@ def _window_loop(
         )
         return carry, aux
 
-    aux = None if aux0 is None else jax.tree.map(lambda a: a[None], aux0)
-    if k > 1:
-        carry = _pvary(micro, setup.axis_name)
-        micro, aux_rest = jax.lax.scan(body, carry, jnp.arange(1, k), unroll=setup.unroll)
-        if aux is not None:
-            aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, aux_rest)
-    return micro, aux
+    start = _pvary(start._replace(window=window_lib.empty_like(start.window)), setup.axis_name)
+    return jax.lax.scan(body, start, jnp.arange(k), unroll=setup.unroll)
 
 
 def _scan_finish(
