@@ -1,7 +1,9 @@
 """One process of the two-process data-parallel test (tests/test_distributed.py).
 
-Run as ``python tests/_mp_worker.py PROCESS_ID PORT OUT.npz``; the test sets
-``XLA_FLAGS`` for it. Importing this module only defines the shared problem.
+Run as ``python tests/_mp_worker.py PROCESS_ID PORT OUT.npz LAYOUT``; the test sets
+``XLA_FLAGS`` for it. LAYOUT is ``mesh`` (``make_train_step(axis_name=..., mesh=...)``, state
+replicated) or ``fsdp`` (scan mode under ``jit``: the kernel sharded over the 8 devices of
+both processes). Importing this module only defines the shared problem.
 """
 
 import sys
@@ -11,16 +13,16 @@ import numpy as np
 ACCUM_STEPS = 2
 NUM_STEPS = 3
 GLOBAL_BATCH = 32
-LOCAL_DEVICES = 2
+LOCAL_DEVICES = 4
 
 
 def problem():
     """Data and initial parameters, identical in every process and in the test."""
     rng = np.random.default_rng(7)
-    x = rng.normal(size=(GLOBAL_BATCH, 5)).astype(np.float32)
+    x = rng.normal(size=(GLOBAL_BATCH, 8)).astype(np.float32)
     y = rng.normal(size=(GLOBAL_BATCH, 2)).astype(np.float32)
     params = {
-        "w": rng.normal(size=(5, 2)).astype(np.float32),
+        "w": rng.normal(size=(8, 2)).astype(np.float32),
         "b": np.zeros(2, np.float32),
     }
     return x, y, params
@@ -39,7 +41,7 @@ def make_tx():
     return accumjax.accumulate(optax.sgd(0.05, momentum=0.9), ACCUM_STEPS)
 
 
-def main(process_id: int, port: int, out: str) -> None:
+def main(process_id: int, port: int, out: str, layout: str) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
@@ -47,6 +49,7 @@ def main(process_id: int, port: int, out: str) -> None:
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
     )
+    from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import accumjax
@@ -55,8 +58,15 @@ def main(process_id: int, port: int, out: str) -> None:
     assert jax.process_count() == 2 and jax.device_count() == 2 * LOCAL_DEVICES
     mesh = Mesh(np.array(jax.devices()), ("data",))
     x, y, params = problem()
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx())
-    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+    if layout == "fsdp":
+        specs = {"w": PartitionSpec("data", None), "b": PartitionSpec()}
+        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx())
+        step = accumjax.make_train_step(loss_fn, mode="scan")
+    else:
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx())
+        state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+        step = accumjax.make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh)
     rows = GLOBAL_BATCH // jax.process_count()
     local = slice(process_id * rows, (process_id + 1) * rows)
     sharding = data_sharding(mesh, "data")
@@ -64,25 +74,27 @@ def main(process_id: int, port: int, out: str) -> None:
         "x": jax.make_array_from_process_local_data(sharding, x[local], x.shape),
         "y": jax.make_array_from_process_local_data(sharding, y[local], y.shape),
     }
-    step = accumjax.make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh)
     losses = []
     for _ in range(NUM_STEPS):
         state, metrics = step(state, batch)
         shards = metrics["loss"].addressable_shards  # one loss per device
         losses.append(float(np.mean([np.asarray(shard.data) for shard in shards])))
+    if layout == "fsdp":  # still sharded over both processes' devices
+        assert state.params["w"].sharding.spec[0] == "data", state.params["w"].sharding
+        assert state.opt_state.window.grad_sum["w"].sharding.spec[0] == "data"
 
-    def local_copy(a):
-        return np.asarray(a.addressable_shards[0].data)
+    def whole(a):
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
     np.savez(
         out,
-        w=local_copy(state.params["w"]),
-        b=local_copy(state.params["b"]),
-        step=local_copy(state.step),
+        w=whole(state.params["w"]),
+        b=whole(state.params["b"]),
+        step=whole(state.step),
         loss=np.asarray(losses),
     )
     jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

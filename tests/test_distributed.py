@@ -309,7 +309,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_process_scan_matches_single_process(tmp_path):
+@pytest.mark.parametrize("layout", ["mesh", "fsdp"])
+def test_two_process_scan_matches_single_process(tmp_path, layout):
     sys.path.insert(0, str(HERE))
     try:
         import _mp_worker as worker
@@ -321,7 +322,7 @@ def test_two_process_scan_matches_single_process(tmp_path):
     outs = [tmp_path / f"out{i}.npz" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port), str(outs[i])],
+            [sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port), str(outs[i]), layout],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
