@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from flax.training import train_state
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax import window as window_lib
@@ -46,6 +46,7 @@ from accumjax.accumulation import (
 )
 from accumjax.batch_norm import _is_step_driven, close_batch_norm_windows
 from accumjax.clipping import Mask, adaptive_clip_grad
+from accumjax.distributed import data_sharding
 from accumjax.loss_scale import (
     DynamicLossScale,
     adjust_loss_scale,
@@ -787,13 +788,37 @@ def _agc(
     return lambda grads, params: adaptive_clip_grad(params, grads, clip_factor, agc_eps, agc_mask)
 
 
-def _checked_once(jitted: Any, pmapped: bool, sharded_scan: bool = False) -> Any:
+def _place_on_mesh(mesh: Mesh, axis_name: str, state: Any, batch: Any) -> tuple[Any, Any]:
+    """The ``shard_map`` step's inputs where its specs say: the state replicated (a state
+    sharded over the mesh is refused, not silently replicated), the batch split."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+        if any(entry is not None for entry in spec):
+            raise ValueError(
+                f"state{jax.tree_util.keystr(path)} is sharded ({spec}), but "
+                "make_train_step(mesh=..., axis_name=...) replicates the state. For sharded "
+                "parameters use make_train_step(mode='scan') without mesh/axis_name under jit: "
+                "it keeps every array as it is sharded."
+            )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.device_put(state, replicated), jax.device_put(batch, data_sharding(mesh, axis_name))
+
+
+def _checked_once(
+    jitted: Any,
+    pmapped: bool,
+    sharded_scan: bool = False,
+    place: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+) -> Any:
     """``jitted`` that, on its first call, checks the (concrete) state against its optimizer
-    (a checkpoint resumed under another K or scaling is refused before anything runs), and,
-    for scan mode under ``jit``, passes the arrays' `accumjax.sharded.Layout` (static)."""
+    (a checkpoint resumed under another K or scaling is refused before anything runs); for
+    scan mode under ``jit`` it passes the arrays' `accumjax.sharded.Layout` (static), and
+    with ``place`` it puts the inputs where a ``shard_map`` step expects them."""
     checked: list[bool] = []
 
     def args(state: Any, batch: Any, rng: Any) -> tuple[Any, ...]:
+        if place is not None:
+            state, batch = place(state, batch)
         if not sharded_scan:
             return state, batch, rng
         return state, batch, rng, sharded.layout_of(state.params, batch)
@@ -974,5 +999,6 @@ def make_train_step(
             step, axis_name=axis_name, in_axes=(0, 0, None), donate_argnums=donate_argnums
         )
         return _checked_once(pmapped, True)
-    sharded = _shard_map(step, mesh, axis_name, has_aux, setup.f16)
-    return _checked_once(jax.jit(sharded, donate_argnums=donate_argnums), False)
+    mapped = _shard_map(step, mesh, axis_name, has_aux, setup.f16)
+    place = partial(_place_on_mesh, mesh, axis_name)
+    return _checked_once(jax.jit(mapped, donate_argnums=donate_argnums), False, place=place)

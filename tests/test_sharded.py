@@ -133,3 +133,21 @@ def test_layout_of_rejects_what_it_cannot_split():
         with pytest.raises(NotImplementedError, match="one mesh axis"):
             sharded.layout_of({"w": jnp.ones(3)}, both)
     assert sharded.layout_of({"w": jnp.ones(3)}, jnp.ones((8, 3))) is None  # one device
+
+
+def test_mesh_path_places_its_inputs_and_refuses_a_sharded_state():
+    # jax.make_mesh gives Explicit axes: the shard_map step used to reject unsharded inputs.
+    mesh = _mesh("explicit")
+    params, batch = _problem()
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = accumjax.make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh, donate=False)
+    after, _ = step(state, batch)
+    ref = _reference(steps=1)
+    for key in ref.params:
+        np.testing.assert_allclose(after.params[key], ref.params[key], rtol=2e-5, atol=2e-6)
+    with jax.set_mesh(mesh):
+        fsdp = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
+        sharded_state = accumjax.TrainState.create(apply_fn=None, params=fsdp, tx=tx)
+        with pytest.raises(ValueError, match=r"state\.params\['w1'\] is sharded"):
+            step(sharded_state, batch)
