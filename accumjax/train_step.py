@@ -197,6 +197,8 @@ class _Setup(NamedTuple):
     f16: bool
     transform: Callable[[Any, Any], Any] | None
     unroll: int | bool
+    gather_params: str = "window"
+    materialize: Callable[[Any, Any], Any] | None = None  # (params, microbatch index) -> params
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:
@@ -575,14 +577,15 @@ def _microbatch_loop(
     k = cast(int, config.static_k)
     rows = _strided(batch, k)
     take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
+    whole = setup.materialize or (lambda p, i: p)
     if k == 1:
-        micro, _, aux = _microbatch(setup, config, params, start, take(0), key(0), loss_scale, True)
+        p = whole(params, 0)
+        micro, _, aux = _microbatch(setup, config, p, start, take(0), key(0), loss_scale, True)
         return micro, None if aux is None else jax.tree.map(lambda a: a[None], aux)
 
     def body(carry: _Micro, i: jax.Array) -> tuple[_Micro, Any]:
-        carry, _, aux = _microbatch(
-            setup, config, params, carry, take(i), key(i), loss_scale, False
-        )
+        p = whole(params, i)
+        carry, _, aux = _microbatch(setup, config, p, carry, take(i), key(i), loss_scale, False)
         return carry, aux
 
     start = _pvary(start._replace(window=window_lib.empty_like(start.window)), setup.axis_name)
@@ -674,9 +677,14 @@ def _local_window(
 ) -> tuple[window_lib.Closed, Any, jax.Array, Any]:
     """One device's part of a sharded window: its rows' gradients, summed locally, then the
     window's one reduction (all-reduce, or reduce-scatter for sharded parameters)."""
-    params = sharded.gather(params, layout)
     zero = jnp.zeros((), jnp.float32)
-    like = window_lib.init_window(params, config.policy.accumulator_dtype)  # dtypes only
+    shapes = jax.eval_shape(partial(sharded.gather, layout=layout), params)
+    like = window_lib.init_window(shapes, config.policy.accumulator_dtype)
+    if setup.gather_params == "window":  # once, before the loop (more memory, one gather)
+        params = sharded.gather(params, layout)
+    else:  # in every microbatch, tied to its index so that XLA cannot hoist it
+        gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
+        setup = setup._replace(materialize=gather)
     key = lambda i: _key(rng, step_count, i, layout.axis)
     start = _Micro(like, model_state, zero, zero)
     micro, aux = _window_loop(setup, config, params, start, batch, key, loss_scale)
@@ -751,6 +759,7 @@ def _validate(
     mesh: Any,
     weight_fn: Any,
     unroll: Any,
+    gather_params: Any,
 ) -> int | None:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -762,6 +771,8 @@ def _validate(
         )
     if not isinstance(unroll, bool) and not (isinstance(unroll, int) and unroll >= 1):
         raise ValueError(f"unroll must be True, False or an int >= 1, got {unroll!r}.")
+    if gather_params not in ("window", "microbatch"):
+        raise ValueError(f"gather_params must be 'window' or 'microbatch', got {gather_params!r}.")
     if weight_fn is not None and not callable(weight_fn):
         raise TypeError(f"weight_fn must be callable or None, got {type(weight_fn).__name__}.")
     if mesh is not None:
@@ -853,6 +864,7 @@ def make_train_step(
     donate: bool = True,
     weight_fn: Callable[[Any], Any] | None = None,
     unroll: int | bool = 1,
+    gather_params: str = "window",
 ) -> Step:
     """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` that accumulates.
 
@@ -920,6 +932,11 @@ def make_train_step(
       unroll: scan mode: microbatches per loop iteration, passed to ``lax.scan`` (``True``
         unrolls the whole window). On CPU, XLA runs convolutions far slower inside a loop
         body than outside, so convnets want ``unroll=True`` there.
+      gather_params: scan mode under ``jit`` with parameters sharded over the batch axis
+        (FSDP): ``"window"`` (default, for speed) all-gathers them once per window and keeps
+        the whole copy for the window; ``"microbatch"`` (for memory) all-gathers them in
+        every microbatch, so the whole copy lives only while a microbatch runs (K gathers a
+        window; the gradient is still reduced once).
 
     Returns:
       The step. ``metrics`` has ``"loss"`` (the window's weighted mean loss over the added
@@ -974,7 +991,17 @@ def make_train_step(
     Reference: the ``GradientAccumulateModel`` of andreped/GradientAccumulator
     (Pedersen et al., https://github.com/andreped/GradientAccumulator).
     """
-    k = _validate(loss_fn, accum_steps, mode, mixed_precision, axis_name, mesh, weight_fn, unroll)
+    k = _validate(
+        loss_fn,
+        accum_steps,
+        mode,
+        mixed_precision,
+        axis_name,
+        mesh,
+        weight_fn,
+        unroll,
+        gather_params,
+    )
     setup = _Setup(
         grad_fn=_make_grad_fn(loss_fn, has_aux, _PRECISIONS[mixed_precision]),
         mode=mode,
@@ -984,6 +1011,7 @@ def make_train_step(
         f16=mixed_precision == "float16",
         transform=_agc(use_agc, clip_factor, agc_eps, agc_mask),
         unroll=unroll,
+        gather_params=gather_params,
     )
     donate_argnums = (0,) if donate else ()
     if axis_name is None and mode == "scan":

@@ -133,7 +133,8 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
     """An empty window whose accumulator is created like ``params`` (same sharding).
 
     Args:
-      params: the parameters (arrays or shape/dtype structures).
+      params: the parameters (arrays, whose shardings the accumulator takes, or
+        ``jax.ShapeDtypeStruct``s).
       accumulator_dtype: minimum precision; a leaf accumulates in
         ``promote_types(leaf dtype, accumulator_dtype)``, ``None`` keeps the leaf's dtype.
 
@@ -148,7 +149,12 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
       (dtype('float32'), 0)
     """
     grad_sum = jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=_accumulator_dtype(p.dtype, accumulator_dtype)), params
+        lambda p: (
+            jnp.zeros_like(p, dtype=_accumulator_dtype(p.dtype, accumulator_dtype))
+            if isinstance(p, jax.Array)
+            else jnp.zeros(p.shape, _accumulator_dtype(p.dtype, accumulator_dtype))
+        ),
+        params,
     )
     return empty_like(Window(grad_sum, *(jnp.zeros(()),) * 4))
 

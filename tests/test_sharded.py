@@ -151,3 +151,28 @@ def test_mesh_path_places_its_inputs_and_refuses_a_sharded_state():
         sharded_state = accumjax.TrainState.create(apply_fn=None, params=fsdp, tx=tx)
         with pytest.raises(ValueError, match=r"state\.params\['w1'\] is sharded"):
             step(sharded_state, batch)
+
+
+def test_fsdp_gather_per_microbatch_trades_gathers_for_memory():
+    mesh = _mesh("explicit")
+    params, batch = _problem()
+    with jax.set_mesh(mesh):
+        params = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
+        results = {}
+        for gather in ("window", "microbatch"):
+            state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+            step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
+            compiled = step.lower(state, batch).compile()
+            counts = count_collectives(compiled, per_execution=True, default_trip_count=1)
+            results[gather] = (step(state, batch)[0].params, counts)
+    (window_params, window_counts), (micro_params, micro_counts) = results.values()
+    # Per microbatch: two kernels x K, counted twice since the re-run of a non-finite window
+    # (a loop run at most once, default_trip_count=1) is counted as if it ran.
+    assert window_counts["all-gather"] == 2 and micro_counts["all-gather"] == 2 * K * 2
+    assert window_counts["reduce-scatter"] == micro_counts["reduce-scatter"] == 2  # once
+    for key in window_params:  # the same arithmetic, gathered at another time
+        np.testing.assert_array_equal(window_params[key], micro_params[key])
+    with pytest.raises(ValueError, match="gather_params"):
+        accumjax.make_train_step(_loss, mode="scan", gather_params="layer")
