@@ -47,9 +47,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh
 
-from accumjax.clipping import Mask
 from accumjax.loss_scale import DynamicLossScale
 from accumjax.train_step import Step, TrainState, make_train_step
 
@@ -192,7 +190,9 @@ class _NNXStep:
             )
         step = self._steps.get(state.graphdef)
         if step is None:
-            loss = _functional_loss(self._loss_fn, state.graphdef, self._options["has_aux"])
+            loss = _functional_loss(
+                self._loss_fn, state.graphdef, self._options.get("has_aux", False)
+            )
             step = self._steps[state.graphdef] = make_train_step(loss, **self._options)
         return step
 
@@ -208,20 +208,7 @@ class _NNXStep:
 
 def make_nnx_train_step(
     loss_fn: Callable[..., Any],
-    *,
-    mode: str = "stream",
-    accum_steps: int | None = None,
-    has_aux: bool = False,
-    use_agc: bool = False,
-    clip_factor: float = 0.01,
-    agc_eps: float = 1e-3,
-    agc_mask: Mask = None,
-    mixed_precision: str | None = None,
-    axis_name: str | None = None,
-    mesh: Mesh | None = None,
-    donate: bool = True,
-    weight_fn: Callable[[Any], Any] | None = None,
-    unroll: int | bool = 1,
+    **options: Any,
 ) -> Step:
     """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` for NNX models.
 
@@ -244,28 +231,17 @@ def make_nnx_train_step(
 
     Args:
       loss_fn: ``loss_fn(model, batch[, key])``, see above.
-      mode: ``"stream"`` (one microbatch per call) or ``"scan"`` (the whole batch per call;
-        microbatch ``i`` is rows ``i, i + K, ...``).
-      accum_steps: optional; when given it must equal the optimizer's K.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)`` (``metrics["aux"]``).
-      use_agc: adaptive gradient clipping of the window gradient, once per window.
-      clip_factor, agc_eps: AGC parameters.
-      agc_mask: which parameters AGC clips.
-      mixed_precision: ``None``, ``"bfloat16"`` or ``"float16"`` (with dynamic loss scaling).
-      axis_name: data parallelism: ``pmap`` over ``axis_name``, or with ``mesh`` a
-        ``shard_map`` over that mesh axis.
-      mesh: a ``jax.sharding.Mesh`` for the ``shard_map`` path.
-      donate: donate the input state's buffers.
-      weight_fn: ``weight_fn(microbatch) -> scalar`` for ``scaling="weighted"``.
-      unroll: scan mode: microbatches per loop iteration.
+      **options: the keyword arguments of :func:`accumjax.make_train_step` (``mode``,
+        ``has_aux``, ``mixed_precision``, ``axis_name``, ``mesh``, ``use_agc``,
+        ``weight_fn``, ``gather_params``, ...), with the same meaning.
 
     Returns:
       The step (its ``lower`` method lowers it for a given state and batch).
 
     Raises:
-      TypeError / ValueError: as :func:`accumjax.make_train_step`, and for a state that is
-      not an :class:`NNXTrainState` or a ``loss_fn`` output that does not match
-      ``has_aux``.
+      TypeError: as :func:`accumjax.make_train_step`, and for a state that is not an
+        :class:`NNXTrainState` or a ``loss_fn`` output that does not match ``has_aux``.
+      ValueError: as :func:`accumjax.make_train_step`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, accumjax
@@ -295,11 +271,5 @@ def make_nnx_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    options: dict[str, Any] = dict(
-        mode=mode, accum_steps=accum_steps, has_aux=has_aux, use_agc=use_agc,
-        clip_factor=clip_factor, agc_eps=agc_eps, agc_mask=agc_mask,
-        mixed_precision=mixed_precision, axis_name=axis_name, mesh=mesh, donate=donate,
-        weight_fn=weight_fn, unroll=unroll,
-    )  # fmt: skip
     make_train_step(loss_fn, **options)  # checks the arguments now, not at the first call
     return _NNXStep(loss_fn, options)
