@@ -101,15 +101,21 @@ def _accumulator_dtype() -> jnp.dtype:
     return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
-def _check_config(accum_steps: int | None, momentum: float) -> None:
-    """Rejects an ``accum_steps`` that is neither None nor an int >= 1, and bad momentum."""
+def _check_config(accum_steps: int | None, momentum: float, epsilon: float) -> None:
+    """Rejects an ``accum_steps`` that is neither None nor an int in [1, 2**31), a momentum
+    outside [0, 1] and an epsilon that is negative or not finite (bools and strings too)."""
     steps = accum_steps
     if steps is not None and (
-        isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1
+        isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps < 2**31
     ):
-        raise ValueError(f"accum_steps must be None or an int >= 1, got {steps!r}.")
+        raise ValueError(f"accum_steps must be None or an int in [1, 2**31), got {steps!r}.")
+    for name, value in (("momentum", momentum), ("epsilon", epsilon)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {value!r}.")
     if not 0.0 <= momentum <= 1.0:
         raise ValueError(f"momentum must lie in [0, 1], got {momentum!r}.")
+    if not (math.isfinite(epsilon) and epsilon >= 0):
+        raise ValueError(f"epsilon must be finite and >= 0, got {epsilon!r}.")
 
 
 def _canonical_axes(ndim: int, axes: Axes) -> tuple[int, ...]:
@@ -454,7 +460,7 @@ class AccumBatchNorm(nn.Module):
 
     def __post_init__(self) -> None:
         """Validates the hyperparameters before the module is used."""
-        _check_config(self.accum_steps, self.momentum)
+        _check_config(self.accum_steps, self.momentum, self.epsilon)
         super().__post_init__()
 
     @nn.compact

@@ -126,7 +126,7 @@ class AccumBatchNorm(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         """Creates the parameters and batch statistics (see the class docstring)."""
-        _check_config(accum_steps, momentum)
+        _check_config(accum_steps, momentum, epsilon)
         shape = (num_features,)
         self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.var = nnx.BatchStat(jnp.ones(shape, jnp.float32))

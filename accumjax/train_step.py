@@ -50,6 +50,7 @@ from accumjax.distributed import data_sharding
 from accumjax.loss_scale import (
     DynamicLossScale,
     adjust_loss_scale,
+    all_finite,
     dynamic_loss_scale,
     scale_loss,
     unscale_grads,
@@ -545,17 +546,12 @@ def _window_loop(
         return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
     blind = config._replace(policy=policy._replace(on_nonfinite="propagate"))
     found = _microbatch_loop(setup, blind, params, start, batch, key, loss_scale)
-    finite = _all_finite(found[0].window.grad_sum)
+    finite = all_finite(found[0].window.grad_sum)
 
     def inspect_each(_: Any) -> tuple[_Micro, Any]:
         return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
 
     return window_lib.run_once(~finite, inspect_each, found)
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones((), bool)
 
 
 def _microbatch_loop(

@@ -435,7 +435,7 @@ def test_convert_rejects_variables_without_batch_norm():
         convert_batch_norm_variables({"batch_stats": {"mean": jnp.zeros(2), "var": jnp.ones(3)}})
 
 
-@pytest.mark.parametrize("accum_steps", [0, 2.0, True, -1])
+@pytest.mark.parametrize("accum_steps", [0, 2.0, True, -1, 2**31])
 def test_rejects_bad_accum_steps(accum_steps):
     with pytest.raises(ValueError, match="accum_steps"):
         AccumBatchNorm(accum_steps=accum_steps)
@@ -444,6 +444,11 @@ def test_rejects_bad_accum_steps(accum_steps):
 def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="momentum"):
         AccumBatchNorm(momentum=1.5)
+    with pytest.raises(TypeError, match="momentum must be a real number"):
+        AccumBatchNorm(momentum="0.9")  # type: ignore[arg-type]
+    for epsilon in (-1e-5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="epsilon"):
+            AccumBatchNorm(epsilon=epsilon)
     x = jnp.ones((4, 3))
     bn = AccumBatchNorm(use_running_average=False)
     with pytest.raises(TypeError, match="floating-point"):
