@@ -101,7 +101,7 @@ def _accumulator_dtype() -> jnp.dtype:
     return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
-def _check_config(accum_steps: int | None, momentum: float, epsilon: float) -> None:
+def _check_config(accum_steps: int | None, momentum: float, epsilon: float = 0.0) -> None:
     """Rejects an ``accum_steps`` that is neither None nor an int in [1, 2**31), a momentum
     outside [0, 1] and an epsilon that is negative or not finite (bools and strings too)."""
     steps = accum_steps
