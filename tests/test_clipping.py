@@ -8,6 +8,7 @@ import optax.transforms
 import pytest
 from flax import linen as nn
 
+import accumjax
 from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
 
 # float32 results compared with float64 numpy references. A float32 sum of n positive terms has
@@ -648,3 +649,21 @@ def test_agc_on_accumulated_gradient_equals_full_batch_float64():
             on_accumulated,
             on_full,
         )
+
+
+def test_conv3d_model_trains_with_use_agc_in_both_modes():
+    x, y, params, loss = _conv3d_problem(jnp.float32)
+    batch_loss = lambda p, b: loss(p, b[0], b[1])
+    before = float(batch_loss(params, (x, y)))
+    for mode in ("scan", "stream"):
+        tx = accumjax.accumulate(optax.sgd(0.5), 2)
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+        step = accumjax.make_train_step(
+            batch_loss, mode=mode, use_agc=True, clip_factor=0.05, donate=False
+        )
+        for _ in range(10):
+            calls = [(x, y)] if mode == "scan" else [(x[i::2], y[i::2]) for i in range(2)]
+            for b in calls:
+                state, _ = step(state, b)
+        assert int(state.step) == 10
+        assert float(batch_loss(state.params, (x, y))) < before  # it trains, clipped
