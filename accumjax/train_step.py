@@ -885,8 +885,8 @@ def make_train_step(
     * ``"stream"``: ``batch`` is one microbatch; the update is applied when the window
       closes (on the other calls params are not touched).
     * ``"scan"``: ``batch`` is the whole batch (leading axis divisible by K, per device);
-      microbatch ``i`` is rows ``i, i + K, ...``. The first microbatch's gradient becomes the
-      accumulator, the other K - 1 are added in a ``lax.scan``.
+      microbatch ``i`` is rows ``i, i + K, ...``, all K added in one ``lax.scan`` (under
+      ``jit`` with sharded arrays, inside a ``shard_map`` that reduces once per window).
 
     A microbatch that is skipped (non-finite, invalid weight, ``skip_fn``) contributes neither
     its gradient nor its model state. A window that is not usable (see ``accumulate``) leaves
