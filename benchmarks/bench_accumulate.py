@@ -3,7 +3,9 @@
 The ideal non-update microstep is a gradient plus an in-place add into an accumulator. A
 wrapper's microstep is measured two ways: ``*_update`` (gradient and ``tx.update`` only: what
 the wrapper itself costs) and ``*_micro`` (also ``optax.apply_updates``, as a training loop
-does on every call). All steps are jitted with their carry donated, and timed side by side,
+does on every call), and ``*_train_step`` is ``make_train_step``'s stream step, which does not
+touch the parameters on a non-update call. All steps are jitted with their carry donated, and
+timed side by side,
 for a small microbatch (where the per-call memory passes over the 2.6M parameters show) and a
 larger one.
 """
@@ -36,6 +38,17 @@ def _wrapper_step(tx: optax.GradientTransformation, apply: bool = True):
     return step
 
 
+def _train_step():
+    """``make_train_step``'s stream step (a non-update call leaves params untouched)."""
+    step = accumjax.make_train_step(common.mlp_loss)
+
+    def run(carry):
+        state, batch = carry
+        return step(state, batch)[0], batch
+
+    return run
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _ideal_step(carry):
     params, acc, batch = carry
@@ -58,6 +71,9 @@ def _run_one(microbatch: int, calls: int, rounds: int) -> dict[str, Any]:
     for name, tx in never.items():
         cases[f"{name}_update"] = (_wrapper_step(tx, apply=False), (params, tx.init(params), batch))
         cases[f"{name}_micro"] = (_wrapper_step(tx), (params, tx.init(params), batch))
+    for name, tx in list(never.items())[:2]:  # make_train_step's own stream microstep
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+        cases[f"{name}_train_step"] = (_train_step(), (state, batch))
     windows = {
         "plain_adam": optax.adam(1e-3),
         "accumjax_window": accumjax.accumulate(optax.adam(1e-3), K),
@@ -69,6 +85,9 @@ def _run_one(microbatch: int, calls: int, rounds: int) -> dict[str, Any]:
     ms = {k: v * 1e3 for k, v in seconds.items()}
     ratios = {f"{k}_vs_ideal": v / ms["ideal"] for k, v in ms.items() if k.endswith("_update")}
     ratios.update({f"{k}_vs_ideal": v / ms["ideal"] for k, v in ms.items() if k.endswith("_micro")})
+    ratios.update(
+        {f"{k}_vs_ideal": v / ms["ideal"] for k, v in ms.items() if k.endswith("_train_step")}
+    )
     ratios["multisteps_micro_vs_plain_adam"] = ms["multisteps_micro"] / ms["plain_adam"]
     ratios["accumjax_window_vs_multisteps_window"] = ms["accumjax_window"] / ms["multisteps_window"]
     return {"ms_per_call": ms, "ratios": ratios}

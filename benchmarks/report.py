@@ -27,6 +27,11 @@ def table(r: dict) -> str:
         ),
         ('same with `on_nonfinite="propagate"`', pair("accumjax_no_detect_update_vs_ideal")),
         ("microstep with `apply_updates`: accumjax vs ideal", pair("accumjax_micro_vs_ideal")),
+        (
+            "`make_train_step` stream microstep vs ideal: detect / `propagate` (mb 32)",
+            f"{small['accumjax_train_step_vs_ideal']:.2f} / "
+            f"{small['accumjax_no_detect_train_step_vs_ideal']:.2f}",
+        ),
         ("microstep with `apply_updates`: MultiSteps vs ideal", pair("multisteps_micro_vs_ideal")),
         ("MultiSteps microstep vs a plain Adam step", pair("multisteps_micro_vs_plain_adam")),
         ("**K=8 window: accumjax / MultiSteps**", pair("accumjax_window_vs_multisteps_window")),
