@@ -37,6 +37,7 @@ __all__ = [
     "Window",
     "add_microbatch",
     "close_window",
+    "empty_like",
     "first_microbatch",
     "global_norm",
     "init_window",
