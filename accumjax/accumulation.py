@@ -386,8 +386,9 @@ def with_every_k(tx: optax.GradientTransformation, every_k: int | Schedule) -> A
     return _transformation(config._replace(every_k=_check_every_k(every_k)))
 
 
-def init_state(config: Config, params: Any) -> AccumulationState:
-    """A fresh `AccumulationState` for ``params``: an empty window like the parameters."""
+def init_state(config: Config, params: Any, inner_tx_state: Any = None) -> AccumulationState:
+    """A fresh `AccumulationState` for ``params``: an empty window like the parameters, and
+    ``inner_tx_state`` (by default ``config.inner.init(params)``)."""
     update_count = jnp.zeros((), jnp.int32)
     zero_f = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: donatable
     zero_i = lambda: jnp.zeros((), jnp.int32)
@@ -396,7 +397,7 @@ def init_state(config: Config, params: Any) -> AccumulationState:
         every_k=config.k_at(update_count),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.policy.scaling), jnp.int32),
         update_count=update_count,
-        inner_tx_state=config.inner.init(params),
+        inner_tx_state=config.inner.init(params) if inner_tx_state is None else inner_tx_state,
         max_grad_norm=zero_f(),
         nonfinite_count=zero_i(),
         skipped_microbatches=zero_i(),

@@ -42,6 +42,7 @@ from accumjax.accumulation import (
     check_state,
     config_of,
     end_window,
+    init_state,
     window_closes,
 )
 from accumjax.batch_norm import _is_step_driven, close_batch_norm_windows
@@ -325,11 +326,7 @@ def _accumulation(setup: _Setup, state: Any) -> tuple[Config, AccumulationState,
     if owned:
         acc = check_state(config, state.opt_state)
     else:
-        zero = jnp.zeros((), jnp.int32)
-        acc = AccumulationState(
-            window_lib.init_window(state.params, None), jnp.ones((), jnp.int32), zero, zero,
-            state.opt_state, jnp.zeros(()), zero, zero, zero, jnp.zeros((), bool),
-        )  # fmt: skip
+        acc = init_state(config, state.params, state.opt_state)
     return config, acc, owned
 
 
