@@ -52,21 +52,7 @@ def _full_batch_step():
 
 
 def _optax_microbatch_step(k: int):
-    tx = _tx()
-    grad_fn = optax.microbatch(
-        jax.grad(_loss),
-        argnums=1,
-        microbatch_size=BATCH // k,
-        accumulator=optax.microbatching.AccumulationType.MEAN,
-    )
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(carry, batch):
-        params, opt_state = carry
-        updates, opt_state = tx.update(grad_fn(params, batch), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
+    return common.optax_microbatch_step(_loss, _tx(), BATCH // k)
 
 
 def _naive_scan_step(k: int):

@@ -134,23 +134,6 @@ def _plain_step(loss, tx):
     return step
 
 
-def _optax_microbatch_step(loss, tx, microbatch_size: int):
-    grad_fn = optax.microbatch(
-        jax.grad(loss),
-        argnums=1,
-        microbatch_size=microbatch_size,
-        accumulator=optax.microbatching.AccumulationType.MEAN,
-    )
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(carry, batch):
-        params, opt_state = carry
-        updates, opt_state = tx.update(grad_fn(params, batch), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
-
-
 def _mib(nbytes: float) -> float:
     return nbytes / common.MiB
 
@@ -187,7 +170,9 @@ def _cases_for_k(size, params, batch, k, full_batch):
         state_k = state_k.replace(opt_state=state_k.tx.init(params))  # concrete, to run
         compiled = step.lower(state_k, batch).compile()
         out[name] = (compiled, lambda s, f=compiled: f(s, batch, None)[0], state_k)
-    compiled = _optax_microbatch_step(loss, _tx(), size["batch"] // k).lower(carry, batch).compile()
+    compiled = (
+        common.optax_microbatch_step(loss, _tx(), size["batch"] // k).lower(carry, batch).compile()
+    )
     out["optax_microbatch"] = (compiled, lambda c, f=compiled: f(c, batch), carry)
     for name, tx in (
         ("accumjax_stream", accumjax.accumulate(_tx(), k)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import platform
@@ -92,3 +93,23 @@ def machine() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()[:1]],
     }
+
+
+def optax_microbatch_step(loss: Callable[..., Any], tx: Any, microbatch_size: int) -> Any:
+    """A jitted ``(params, opt_state), batch -> (params, opt_state)`` step that averages the
+    gradients of ``microbatch_size``-row microbatches with ``optax.microbatch`` (the
+    reference for scan mode)."""
+    grad_fn = optax.microbatch(
+        jax.grad(loss),
+        argnums=1,
+        microbatch_size=microbatch_size,
+        accumulator=optax.microbatching.AccumulationType.MEAN,
+    )
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(carry: Any, batch: Any) -> Any:
+        params, opt_state = carry
+        updates, opt_state = tx.update(grad_fn(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
