@@ -453,12 +453,10 @@ def end_window(
     dtypes = jax.tree.map(jnp.result_type, grads_like)
 
     def update(operand: Any) -> Any:
-        out, inner_state, given, closed, extra_args = operand
+        out, inner_state, given, closed, extra_args, max_norm = operand
         params = out if apply_to_params else given
-        # Scaled here, inside the loop, so the division fuses into the inner update.
-        grads = jax.tree.map(
-            lambda g, dtype: g.astype(dtype), window_lib.scaled_gradient(closed), dtypes
-        )
+        scaled = window_lib.scaled_gradient(closed)
+        grads = jax.tree.map(lambda g, dtype: g.astype(dtype), scaled, dtypes)
         if transform is not None:
             grads = transform(grads, params)
         updates, new_inner = config.inner.update(grads, inner_state, params, **extra_args)
@@ -467,13 +465,18 @@ def end_window(
         new_inner = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_inner, inner_state)
         out = optax.apply_updates(params, updates) if apply_to_params else updates
         out = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), out, initial)
-        return out, new_inner, given, closed, extra_args
+        # The sum's slot gets the scaled gradient: a slot the loop does not change would let
+        # XLA hoist the division out of the loop, into a second gradient-sized buffer.
+        # The norm's one use is in here, so XLA computes it before the loop, not after it
+        # (which would make it copy the gradient into the loop).
+        max_norm = jnp.maximum(max_norm, closed.norm)
+        return out, new_inner, given, closed._replace(grad_sum=scaled), extra_args, max_norm
 
     # With apply_to_params the parameters travel once (as ``out``): a loop carry holding the
     # same buffer twice would force XLA to copy it.
     given = None if apply_to_params else params
-    operand = (initial, state.inner_tx_state, given, closed, extra_args)
-    out, inner_state, *_ = window_lib.run_once(closed.apply, update, operand)
+    operand = (initial, state.inner_tx_state, given, closed, extra_args, state.max_grad_norm)
+    out, inner_state, *_, max_grad_norm = window_lib.run_once(closed.apply, update, operand)
     apply = closed.apply
     update_count = jnp.where(apply, optax.safe_increment(state.update_count), state.update_count)
     return out, state._replace(
@@ -481,9 +484,7 @@ def end_window(
         every_k=config.k_at(update_count),
         update_count=update_count,
         inner_tx_state=inner_state,
-        max_grad_norm=jnp.where(
-            apply, jnp.maximum(state.max_grad_norm, closed.norm), state.max_grad_norm
-        ),
+        max_grad_norm=max_grad_norm,
         nonfinite_count=window_lib.saturating_add(state.nonfinite_count, closed.nonfinite_count),
         skipped_microbatches=window_lib.saturating_add(
             state.skipped_microbatches, closed.skipped_count

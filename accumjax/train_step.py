@@ -51,7 +51,6 @@ from accumjax.distributed import data_sharding
 from accumjax.loss_scale import (
     DynamicLossScale,
     adjust_loss_scale,
-    all_finite,
     dynamic_loss_scale,
     scale_loss,
     unscale_grads,
@@ -358,14 +357,19 @@ def _microbatch(
     key: Any,
     loss_scale: Any,
     first: bool,
+    inspected: window_lib.Microbatch | None = None,
 ) -> tuple[_Micro, jax.Array, Any]:
-    """One microbatch: gradient, add to the window, keep its model state only if added."""
+    """One microbatch: gradient, add to the window, keep its model state only if added.
+
+    ``inspected``: the policy's decision about this microbatch, taken earlier (`_decisions`),
+    or None to take it here.
+    """
     loss, new_model_state, aux, grads = setup.grad_fn(
         params, carry.model_state, batch, key, loss_scale
     )
     weight = None if setup.weight_fn is None else _weight(setup.weight_fn, batch)
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
-    window, micro = add(config.policy, carry.window, grads, weight, params)
+    window, micro = add(config.policy, carry.window, grads, weight, params, inspected)
     model_state = carry.model_state
     if model_state is not None:
         model_state = _select(micro.added, new_model_state, model_state)
@@ -532,23 +536,69 @@ def _window_loop(
     """The window over the K strided microbatches of ``batch``: ``(carry, stacked aux)``.
 
     Scan mode holds the whole window's data, so when the policy only looks for non-finite
-    values it need not inspect every microbatch: the gradients are added as they come (XLA
-    fuses each add into the gradient's computation, with no gradient-sized buffer and no
-    norm pass), and only a window whose sum is not finite (a NaN/Inf or overflowed
-    microbatch: any of them makes the sum non-finite) is computed again from its start with
-    the per-microbatch policy. The result is the same as inspecting every microbatch.
+    values it need not inspect every microbatch: the gradients are added as they come (each
+    leaf's add follows its gradient, with no norm pass and no wait for the other leaves),
+    and only a window whose sum is not finite (a NaN/Inf or overflowed microbatch: any of
+    them makes the sum non-finite) is computed again. The re-run takes the per-microbatch
+    decisions in a first loop (`_decisions`) and adds with them in a second, so it holds no
+    more memory than the blind loop. The result is the same as inspecting every microbatch.
     """
     policy = config.policy
-    if not policy.detects or policy.skip_fn is not None or policy.max_norm is not None:
+    inspects = policy.skip_fn is not None or policy.max_norm is not None
+    if not policy.detects or inspects or config.static_k == 1:
         return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
     blind = config._replace(policy=policy._replace(on_nonfinite="propagate"))
     found = _microbatch_loop(setup, blind, params, start, batch, key, loss_scale)
-    finite = all_finite(found[0].window.grad_sum)
+    finite = jnp.isfinite(window_lib.global_norm(found[0].window.grad_sum))
 
     def inspect_each(_: Any) -> tuple[_Micro, Any]:
-        return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
+        decided = _decisions(setup, config, params, start, batch, key, loss_scale)
+        return _microbatch_loop(setup, config, params, start, batch, key, loss_scale, decided)
 
     return window_lib.run_once(~finite, inspect_each, found)
+
+
+def _microbatches(
+    setup: _Setup, params: Any, batch: Any, k: int
+) -> Callable[[jax.Array], tuple[Any, Any]]:
+    """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
+    rows = _strided(batch, k)
+    whole = setup.materialize or (lambda p, i: p)
+
+    def take(i: jax.Array) -> tuple[Any, Any]:
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
+        return whole(params, i), mb
+
+    return take
+
+
+def _decisions(
+    setup: _Setup,
+    config: Config,
+    params: Any,
+    start: _Micro,
+    batch: Any,
+    key: Callable[[Any], Any],
+    loss_scale: Any,
+) -> window_lib.Microbatch:
+    """The policy's decision about each of the K microbatches (stacked), nothing added.
+
+    Each gradient only feeds reductions, so one leaf of it is alive at a time; the model state
+    follows the decisions as in `_microbatch`.
+    """
+    k = cast(int, config.static_k)
+    take = _microbatches(setup, params, batch, k)
+
+    def body(model_state: Any, i: jax.Array) -> tuple[Any, window_lib.Microbatch]:
+        p, mb = take(i)
+        _, new_model_state, _, grads = setup.grad_fn(p, model_state, mb, key(i), loss_scale)
+        weight = None if setup.weight_fn is None else _weight(setup.weight_fn, mb)
+        decided = window_lib.inspect_microbatch(config.policy, grads, weight, p)
+        if model_state is not None:
+            model_state = _select(decided.added, new_model_state, model_state)
+        return model_state, decided
+
+    return jax.lax.scan(body, start.model_state, jnp.arange(k), unroll=setup.unroll)[1]
 
 
 def _microbatch_loop(
@@ -559,30 +609,32 @@ def _microbatch_loop(
     batch: Any,
     key: Callable[[Any], Any],
     loss_scale: Any,
+    decided: window_lib.Microbatch | None = None,
 ) -> tuple[_Micro, Any]:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
-    ``lax.scan`` adds all K to a zero accumulator.
+    ``lax.scan`` adds all K to a zero accumulator (with the ``decided`` decisions, if given).
 
     Every microbatch runs in the same loop body: computed outside the loop, the first one's
     activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
     loop) both microbatches' activations are alive at once.
     """
     k = cast(int, config.static_k)
-    rows = _strided(batch, k)
-    take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
-    whole = setup.materialize or (lambda p, i: p)
+    take = _microbatches(setup, params, batch, k)
     if k == 1:
-        p = whole(params, 0)
-        micro, _, aux = _microbatch(setup, config, p, start, take(0), key(0), loss_scale, True)
+        p, mb = take(jnp.zeros((), jnp.int32))
+        micro, _, aux = _microbatch(setup, config, p, start, mb, key(0), loss_scale, True)
         return micro, None if aux is None else jax.tree.map(lambda a: a[None], aux)
 
-    def body(carry: _Micro, i: jax.Array) -> tuple[_Micro, Any]:
-        p = whole(params, i)
-        carry, _, aux = _microbatch(setup, config, p, carry, take(i), key(i), loss_scale, False)
+    def body(carry: _Micro, xs: tuple[jax.Array, Any]) -> tuple[_Micro, Any]:
+        i, inspected = xs
+        p, mb = take(i)
+        carry, _, aux = _microbatch(
+            setup, config, p, carry, mb, key(i), loss_scale, False, inspected
+        )
         return carry, aux
 
     start = _pvary(start._replace(window=window_lib.empty_like(start.window)), setup.axis_name)
-    return jax.lax.scan(body, start, jnp.arange(k), unroll=setup.unroll)
+    return jax.lax.scan(body, start, (jnp.arange(k), decided), unroll=setup.unroll)
 
 
 def _scan_finish(

@@ -41,6 +41,7 @@ __all__ = [
     "first_microbatch",
     "global_norm",
     "init_window",
+    "inspect_microbatch",
     "run_once",
     "saturating_add",
     "scaled_gradient",
@@ -95,15 +96,19 @@ class Window(NamedTuple):
 
 
 class Microbatch(NamedTuple):
-    """What ``add_microbatch`` learned about one microbatch (scalars).
+    """What the policy decided about one microbatch (`inspect_microbatch`).
 
     Attributes:
-      added: whether its gradient went into the window; model state follows this.
+      added: whether its gradient goes into the window; model state follows this.
       nonfinite: whether its gradient (or weight) was not finite.
+      weight: what it adds to the window's weight sum (0 when not added), float32.
+      factor: what its gradient is multiplied by (weight times clip factor), or None for 1.
     """
 
     added: jax.Array
     nonfinite: jax.Array
+    weight: jax.Array
+    factor: jax.Array | None = None
 
 
 class Closed(NamedTuple):
@@ -187,10 +192,36 @@ def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
     return jnp.where(counter > top - amount, top, counter + amount).astype(jnp.int32)
 
 
-def _inspect(
-    policy: Policy, grads: Any, weight: Any, params: Any
-) -> tuple[jax.Array | None, jax.Array, jax.Array, jax.Array]:
-    """``(factor, weight, added, nonfinite)`` of one microbatch; ``factor`` None means 1."""
+def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
+    return saturating_add(window_count, flag.astype(jnp.int32))
+
+
+def inspect_microbatch(
+    policy: Policy, grads: Any, weight: Any = None, params: Any = None
+) -> Microbatch:
+    """The policy's decision about one microbatch gradient, without adding it.
+
+    `add_microbatch` inspects and adds in one go. Inspecting first lets a caller decide before
+    the gradient that is added exists: scan mode's re-run of a non-finite window inspects a
+    microbatch's gradient, then computes it again and adds it with this decision, so no
+    gradient waits whole for a global norm.
+
+    Args:
+      policy: the window's `Policy`.
+      grads: the microbatch gradient.
+      weight: the microbatch weight (``scaling="weighted"`` only).
+      params: the parameters, passed to ``policy.skip_fn``.
+
+    Returns:
+      A `Microbatch`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import window
+      >>> m = window.inspect_microbatch(window.Policy(), {"w": jnp.array([1.0, jnp.nan])})
+      >>> bool(m.added), bool(m.nonfinite), float(m.weight)
+      (False, True, 0.0)
+    """
     w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
     factor = w if policy.scaling == "weighted" else None
     needs_norm = policy.detects or policy.max_norm is not None
@@ -203,15 +234,16 @@ def _inspect(
         tiny = jnp.finfo(jnp.float32).tiny
         clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
         factor = clip if factor is None else factor * clip
-    return factor, jnp.where(added, w, 0.0), added, ~finite
-
-
-def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
-    return saturating_add(window_count, flag.astype(jnp.int32))
+    return Microbatch(jnp.asarray(added), ~finite, jnp.where(added, w, 0.0), factor)
 
 
 def add_microbatch(
-    policy: Policy, window: Window, grads: Any, weight: Any = None, params: Any = None
+    policy: Policy,
+    window: Window,
+    grads: Any,
+    weight: Any = None,
+    params: Any = None,
+    inspected: Microbatch | None = None,
 ) -> tuple[Window, Microbatch]:
     """Adds one microbatch gradient to the window when it is usable.
 
@@ -221,30 +253,37 @@ def add_microbatch(
       grads: the microbatch gradient, structured like the accumulator.
       weight: the microbatch weight (``scaling="weighted"`` only).
       params: the parameters, passed to ``policy.skip_fn``.
+      inspected: the decision already taken by `inspect_microbatch` on this gradient, or
+        None to inspect it here.
 
     Returns:
       ``(window, microbatch)``: the new window and what was decided about the microbatch.
     """
-    factor, w, added, nonfinite = _inspect(policy, grads, weight, params)
+    m = inspect_microbatch(policy, grads, weight, params) if inspected is None else inspected
     select = policy.detects or policy.skip_fn is not None or policy.scaling == "weighted"
 
     def add(a: jax.Array, g: jax.Array) -> jax.Array:
         g = g.astype(a.dtype)
-        new = a + (g if factor is None else factor.astype(a.dtype) * g)
-        return jnp.where(added, new, a) if select else new
+        new = a + (g if m.factor is None else m.factor.astype(a.dtype) * g)
+        return jnp.where(m.added, new, a) if select else new
 
     window = Window(
         grad_sum=jax.tree.map(add, window.grad_sum, grads),
-        weight_sum=window.weight_sum + w,
+        weight_sum=window.weight_sum + m.weight,
         micro_step=_count(window.micro_step, jnp.ones((), bool)),
-        window_nonfinite=_count(window.window_nonfinite, nonfinite),
-        window_skipped=_count(window.window_skipped, ~added),
+        window_nonfinite=_count(window.window_nonfinite, m.nonfinite),
+        window_skipped=_count(window.window_skipped, ~m.added),
     )
-    return window, Microbatch(added, nonfinite)
+    return window, m
 
 
 def first_microbatch(
-    policy: Policy, like: Window, grads: Any, weight: Any = None, params: Any = None
+    policy: Policy,
+    like: Window,
+    grads: Any,
+    weight: Any = None,
+    params: Any = None,
+    inspected: Microbatch | None = None,
 ) -> tuple[Window, Microbatch]:
     """Opens a window with its first microbatch: the gradient becomes the accumulator.
 
@@ -257,26 +296,27 @@ def first_microbatch(
       grads: the first microbatch's gradient.
       weight: its weight (``scaling="weighted"`` only).
       params: the parameters, passed to ``policy.skip_fn``.
+      inspected: as in `add_microbatch`.
 
     Returns:
       ``(window, microbatch)`` as `add_microbatch`.
     """
-    factor, w, added, nonfinite = _inspect(policy, grads, weight, params)
+    m = inspect_microbatch(policy, grads, weight, params) if inspected is None else inspected
 
     def start(a: jax.Array, g: jax.Array) -> jax.Array:
         g = g.astype(a.dtype)
-        g = g if factor is None else factor.astype(a.dtype) * g
-        return jnp.where(added, g, jnp.zeros_like(g))
+        g = g if m.factor is None else m.factor.astype(a.dtype) * g
+        return jnp.where(m.added, g, jnp.zeros_like(g))
 
     empty = empty_like(like)
     window = empty._replace(
         grad_sum=jax.tree.map(start, like.grad_sum, grads),
-        weight_sum=w,
+        weight_sum=m.weight,
         micro_step=jnp.ones((), jnp.int32),
-        window_nonfinite=nonfinite.astype(jnp.int32),
-        window_skipped=(~added).astype(jnp.int32),
+        window_nonfinite=m.nonfinite.astype(jnp.int32),
+        window_skipped=(~m.added).astype(jnp.int32),
     )
-    return window, Microbatch(added, nonfinite)
+    return window, m
 
 
 def _denominator(policy: Policy, every_k: jax.Array, weight_sum: jax.Array, devices: int) -> Any:

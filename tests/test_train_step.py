@@ -1,5 +1,7 @@
 """Tests for accumjax.train_step: stream/scan vs full batch, mixed precision, data parallel."""
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -889,3 +891,64 @@ def test_dropout_mlp_on_digits_k4_reaches_the_accuracy_of_k1():
     print(f"digits dropout MLP test accuracy: K=1 {full:.4f}, K=4 {accumulated:.4f}")
     assert full > 0.93 and accumulated > 0.93
     assert abs(full - accumulated) <= 0.02
+
+
+def _temp_bytes(step, *args):
+    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip_microbatch", "propagate"])
+def test_scan_temp_memory_at_most_optax_microbatch_and_the_full_batch(on_nonfinite):
+    """XLA's own temp figure for a parameter-heavy MLP (2.3M parameters, small activations).
+
+    Scan mode holds one accumulator and one microbatch's activations; the window-end update
+    must not add a second gradient-sized buffer (a scaled copy of the sum), nor the re-run
+    of a non-finite window a whole microbatch gradient waiting for its norm. At every K it
+    needs no more than ``optax.microbatch``, and from K=4 on no more than the full batch
+    (at K=1 and 2 an accumulator plus one gradient leaf in flight exceed the full batch's
+    gradients plus its activations on this model).
+    """
+    dims, rows = (64, 512, 512, 512, 64), 256
+    rng = np.random.default_rng(0)
+    params = {
+        f"w{i}": jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32)
+        for i, (a, b) in enumerate(itertools.pairwise(dims))
+    }
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(rows, dims[0])), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(rows, dims[-1])), jnp.float32),
+    }
+
+    def loss(params, batch):
+        h = batch["x"]
+        for i in range(len(dims) - 1):
+            h = h @ params[f"w{i}"]
+            h = jax.nn.relu(h) if i < len(dims) - 2 else h
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    tx = optax.adam(1e-3)
+
+    def plain(grad_fn):
+        def step(carry, batch):
+            params, opt_state = carry
+            updates, opt_state = tx.update(grad_fn(params, batch), opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return jax.jit(step, donate_argnums=0)
+
+    carry = (params, tx.init(params))
+    full = _temp_bytes(plain(jax.grad(loss)), carry, batch)
+    scan = make_train_step(loss, mode="scan")
+    for k in (1, 2, 4, 8):
+        mean = optax.microbatching.AccumulationType.MEAN
+        reference = optax.microbatch(
+            jax.grad(loss), argnums=1, microbatch_size=rows // k, accumulator=mean
+        )
+        optax_temp = _temp_bytes(plain(reference), carry, batch)
+        state = TrainState.create(
+            apply_fn=None, params=params, tx=accumulate(tx, k, on_nonfinite=on_nonfinite)
+        )
+        temp = _temp_bytes(scan, state, batch)
+        assert temp <= optax_temp, (k, temp, optax_temp)
+        if k >= 4:
+            assert temp <= full, (k, temp, full)

@@ -253,6 +253,39 @@ def test_skip_fn_skips_and_counts():
 
 
 @pytest.mark.parametrize(
+    "policy",
+    [
+        window.Policy(),
+        window.Policy(on_nonfinite="propagate"),
+        window.Policy(scaling="weighted"),
+        window.Policy(max_norm=0.5),
+        window.Policy(skip_fn=lambda g, p: g["w"][0] > 0),
+    ],
+    ids=["detect", "propagate", "weighted", "max_norm", "skip_fn"],
+)
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_decision_taken_first_adds_the_same(policy, bad):
+    """Scan mode's re-run inspects a gradient, then adds its recomputation with that decision."""
+    rng = np.random.default_rng(0)
+    grads = {"w": jnp.asarray(rng.normal(size=3), jnp.float32), "b": jnp.ones((), jnp.float32)}
+    if bad:
+        grads = {**grads, "w": grads["w"].at[1].set(jnp.nan)}
+    weight = jnp.float32(2.5) if policy.scaling == "weighted" else None
+    open_ = window.init_window(grads)._replace(
+        grad_sum={"w": jnp.arange(3.0), "b": jnp.float32(1)}, weight_sum=jnp.float32(1)
+    )
+    decided = window.inspect_microbatch(policy, grads, weight, grads)
+    expect_added = not bad or policy.on_nonfinite == "propagate"
+    if policy.skip_fn is not None:
+        expect_added = expect_added and not bool(grads["w"][0] > 0)
+    assert bool(decided.added) == expect_added
+    for add in (window.add_microbatch, window.first_microbatch):
+        direct = add(policy, open_, grads, weight, grads)
+        given = add(policy, open_, grads, weight, grads, decided)
+        _equal(direct, given)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
         ({"max_norm": "1"}, TypeError, "max_norm"),
