@@ -23,7 +23,7 @@ keep their accumulator in the optimizer state (an argument, not temp), so their 
 ``floor(K) - param_bytes_f32``. Remat may go below the floor: the floor assumes the
 microbatch's activations are all stored.
 
-Times are medians of interleaved rounds, measured side by side per K (see
+Times are the fastest of interleaved rounds, measured side by side per K (see
 ``common.time_interleaved``); ratios between variants at the same K are the figures to read.
 """
 
@@ -49,7 +49,7 @@ from benchmarks import common
 KS = (1, 2, 4, 8, 16)
 SIZES: dict[str, dict[str, int]] = {
     # ~3.5M params; attention scores and MLP activations dominate memory. "small" is the
-    # CPU default (about 5 minutes on 2 idle cores with 3 timing rounds).
+    # CPU default (about 9 minutes on 2 idle cores with 6 timing rounds).
     "small": dict(vocab=512, d=256, layers=4, heads=4, mlp=1024, seq=256, batch=16),
     "medium": dict(vocab=512, d=256, layers=4, heads=4, mlp=1024, seq=256, batch=32),
     # for an accelerator (the default with --device gpu)
@@ -205,7 +205,7 @@ def run(
     size: str = "small",
     ks: tuple[int, ...] = KS,
     calls: int = 1,
-    rounds: int = 3,
+    rounds: int = 6,
     timing: bool = True,
 ) -> dict[str, Any]:
     """Temp memory and step time of every variant at every K (see the module docstring)."""

@@ -64,7 +64,8 @@ def time_interleaved(
 
     Each case is ``(step, carry)``: ``carry = step(carry)`` is called ``calls`` times per round
     (its buffers may be donated). Rounds alternate between cases so that machine noise hits
-    them alike; the figure of a case is the median over rounds of its mean time per call.
+    them alike; the figure of a case is its fastest round's mean time per call (other jobs
+    on the machine only ever add time, so the fastest round is the least disturbed one).
     """
     carries = {}
     for name, (step, carry) in cases.items():  # compile and warm up
@@ -79,7 +80,7 @@ def time_interleaved(
             jax.block_until_ready(carry)
             samples[name].append((time.perf_counter() - start) / calls)
             carries[name] = carry
-    return {name: float(np.median(s)) for name, s in samples.items()}
+    return {name: float(np.min(s)) for name, s in samples.items()}
 
 
 def machine() -> dict[str, Any]:

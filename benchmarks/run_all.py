@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "scan": lambda: bench_scan.run(**timing),
         "accuracy": bench_accuracy.run,
         "collectives": _collectives,
-        "transformer": lambda: bench_transformer.run(size, rounds=2 if args.quick else 3),
+        "transformer": lambda: bench_transformer.run(size, rounds=2 if args.quick else 6),
     }
     path = RESULTS / "results.json"
     results: dict[str, Any] = {}
