@@ -465,11 +465,11 @@ def end_window(
         new_inner = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_inner, inner_state)
         out = optax.apply_updates(params, updates) if apply_to_params else updates
         out = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), out, initial)
-        # The sum's slot gets the scaled gradient: a slot the loop does not change would let
-        # XLA hoist the division out of the loop, into a second gradient-sized buffer.
         # The norm's one use is in here, so XLA computes it before the loop, not after it
         # (which would make it copy the gradient into the loop).
         max_norm = jnp.maximum(max_norm, closed.norm)
+        # The sum's slot gets the scaled gradient: a slot the loop does not change would let
+        # XLA hoist the division out of the loop, into a second gradient-sized buffer.
         return out, new_inner, given, closed._replace(grad_sum=scaled), extra_args, max_norm
 
     # With apply_to_params the parameters travel once (as ``out``): a loop carry holding the

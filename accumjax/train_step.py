@@ -545,6 +545,7 @@ def _window_loop(
     """
     policy = config.policy
     inspects = policy.skip_fn is not None or policy.max_norm is not None
+    # At K=1 a re-run would compute the whole batch again; the one check costs a norm pass.
     if not policy.detects or inspects or config.static_k == 1:
         return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
     blind = config._replace(policy=policy._replace(on_nonfinite="propagate"))

@@ -283,6 +283,14 @@ def test_a_decision_taken_first_adds_the_same(policy, bad):
         direct = add(policy, open_, grads, weight, grads)
         given = add(policy, open_, grads, weight, grads, decided)
         _equal(direct, given)
+    if not policy.detects:  # "propagate" never refuses a microbatch
+        return
+    # The decision given is the one followed (the gradient is not inspected again).
+    refused = decided._replace(added=jnp.asarray(False), weight=jnp.float32(0))
+    finite = {"w": jnp.ones(3), "b": jnp.ones(())}
+    after, m = window.add_microbatch(policy, open_, finite, weight, finite, refused)
+    _equal(after.grad_sum, open_.grad_sum)
+    assert not bool(m.added) and int(after.window_skipped) == 1
 
 
 @pytest.mark.parametrize(
