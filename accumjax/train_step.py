@@ -541,7 +541,8 @@ def _window_loop(
     and only a window whose sum is not finite (a NaN/Inf or overflowed microbatch: any of
     them makes the sum non-finite) is computed again. The re-run takes the per-microbatch
     decisions in a first loop (`_decisions`) and adds with them in a second, so it holds no
-    more memory than the blind loop. The result is the same as inspecting every microbatch.
+    more memory than the blind loop. The result is the same as inspecting every microbatch
+    (short of microbatches whose float32 norms overflow while their values cancel in the sum).
     """
     policy = config.policy
     inspects = policy.skip_fn is not None or policy.max_norm is not None
@@ -623,7 +624,8 @@ def _microbatch_loop(
     take = _microbatches(setup, params, batch, k)
     if k == 1:
         p, mb = take(jnp.zeros((), jnp.int32))
-        micro, _, aux = _microbatch(setup, config, p, start, mb, key(0), loss_scale, True)
+        first = None if decided is None else jax.tree.map(lambda d: d[0], decided)
+        micro, _, aux = _microbatch(setup, config, p, start, mb, key(0), loss_scale, True, first)
         return micro, None if aux is None else jax.tree.map(lambda a: a[None], aux)
 
     def body(carry: _Micro, xs: tuple[jax.Array, Any]) -> tuple[_Micro, Any]:

@@ -193,6 +193,7 @@ def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
 
 
 def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
+    """``window_count`` plus one where ``flag``, saturating."""
     return saturating_add(window_count, flag.astype(jnp.int32))
 
 

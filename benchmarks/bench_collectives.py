@@ -183,6 +183,40 @@ def sharded_table(kind: str = "explicit") -> dict[str, Any]:
     return {"mesh_axis_type": kind, "devices": n, "K": K, "dims": list(DIMS), **rows}
 
 
+GATHER_DIMS = (256, 1024, 1024, 64)  # 1.4M parameters, batch 512
+
+
+def gather_params_memory() -> dict[str, Any]:
+    """FSDP scan mode on 8 devices: per-device temp MiB with ``gather_params="window"`` (one
+    all-gather per window) and ``"microbatch"`` (one per microbatch), and whether the two give
+    the same parameters bit for bit."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
+    host_params = common.mlp_params(GATHER_DIMS)
+    x, y = common.batch(512, GATHER_DIMS[0], GATHER_DIMS[-1])
+    out: dict[str, Any] = {"dims": list(GATHER_DIMS), "batch": 512, "K": K}
+    new_params = {}
+    with jax.set_mesh(mesh):
+        params = {
+            k: jax.device_put(v, NamedSharding(mesh, _param_spec(v, True)))
+            for k, v in host_params.items()
+        }
+        batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, PartitionSpec("data")))
+        for gather in ("window", "microbatch"):
+            state = accumjax.TrainState.create(
+                apply_fn=None,  # type: ignore[arg-type]
+                params=params,
+                tx=accumjax.accumulate(optax.adam(1e-3), K),
+            )
+            step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
+            compiled = step.lower(state, batch).compile()  # type: ignore[attr-defined]
+            out[f"temp_mib_{gather}"] = compiled.memory_analysis().temp_size_in_bytes / common.MiB
+            new_params[gather] = step(state, batch)[0].params
+    out["bit_identical"] = all(
+        bool(jnp.all(new_params["window"][k] == new_params["microbatch"][k])) for k in params
+    )
+    return out
+
+
 def run() -> dict[str, Any]:
     assert jax.device_count() == 8, jax.device_count()
     mesh = Mesh(jax.devices(), ("data",))
@@ -212,6 +246,7 @@ def run() -> dict[str, Any]:
             "per_window": count(naive_hlo, per_execution=True)["all-reduce"],
         },
         "sharded": sharded_table(),
+        "gather_params": gather_params_memory(),
     }
 
 

@@ -184,6 +184,15 @@ def _cases_for_k(size, params, batch, k, full_batch):
     return out
 
 
+def _propagate_temp_bytes(size, params, batch, k) -> int:
+    """Temp of the scan step with ``on_nonfinite="propagate"`` (no non-finite re-run path):
+    memory only, not timed."""
+    tx = accumjax.accumulate(_tx(), k, on_nonfinite="propagate")
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)  # type: ignore[arg-type]
+    step, state = _scan_step_for_k(_loss_fn(_model(size)), state, k)
+    return int(step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
+
+
 def _floor_bytes(size, params, batch, k) -> tuple[int, int]:
     """(temp of a single-microbatch grad function, float32 parameter bytes)."""
     loss = _loss_fn(_model(size))
@@ -218,7 +227,7 @@ def run(
     temp: dict[str, list[float]] = {v: [] for v in VARIANTS}
     total: dict[str, list[float]] = {v: [] for v in VARIANTS}
     ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    floor, floor_stream, grad_temp, device_memory = [], [], [], []
+    floor, floor_stream, grad_temp, device_memory, propagate = [], [], [], [], []
     full_batch = _full_batch_compiled(cfg, params, batch)  # K-independent: compiled once
     for k in ks:
         cases = _cases_for_k(cfg, params, batch, k, full_batch)
@@ -226,6 +235,7 @@ def run(
             m = compiled.memory_analysis()
             temp[name].append(_mib(m.temp_size_in_bytes))
             total[name].append(_mib(compiled_memory_bytes(compiled)))
+        propagate.append(_mib(_propagate_temp_bytes(cfg, params, batch, k)))
         g, p = _floor_bytes(cfg, params, batch, k)
         grad_temp.append(_mib(g))
         floor.append(_mib(g + 2 * p))
@@ -238,6 +248,7 @@ def run(
         device_memory.append(_device_memory())
         del cases
     return _summarise(cfg, params, ks, temp, total, ms, floor, floor_stream, grad_temp) | {
+        "scan_propagate_temp_mib": propagate,
         "device_memory_after_k": device_memory if any(device_memory) else None,
         "size": size,
         "timing": {"calls": calls, "rounds": rounds} if timing else None,
@@ -289,6 +300,8 @@ def table(r: dict[str, Any]) -> str:
 
     for v in VARIANTS:
         row(f"temp MiB: {v}", r["temp_mib"][v])
+    if "scan_propagate_temp_mib" in r:
+        row('temp MiB: accumjax_scan, on_nonfinite="propagate"', r["scan_propagate_temp_mib"])
     row("floor MiB (accumulator + microbatch grad + activations)", r["floor_mib"])
     row("floor MiB, stream (accumulator in the state)", r["floor_stream_mib"])
     for v in VARIANTS:

@@ -99,6 +99,14 @@ if __name__ == "__main__":
     if "sharded" in results.get("collectives", {}):
         print()
         print(sharded_table(results["collectives"]["sharded"]))
+    gather = results.get("collectives", {}).get("gather_params")
+    if gather:
+        print(
+            f"\nFSDP gather_params ({'-'.join(map(str, gather['dims']))} MLP, batch "
+            f"{gather['batch']}, K={gather['K']}): temp MiB per device "
+            f"{gather['temp_mib_window']:.1f} (window) / {gather['temp_mib_microbatch']:.1f} "
+            f"(microbatch), bit-identical params: {gather['bit_identical']}"
+        )
     if "transformer" in results:
         from benchmarks.bench_transformer import table as transformer_table
 

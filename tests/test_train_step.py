@@ -899,14 +899,14 @@ def _temp_bytes(step, *args):
 
 @pytest.mark.parametrize("on_nonfinite", ["skip_microbatch", "propagate"])
 def test_scan_temp_memory_at_most_optax_microbatch_and_the_full_batch(on_nonfinite):
-    """XLA's own temp figure for a parameter-heavy MLP (2.3M parameters, small activations).
+    """XLA's own temp figure for a parameter-heavy MLP (0.59M parameters, small activations).
 
     Scan mode holds one accumulator and one microbatch's activations; the window-end update
     must not add a second gradient-sized buffer (a scaled copy of the sum), nor the re-run
     of a non-finite window a whole microbatch gradient waiting for its norm. At every K it
-    needs no more than ``optax.microbatch``, and from K=4 on no more than the full batch
-    (at K=1 and 2 an accumulator plus one gradient leaf in flight exceed the full batch's
-    gradients plus its activations on this model).
+    needs no more than ``optax.microbatch``, and no more than the full batch except at K=2
+    (where an accumulator, one gradient leaf in flight and half the batch's activations
+    exceed the full batch's gradients plus its activations on this model).
     """
     dims, rows = (64, 512, 512, 512, 64), 256
     rng = np.random.default_rng(0)
@@ -950,5 +950,5 @@ def test_scan_temp_memory_at_most_optax_microbatch_and_the_full_batch(on_nonfini
         )
         temp = _temp_bytes(scan, state, batch)
         assert temp <= optax_temp, (k, temp, optax_temp)
-        if k >= 4:
+        if k != 2:
             assert temp <= full, (k, temp, full)
