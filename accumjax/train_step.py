@@ -367,7 +367,7 @@ def _microbatch(
     loss, new_model_state, aux, grads = setup.grad_fn(
         params, carry.model_state, batch, key, loss_scale
     )
-    weight = None if setup.weight_fn is None else _weight(setup.weight_fn, batch)
+    weight = _weight(setup.weight_fn, batch)
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
     window, micro = add(config.policy, carry.window, grads, weight, params, inspected)
     model_state = carry.model_state
@@ -379,7 +379,10 @@ def _microbatch(
     return _Micro(window, model_state, loss_sum, carry.loss_weight + w), loss, aux
 
 
-def _weight(weight_fn: Callable[[Any], Any], batch: Any) -> jax.Array:
+def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | None:
+    """The microbatch's scalar weight from ``weight_fn``, float32, or None without one."""
+    if weight_fn is None:
+        return None
     w = jnp.asarray(weight_fn(batch))
     if w.shape != ():
         raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}.")
@@ -545,17 +548,18 @@ def _window_loop(
     (short of microbatches whose float32 norms overflow while their values cancel in the sum).
     """
     policy = config.policy
+    take = _microbatches(setup, params, batch, cast(int, config.static_k))
     inspects = policy.skip_fn is not None or policy.max_norm is not None
     # At K=1 a re-run would compute the whole batch again; the one check costs a norm pass.
     if not policy.detects or inspects or config.static_k == 1:
-        return _microbatch_loop(setup, config, params, start, batch, key, loss_scale)
+        return _microbatch_loop(setup, config, take, start, key, loss_scale)
     blind = config._replace(policy=policy._replace(on_nonfinite="propagate"))
-    found = _microbatch_loop(setup, blind, params, start, batch, key, loss_scale)
+    found = _microbatch_loop(setup, blind, take, start, key, loss_scale)
     finite = jnp.isfinite(window_lib.global_norm(found[0].window.grad_sum))
 
     def inspect_each(_: Any) -> tuple[_Micro, Any]:
-        decided = _decisions(setup, config, params, start, batch, key, loss_scale)
-        return _microbatch_loop(setup, config, params, start, batch, key, loss_scale, decided)
+        decided = _decisions(setup, config, take, start, key, loss_scale)
+        return _microbatch_loop(setup, config, take, start, key, loss_scale, decided)
 
     return window_lib.run_once(~finite, inspect_each, found)
 
@@ -577,9 +581,8 @@ def _microbatches(
 def _decisions(
     setup: _Setup,
     config: Config,
-    params: Any,
+    take: Callable[[jax.Array], tuple[Any, Any]],
     start: _Micro,
-    batch: Any,
     key: Callable[[Any], Any],
     loss_scale: Any,
 ) -> window_lib.Microbatch:
@@ -588,44 +591,41 @@ def _decisions(
     Each gradient only feeds reductions, so one leaf of it is alive at a time; the model state
     follows the decisions as in `_microbatch`.
     """
-    k = cast(int, config.static_k)
-    take = _microbatches(setup, params, batch, k)
 
     def body(model_state: Any, i: jax.Array) -> tuple[Any, window_lib.Microbatch]:
         p, mb = take(i)
         _, new_model_state, _, grads = setup.grad_fn(p, model_state, mb, key(i), loss_scale)
-        weight = None if setup.weight_fn is None else _weight(setup.weight_fn, mb)
+        weight = _weight(setup.weight_fn, mb)
         decided = window_lib.inspect_microbatch(config.policy, grads, weight, p)
         if model_state is not None:
             model_state = _select(decided.added, new_model_state, model_state)
         return model_state, decided
 
-    return jax.lax.scan(body, start.model_state, jnp.arange(k), unroll=setup.unroll)[1]
+    steps = jnp.arange(cast(int, config.static_k))
+    return jax.lax.scan(body, start.model_state, steps, unroll=setup.unroll)[1]
 
 
 def _microbatch_loop(
     setup: _Setup,
     config: Config,
-    params: Any,
+    take: Callable[[jax.Array], tuple[Any, Any]],
     start: _Micro,
-    batch: Any,
     key: Callable[[Any], Any],
     loss_scale: Any,
     decided: window_lib.Microbatch | None = None,
 ) -> tuple[_Micro, Any]:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
-    ``lax.scan`` adds all K to a zero accumulator (with the ``decided`` decisions, if given).
+    ``lax.scan`` adds all K to a zero accumulator (with the ``decided`` decisions, if given:
+    K > 1 only, `_window_loop` never re-runs a one-microbatch window).
 
     Every microbatch runs in the same loop body: computed outside the loop, the first one's
     activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
     loop) both microbatches' activations are alive at once.
     """
     k = cast(int, config.static_k)
-    take = _microbatches(setup, params, batch, k)
     if k == 1:
         p, mb = take(jnp.zeros((), jnp.int32))
-        first = None if decided is None else jax.tree.map(lambda d: d[0], decided)
-        micro, _, aux = _microbatch(setup, config, p, start, mb, key(0), loss_scale, True, first)
+        micro, _, aux = _microbatch(setup, config, p, start, mb, key(0), loss_scale, True)
         return micro, None if aux is None else jax.tree.map(lambda a: a[None], aux)
 
     def body(carry: _Micro, xs: tuple[jax.Array, Any]) -> tuple[_Micro, Any]:
