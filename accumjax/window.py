@@ -45,6 +45,7 @@ __all__ = [
     "run_once",
     "saturating_add",
     "scaled_gradient",
+    "sum_dtype",
 ]
 
 OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
@@ -131,8 +132,20 @@ class Closed(NamedTuple):
     norm: jax.Array
 
 
-def _accumulator_dtype(dtype: Any, minimum: Any) -> Any:
-    return dtype if minimum is None else jnp.promote_types(dtype, minimum)
+def sum_dtype(dtype: Any, minimum: Any = jnp.float32) -> Any:
+    """The dtype a ``dtype`` value accumulates in: at least ``minimum`` (None: ``dtype``).
+
+    Canonical for the current JAX configuration: float64 is float32 unless
+    ``jax_enable_x64`` is on. The gradient window and the BatchNorm windows both use it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import window
+      >>> window.sum_dtype(jnp.bfloat16)
+      dtype('float32')
+    """
+    wide = dtype if minimum is None else jnp.promote_types(dtype, minimum)
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(wide))
 
 
 def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
@@ -156,9 +169,9 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
     """
     grad_sum = jax.tree.map(
         lambda p: (
-            jnp.zeros_like(p, dtype=_accumulator_dtype(p.dtype, accumulator_dtype))
+            jnp.zeros_like(p, dtype=sum_dtype(p.dtype, accumulator_dtype))
             if isinstance(p, jax.Array)
-            else jnp.zeros(p.shape, _accumulator_dtype(p.dtype, accumulator_dtype))
+            else jnp.zeros(p.shape, sum_dtype(p.dtype, accumulator_dtype))
         ),
         params,
     )

@@ -1,0 +1,97 @@
+"""Argument checks shared by every public entry point (internal).
+
+One family, one rule for the error type: a value of the wrong *kind* (a bool where a number
+is wanted, a string, a float where an int is wanted) raises ``TypeError``; a value of the
+right kind outside its range raises ``ValueError``. Every message names the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "INT32_MAX",
+    "check_callable",
+    "check_choice",
+    "check_int",
+    "check_real",
+]
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int(name: str, value: Any, low: int = 1, high: int = INT32_MAX) -> int:
+    """``value`` as a Python int in ``[low, high]`` (numpy integers welcome, bools not).
+
+    Example:
+      >>> check_int("every_k", 4)
+      4
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r}.")
+    value = int(value)
+    if not low <= value <= high:
+        top = "2**31 - 1" if high == INT32_MAX else str(high)
+        raise ValueError(f"{name} must be an int in [{low}, {top}], got {value}.")
+    return value
+
+
+def check_real(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float:
+    """``value`` as a finite Python float in ``[low, high]`` (``(low, high]`` with ``low_open``).
+
+    Bools, strings and arrays are not real numbers here (``TypeError``); NaN, infinities and
+    values out of range raise ``ValueError``.
+
+    Example:
+      >>> check_real("max_norm", 1, low=0.0, low_open=True)
+      1.0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}.")
+    number = float(value)
+    below = low is not None and (number <= low if low_open else number < low)
+    above = high is not None and number > high
+    if not math.isfinite(number) or below or above:
+        bounds = []
+        if low is not None:
+            bounds.append(f"{'>' if low_open else '>='} {low:g}")
+        if high is not None:
+            bounds.append(f"<= {high:g}")
+        where = f" and {' and '.join(bounds)}" if bounds else ""
+        raise ValueError(f"{name} must be finite{where}, got {value!r}.")
+    return number
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """``value`` if it is one of ``choices``, else ``ValueError`` listing them.
+
+    Example:
+      >>> check_choice("mode", "scan", ("stream", "scan"))
+      'scan'
+    """
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}.")
+    return value
+
+
+def check_callable(name: str, value: Any, optional: bool = True) -> Callable[..., Any] | None:
+    """``value`` if it is callable (or None, when ``optional``), else ``TypeError``.
+
+    Example:
+      >>> check_callable("skip_fn", None) is None
+      True
+    """
+    if (value is None and optional) or callable(value):
+        return value
+    kind = "callable or None" if optional else "callable"
+    raise TypeError(f"{name} must be {kind}, got {type(value).__name__}.")
