@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def run_example(name: str, devices: int = 1) -> str:
-    """Runs ``examples/<name>`` from the repository root and returns its stdout."""
+def run_example(name: str, devices: int = 1, args: tuple[str, ...] = ()) -> str:
+    """Runs ``examples/<name> *args`` from the repository root and returns its stdout."""
     env = dict(os.environ)
     # conftest.py asks for 8 host devices; give each example only what it needs.
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
@@ -22,7 +22,7 @@ def run_example(name: str, devices: int = 1) -> str:
     # Import this checkout's accumjax even when it is not installed.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)],
+        [sys.executable, str(ROOT / "examples" / name), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -74,3 +74,13 @@ def test_nnx_digits():
     out = run_example("nnx_digits.py")
     assert "running BN stats after the first update" in out
     assert "accumulated training matches full-batch training: True" in out
+
+
+@pytest.mark.slow
+def test_demo_runs_quick():
+    # examples/demo.py is the one-command demo in the README; --quick trains 2 epochs. It exits
+    # non-zero (failing run_example) if the two runs' parameters differ beyond its tolerance.
+    out = run_example("demo.py", args=("--quick",))
+    assert "epoch   loss full    loss K=8  max |dparam|" in out
+    assert "XLA temp memory per step: full batch" in out
+    assert "accumulated training matches full-batch training (max |dparam| <= 0.0001): True" in out
