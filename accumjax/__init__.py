@@ -7,16 +7,15 @@ precision, data parallel with one all-reduce per window). Every entry point runs
 same accumulation window, `accumjax.window`.
 """
 
-from accumjax.accumulation import (
+from accumjax.accumulation import accumulate, with_every_k
+from accumjax.accumulation_state import (
     AccumulationState,
     AccumulationStats,
-    accumulate,
     accumulated_gradients,
     has_updated,
     reset,
     should_update,
     stats,
-    with_every_k,
 )
 from accumjax.batch_norm import (
     AccumBatchNorm,
@@ -46,7 +45,8 @@ from accumjax.planner import (
     plan_microbatches,
     plan_microbatches_for,
 )
-from accumjax.train_step import TrainState, make_train_step
+from accumjax.train_state import TrainState
+from accumjax.train_step import make_train_step
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Gradient accumulation as an optax transformation: `accumulate` and free functions on its state.
+"""Gradient accumulation as an optax transformation: `accumulate` and its window end.
 
 ``accumulate(inner, K)`` collects K microbatch gradients and hands their scaled sum to ``inner``
 once per window, so K small microbatches give the update of one big batch. It is a drop-in
@@ -16,6 +16,11 @@ replacement for ``optax.MultiSteps`` with these differences:
   closes, so finite microbatches whose sum overflows skip the window and are counted too.
 - With ``axis_name`` the window's sum is all-reduced once per window.
 
+The state and the free functions that read it (`accumjax.stats`, `accumjax.has_updated`, ...)
+are `accumjax.accumulation_state`. `close_and_update` (this transformation's ``update``) and
+`close_and_apply` (`accumjax.make_train_step`, which updates the parameters in the same loop)
+are the one place that acts on a closed window.
+
 The window logic (add, close, decide) is `accumjax.window`, shared with `make_train_step`'s
 stream and scan modes, so a policy means the same thing everywhere.
 
@@ -26,8 +31,6 @@ thereby advances Adam/momentum state on non-update steps, which this module does
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -37,82 +40,24 @@ import optax
 
 from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
-from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn, Window
+from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
+from accumjax.accumulation_state import AccumulationState
+from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
 __all__ = [
     "AccumulationState",
-    "AccumulationStats",
+    "Config",
     "accumulate",
-    "accumulated_gradients",
-    "has_updated",
-    "reset",
-    "should_update",
-    "stats",
+    "check_state",
+    "close_and_apply",
+    "close_and_update",
+    "config_of",
+    "init_state",
+    "window_closes",
     "with_every_k",
 ]
 
 Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
-_INT32_MAX = 2**31 - 1
-
-
-class AccumulationState(NamedTuple):
-    """State of `accumulate`: a pytree of arrays the user owns (checkpoint it like any other).
-
-    Field names are distinct from those of optax's own states, so
-    ``optax.tree_utils.tree_get(state, name)`` finds them inside any chain.
-
-    Attributes:
-      window: the open `accumjax.window.Window` (sum, weight sum, calls, skipped counts).
-      every_k: K of the current window (from the schedule), int32.
-      scaling_code: index of the scaling strategy in `accumjax.scaling.SCALINGS`, int32; a
-        state is refused by an `accumulate` with another strategy (or another int K).
-      update_count: inner updates actually applied, int32; what a K schedule is evaluated at.
-      inner_tx_state: the inner optimizer's state.
-      max_grad_norm: largest global norm of an applied window gradient, float32.
-      nonfinite_count: microbatches with a NaN/Inf gradient or an invalid weight so far.
-      skipped_microbatches: microbatches left out of their window so far (any reason).
-      skipped_windows: windows closed without an update so far.
-      updated: whether the last call applied an inner update.
-    """
-
-    window: Window
-    every_k: jax.Array
-    scaling_code: jax.Array
-    update_count: jax.Array
-    inner_tx_state: Any
-    max_grad_norm: jax.Array
-    nonfinite_count: jax.Array
-    skipped_microbatches: jax.Array
-    skipped_windows: jax.Array
-    updated: jax.Array
-
-
-class AccumulationStats(NamedTuple):
-    """What `stats` reports about an `AccumulationState`.
-
-    Attributes:
-      accumulation_steps: K of the current window.
-      current_step: calls seen in the current window.
-      total_cycles: inner updates applied so far.
-      max_grad_norm: largest norm of an applied window gradient.
-      overflow_detected: whether any non-finite microbatch has been seen.
-      num_nonfinite: how many.
-      skipped_microbatches: microbatches left out of their window.
-      skipped_windows: windows closed without an update.
-      num_parameters: number of scalars accumulated (a Python int).
-      memory_bytes: bytes held by the accumulator (a Python int).
-    """
-
-    accumulation_steps: jax.Array
-    current_step: jax.Array
-    total_cycles: jax.Array
-    max_grad_norm: jax.Array
-    overflow_detected: jax.Array
-    num_nonfinite: jax.Array
-    skipped_microbatches: jax.Array
-    skipped_windows: jax.Array
-    num_parameters: int
-    memory_bytes: int
 
 
 class Config(NamedTuple):
@@ -142,33 +87,13 @@ class Config(NamedTuple):
         k = jnp.asarray(self.every_k(update_count))
         if not jnp.issubdtype(k.dtype, jnp.integer):
             raise TypeError(f"every_k schedule must return an integer K, got dtype {k.dtype}.")
-        return jnp.clip(k, 1, _INT32_MAX).astype(jnp.int32)
+        return jnp.clip(k, 1, INT32_MAX).astype(jnp.int32)
 
 
 _CONFIG_ATTR = "_accumjax_config"
 
 
 # ----------------------------------------------------------------------------- validation
-
-
-def check_int(name: str, value: Any, low: int = 1) -> int:
-    """``value`` as a Python int in ``[low, 2**31 - 1]`` (numpy integers welcome, bools not)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r}.")
-    value = int(value)
-    if not low <= value <= _INT32_MAX:
-        raise ValueError(f"{name} must be an int in [{low}, 2**31 - 1], got {value}.")
-    return value
-
-
-def check_positive_real(name: str, value: Any) -> float:
-    """``value`` as a float if it is a finite real number > 0 (not a bool or a string)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number > 0, got {value!r}.")
-    number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {value}.")
-    return number
 
 
 def _check_every_k(every_k: Any) -> int | Schedule:
@@ -185,12 +110,10 @@ def _check_every_k(every_k: Any) -> int | Schedule:
 
 def _check_policy(scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any) -> None:
     scaling_lib.validate_scaling(scaling)
-    if on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}.")
+    check_choice("on_nonfinite", on_nonfinite, ON_NONFINITE)
     if max_norm is not None:
-        check_positive_real("max_norm", max_norm)
-    if skip_fn is not None and not callable(skip_fn):
-        raise TypeError(f"skip_fn must be callable or None, got {type(skip_fn).__name__}.")
+        check_real("max_norm", max_norm, low=0.0, low_open=True)
+    check_callable("skip_fn", skip_fn)
 
 
 def _check_params(params: Any) -> None:
@@ -345,7 +268,14 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
 
         def close(operand):
             updates, state, grads, params, extra_args = operand
-            updates, state = end_window(config, state, updates, grads, params, extra_args)
+            updates, state = close_and_update(
+                config,
+                state,
+                placeholder=updates,
+                grads_like=grads,
+                params=params,
+                extra_args=extra_args,
+            )
             return updates, state, grads, params, extra_args
 
         operand = (placeholder, state, grads, params, extra_args)
@@ -411,75 +341,138 @@ def window_closes(state: AccumulationState) -> jax.Array:
     return state.window.micro_step >= state.every_k
 
 
-def end_window(
+def close_and_update(
     config: Config,
     state: AccumulationState,
-    initial: Any,
+    *,
+    placeholder: Any,
     grads_like: Any,
     params: Any,
     extra_args: dict[str, Any],
-    transform: Callable[[Any, Any], Any] | None = None,
-    apply_to_params: bool = False,
-    closed: window_lib.Closed | None = None,
 ) -> tuple[Any, AccumulationState]:
-    """Closes the window: reduce once, decide, and run ``inner`` only if the window is usable.
+    """Closes the full window and, if it is usable, returns ``inner``'s updates for it.
 
-    The update runs in `accumjax.window.run_once`, so the inner state (and, with
-    ``apply_to_params``, the parameters) are updated in place, and left untouched bit for bit
-    when the window is not applied: no select over them, no second copy.
+    The optax path (`accumulate`'s ``update``): reduce once, decide, and run ``inner`` in a
+    `accumjax.window.run_once`, so the inner state is updated in place and left bit for bit
+    as it was when the window is not applied.
 
     Args:
       config: the transformation's `Config`.
       state: the state whose window is full.
-      initial: what comes back when nothing is applied: a placeholder shaped like ``inner``'s
-        updates, or the parameters with ``apply_to_params``.
+      placeholder: a pytree shaped like ``inner``'s updates, returned when nothing is applied.
       grads_like: a pytree with the dtypes ``inner`` should see (the incoming gradients).
       params: the parameters, for ``inner``.
       extra_args: extra keyword arguments for ``inner``.
+
+    Returns:
+      ``(updates, state)``: the updates are meaningful only when ``state.updated``; the new
+      state has an empty window and updated counters.
+    """
+    closed = window_lib.close_window(config.policy, state.window, state.every_k, config.axis_name)
+    dtypes = jax.tree.map(jnp.result_type, grads_like)
+
+    def update(operand: Any) -> Any:
+        out, inner_state, params, closed, extra_args, max_norm = operand
+        updates, inner_state, scaled = _inner_update(
+            config, closed, inner_state, params, dtypes, None, extra_args
+        )
+        out = _cast_like(updates, out)
+        max_norm = jnp.maximum(max_norm, closed.norm)
+        return out, inner_state, params, closed._replace(grad_sum=scaled), extra_args, max_norm
+
+    operand = (placeholder, state.inner_tx_state, params, closed, extra_args, state.max_grad_norm)
+    out, inner_state, *_, max_grad_norm = window_lib.run_once(closed.apply, update, operand)
+    return out, _after_close(config, state, closed, inner_state, max_grad_norm)
+
+
+def close_and_apply(
+    config: Config,
+    state: AccumulationState,
+    params: Any,
+    *,
+    transform: Callable[[Any, Any], Any] | None = None,
+    closed: window_lib.Closed | None = None,
+) -> tuple[Any, AccumulationState]:
+    """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
+
+    The train-step path: as `close_and_update`, but the parameters are updated inside the
+    `accumjax.window.run_once` too (in place, untouched when the window is not applied), and
+    ``inner`` sees gradients in the parameters' dtypes.
+
+    Args:
+      config: the transformation's `Config`.
+      state: the state whose window is full.
+      params: the parameters.
       transform: ``transform(grads, params) -> grads`` applied to the window gradient before
         ``inner`` (e.g. adaptive gradient clipping), or None.
-      apply_to_params: return the updated parameters instead of the updates.
       closed: the window already closed (reduced and decided, e.g. inside a ``shard_map``
         around the microbatch loop), or None to close ``state.window`` here.
 
     Returns:
-      ``(out, state)``: ``out`` is the updates (meaningful only when ``state.updated``) or the
-      new parameters; the new state has an empty window and updated counters.
+      ``(params, state)``: the new parameters and the state with an empty window.
     """
     if closed is None:
         closed = window_lib.close_window(
             config.policy, state.window, state.every_k, config.axis_name
         )
-    dtypes = jax.tree.map(jnp.result_type, grads_like)
+    dtypes = jax.tree.map(jnp.result_type, params)
 
     def update(operand: Any) -> Any:
-        out, inner_state, given, closed, extra_args, max_norm = operand
-        params = out if apply_to_params else given
-        scaled = window_lib.scaled_gradient(closed)
-        grads = jax.tree.map(lambda g, dtype: g.astype(dtype), scaled, dtypes)
-        if transform is not None:
-            grads = transform(grads, params)
-        updates, new_inner = config.inner.update(grads, inner_state, params, **extra_args)
-        # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments),
-        # so the state is a fixed pytree type under loop carries.
-        new_inner = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_inner, inner_state)
-        out = optax.apply_updates(params, updates) if apply_to_params else updates
-        out = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), out, initial)
-        # The norm's one use is in here, so XLA computes it before the loop, not after it
-        # (which would make it copy the gradient into the loop).
+        params, inner_state, closed, max_norm = operand
+        updates, inner_state, scaled = _inner_update(
+            config, closed, inner_state, params, dtypes, transform, {}
+        )
+        new_params = _cast_like(optax.apply_updates(params, updates), params)
         max_norm = jnp.maximum(max_norm, closed.norm)
-        # The sum's slot gets the scaled gradient: a slot the loop does not change would let
-        # XLA hoist the division out of the loop, into a second gradient-sized buffer.
-        return out, new_inner, given, closed._replace(grad_sum=scaled), extra_args, max_norm
+        return new_params, inner_state, closed._replace(grad_sum=scaled), max_norm
 
-    # With apply_to_params the parameters travel once (as ``out``): a loop carry holding the
-    # same buffer twice would force XLA to copy it.
-    given = None if apply_to_params else params
-    operand = (initial, state.inner_tx_state, given, closed, extra_args, state.max_grad_norm)
-    out, inner_state, *_, max_grad_norm = window_lib.run_once(closed.apply, update, operand)
+    # The parameters travel once: a loop carry holding one buffer twice makes XLA copy it.
+    operand = (params, state.inner_tx_state, closed, state.max_grad_norm)
+    params, inner_state, _, max_grad_norm = window_lib.run_once(closed.apply, update, operand)
+    return params, _after_close(config, state, closed, inner_state, max_grad_norm)
+
+
+def _inner_update(
+    config: Config,
+    closed: window_lib.Closed,
+    inner_state: Any,
+    params: Any,
+    dtypes: Any,
+    transform: Callable[[Any, Any], Any] | None,
+    extra_args: dict[str, Any],
+) -> tuple[Any, Any, Any]:
+    """``inner`` on the scaled window gradient: ``(updates, inner state, scaled gradient)``.
+
+    The scaled gradient goes back into the sum's slot of the loop carry: a slot the loop does
+    not change would let XLA hoist the division out of the loop, into a second gradient-sized
+    buffer. The caller raises ``max_grad_norm`` inside the loop too, so the norm's one use is
+    in there (after the loop XLA would copy the gradient into the loop for it).
+    """
+    scaled = window_lib.scaled_gradient(closed)
+    grads = jax.tree.map(lambda g, dtype: g.astype(dtype), scaled, dtypes)
+    if transform is not None:
+        grads = transform(grads, params)
+    updates, new_inner = config.inner.update(grads, inner_state, params, **extra_args)
+    # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments), so
+    # the state is a fixed pytree type under loop carries.
+    return updates, _cast_like(new_inner, inner_state), scaled
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+    return jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), tree, like)
+
+
+def _after_close(
+    config: Config,
+    state: AccumulationState,
+    closed: window_lib.Closed,
+    inner_state: Any,
+    max_grad_norm: jax.Array,
+) -> AccumulationState:
+    """The state after a window closed: empty window, next K, counters."""
     apply = closed.apply
     update_count = jnp.where(apply, optax.safe_increment(state.update_count), state.update_count)
-    return out, state._replace(
+    return state._replace(
         window=window_lib.empty_like(state.window),
         every_k=config.k_at(update_count),
         update_count=update_count,
@@ -515,139 +508,3 @@ def _updates_placeholder(
     ):
         return grads
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-# ----------------------------------------------------------------------------- free functions
-
-
-def _unwrap(state: Any) -> AccumulationState:
-    """The `AccumulationState` inside ``state``: itself, or Flax NNX's variable-wrapped copy."""
-    is_variable = lambda x: hasattr(x, "get_value") and hasattr(x, "set_value")
-    state = jax.tree.map(
-        lambda x: x.get_value() if is_variable(x) else x, state, is_leaf=is_variable
-    )
-    if not isinstance(state, AccumulationState):
-        raise TypeError(f"expected an accumjax AccumulationState, got {type(state).__name__}.")
-    return state
-
-
-def should_update(state: Any) -> jax.Array:
-    """Whether the next ``update`` call closes the window (and may apply an update).
-
-    Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
-
-    Returns:
-      A boolean scalar array.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, accumjax
-      >>> state = accumjax.accumulate(optax.sgd(0.1), 1).init({"w": jnp.zeros(2)})
-      >>> bool(accumjax.should_update(state))
-      True
-    """
-    state = _unwrap(state)
-    return state.window.micro_step + 1 >= state.every_k
-
-
-def has_updated(state: Any) -> jax.Array:
-    """Whether the last ``update`` call applied an inner update (as ``MultiSteps.has_updated``).
-
-    A window closed without an update (every microbatch skipped, a non-finite sum, or
-    ``"skip_window"`` after a non-finite microbatch) reports False.
-
-    Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
-
-    Returns:
-      A boolean scalar array.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, accumjax
-      >>> tx = accumjax.accumulate(optax.sgd(0.1), 1)
-      >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.zeros(2)}))
-      >>> bool(accumjax.has_updated(state))
-      True
-    """
-    return _unwrap(state).updated
-
-
-def accumulated_gradients(state: Any) -> Any:
-    """The window's gradient so far, scaled as the strategy says (zeros if nothing was added).
-
-    This is what ``inner`` would receive if the window closed now (before any cross-device
-    reduction, and in the accumulator dtype).
-
-    Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
-
-    Returns:
-      A pytree like the parameters.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, accumjax
-      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4, scaling="count")
-      >>> state = tx.init({"w": jnp.zeros(())})
-      >>> _, state = tx.update({"w": jnp.array(2.0)}, state)
-      >>> _, state = tx.update({"w": jnp.array(4.0)}, state)
-      >>> accumjax.accumulated_gradients(state)["w"]
-      Array(3., dtype=float32)
-    """
-    state = _unwrap(state)
-    window = state.window
-    k = jnp.asarray(state.every_k, jnp.float32)
-    denominators = jnp.stack([k, jnp.ones_like(k), window.weight_sum, window.weight_sum])
-    denom = denominators[state.scaling_code]
-    safe = jnp.where(denom > 0, denom, 1.0)
-    return jax.tree.map(lambda a: a / safe.astype(a.dtype), window.grad_sum)
-
-
-def reset(state: AccumulationState) -> AccumulationState:
-    """Empties the current window and keeps the inner state, counters and K.
-
-    Args:
-      state: an `AccumulationState`.
-
-    Returns:
-      The state with a zero accumulator, ``micro_step == 0`` and zero window counts.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, accumjax
-      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4)
-      >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.zeros(2)}))
-      >>> int(accumjax.reset(state).window.micro_step)
-      0
-    """
-    return state._replace(window=window_lib.empty_like(state.window))
-
-
-def stats(state: Any) -> AccumulationStats:
-    """Summarises an `AccumulationState` (steps, updates, norms, skips, accumulator size).
-
-    Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
-
-    Returns:
-      An `AccumulationStats`; its sizes are Python ints (static), the rest arrays.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, accumjax
-      >>> state = accumjax.accumulate(optax.sgd(0.1), 8).init({"w": jnp.zeros((4, 4))})
-      >>> s = accumjax.stats(state)
-      >>> int(s.accumulation_steps), s.num_parameters, s.memory_bytes
-      (8, 16, 64)
-    """
-    state = _unwrap(state)
-    leaves = jax.tree.leaves(state.window.grad_sum)
-    return AccumulationStats(
-        accumulation_steps=state.every_k,
-        current_step=state.window.micro_step,
-        total_cycles=state.update_count,
-        max_grad_norm=state.max_grad_norm,
-        overflow_detected=state.nonfinite_count > 0,
-        num_nonfinite=state.nonfinite_count,
-        skipped_microbatches=state.skipped_microbatches,
-        skipped_windows=state.skipped_windows,
-        num_parameters=sum(int(x.size) for x in leaves),
-        memory_bytes=sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in leaves),
-    )

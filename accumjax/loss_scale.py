@@ -16,12 +16,12 @@ https://arxiv.org/abs/1710.03740 (section 3.2, loss scaling).
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from accumjax._checks import check_int, check_real
 
 __all__ = [
     "DynamicLossScale",
@@ -80,31 +80,11 @@ def dynamic_loss_scale(
 
     Reference: Micikevicius et al. 2018, "Mixed Precision Training".
     """
-    for name, value in (
-        ("initial", initial),
-        ("factor", factor),
-        ("min_loss_scale", min_loss_scale),
-    ):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a real number, got {value!r}.")
-    if isinstance(period, bool) or not isinstance(period, numbers.Integral):
-        raise TypeError(f"period must be an int >= 1, got {period!r}.")
     top = float(jnp.finfo(jnp.float32).max)
-    for name, value in (
-        ("initial", initial),
-        ("factor", factor),
-        ("min_loss_scale", min_loss_scale),
-    ):
-        if not (math.isfinite(value) and abs(value) <= top):
-            raise ValueError(f"{name} must be finite and fit in float32, got {value}.")
-    if not min_loss_scale > 0:
-        raise ValueError(f"min_loss_scale must be > 0, got {min_loss_scale}.")
-    if not initial >= min_loss_scale:
-        raise ValueError(f"initial ({initial}) must be >= min_loss_scale ({min_loss_scale}).")
-    if not 1 <= period <= 2**31 - 1:
-        raise ValueError(f"period must be an int in [1, 2**31 - 1], got {period}.")
-    if not factor > 1:
-        raise ValueError(f"factor must be > 1, got {factor}.")
+    min_loss_scale = check_real("min_loss_scale", min_loss_scale, low=0.0, low_open=True, high=top)
+    initial = check_real("initial", initial, low=min_loss_scale, high=top)
+    factor = check_real("factor", factor, low=1.0, low_open=True, high=top)
+    period = check_int("period", period)
     return DynamicLossScale(
         loss_scale=jnp.asarray(initial, jnp.float32),
         counter=jnp.zeros((), jnp.int32),

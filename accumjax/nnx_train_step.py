@@ -49,7 +49,9 @@ import optax
 from flax import nnx, struct
 
 from accumjax.loss_scale import DynamicLossScale
-from accumjax.train_step import Step, TrainState, make_train_step
+from accumjax._loop import Step
+from accumjax.train_state import TrainState
+from accumjax.train_step import make_train_step
 
 __all__ = ["NNXTrainState", "make_nnx_train_step", "nnx_train_state", "nnx_update"]
 

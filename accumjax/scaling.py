@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 Scaling = Literal["mean", "sum", "count", "weighted"]
-SCALINGS: tuple[str, ...] = ("mean", "sum", "count", "weighted")
+SCALINGS: tuple[Scaling, ...] = ("mean", "sum", "count", "weighted")
 
 
 def validate_scaling(scaling: str) -> Scaling:

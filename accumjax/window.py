@@ -1,8 +1,9 @@
 """The accumulation window: the one core behind every entry point of accumjax.
 
 A *window* collects the gradients of K microbatches and closes into one gradient. The
-optax wrapper `accumjax.accumulate`, both modes of `accumjax.make_train_step` and the
-BatchNorm window follow the same four steps, defined once here:
+optax wrapper `accumjax.accumulate`, both modes of `accumjax.make_train_step` and a user's own
+loop around ``accumulate`` follow the same four steps, defined once here (BatchNorm statistics
+keep windows of their own, `accumjax.batch_norm`, closed with this window's decision):
 
 1. ``init_window``: an empty accumulator created like the parameters (``zeros_like``, so a
    sharded parameter gets an accumulator with the same sharding).
@@ -37,6 +38,7 @@ __all__ = [
     "Window",
     "add_microbatch",
     "close_window",
+    "denominator",
     "empty_like",
     "first_microbatch",
     "global_norm",
@@ -333,12 +335,23 @@ def first_microbatch(
     return window, m
 
 
-def _denominator(policy: Policy, every_k: jax.Array, weight_sum: jax.Array, devices: int) -> Any:
-    if policy.scaling == "mean":
+def denominator(
+    scaling: scaling_lib.Scaling, every_k: Any, weight_sum: jax.Array, devices: Any = 1
+) -> jax.Array:
+    """What a window's sum is divided by: K times the devices (``"mean"``), 1 (``"sum"``)
+    or the weight sum (``"count"``, ``"weighted"``), float32.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import window
+      >>> float(window.denominator("mean", 4, jnp.float32(3.0), devices=2))
+      8.0
+    """
+    if scaling == "mean":
         return jnp.asarray(every_k, jnp.float32) * devices
-    if policy.scaling == "sum":
+    if scaling == "sum":
         return jnp.ones((), jnp.float32)
-    return weight_sum
+    return jnp.asarray(weight_sum, jnp.float32)
 
 
 def _reduce_window(
@@ -413,7 +426,7 @@ def close_window(
             grad_sum, weight_sum, counts, axis_name, scatter
         )
         devices = jax.lax.axis_size(axis_name)
-    denom = _denominator(policy, every_k, weight_sum, devices)
+    denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
     norm = _global_norm(grad_sum, axis_name, scatter) / safe

@@ -72,7 +72,9 @@ html_static_path: list[str] = []
 # here still appears, in a section named after its module.
 SECTIONS = {
     "accumjax.accumulation": "Accumulation",
+    "accumjax.accumulation_state": "Accumulation",
     "accumjax.window": "Accumulation",
+    "accumjax.train_state": "Train step",
     "accumjax.train_step": "Train step",
     "accumjax.batch_norm": "BatchNorm (linen)",
     "accumjax.nnx_batch_norm": "BatchNorm (NNX)",

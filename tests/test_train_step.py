@@ -667,7 +667,7 @@ def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
         ({"mesh": "mesh", "axis_name": "data"}, TypeError, "Mesh"),
         ({"weight_fn": 3}, TypeError, "weight_fn"),
         ({"unroll": 0}, ValueError, "unroll"),
-        ({"unroll": "2"}, ValueError, "unroll"),
+        ({"unroll": "2"}, TypeError, "unroll"),  # a str is the wrong kind: TypeError
     ],
 )
 def test_construction_errors(kwargs, error, match):

@@ -1,0 +1,234 @@
+"""How a train step runs (internal): ``jit``, ``pmap``, ``shard_map``, or sharded ``jit``.
+
+`wrap` turns the window loop's step body (`accumjax._loop`) into the step
+`accumjax.make_train_step` returns:
+
+- one device, or scan mode under ``jit`` on sharded arrays (`sharded_scan_step`: the
+  microbatch loop and the window's one reduction run in a ``shard_map`` built from the arrays'
+  own shardings, `accumjax.sharded`; the update runs in the global view);
+- ``axis_name`` without a mesh: ``jax.pmap`` (the state carries a leading device axis);
+- ``axis_name`` with a mesh: ``jax.jit(jax.shard_map(...))``, batch split, state replicated.
+
+Every form checks the concrete state against its optimizer on the first call
+(`_checked_once`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from accumjax import sharded
+from accumjax import window as window_lib
+from accumjax._loop import (
+    Carry,
+    Context,
+    Outcome,
+    Setup,
+    Step,
+    begin,
+    close_model_state,
+    scan_finish,
+    scan_step,
+    stream_step,
+    window_loop,
+    window_loss,
+)
+from accumjax.accumulation import check_state, config_of
+from accumjax.distributed import data_sharding
+from accumjax.train_state import TrainState
+
+__all__ = ["sharded_scan_step", "wrap"]
+
+
+class _Local(NamedTuple):
+    """One device's inputs to a sharded window (the ``shard_map``'s one argument)."""
+
+    params: Any
+    model_state: Any
+    batch: Any
+    rng: Any
+    step_count: Any
+    loss_scale: Any
+
+
+def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
+    """Scan mode under ``jit`` with a sharded batch: ``step(state, batch, rng, layout)``.
+
+    The microbatch loop and the window's one reduction run in a ``shard_map`` built from the
+    arrays' shardings (``layout``, static); the update runs in the global view, on parameters
+    as they are sharded. Without a layout (nothing sharded) it is the plain scan step.
+    """
+    plain = scan_step(setup)
+
+    def step(state: TrainState, batch: Any, rng: Any, layout: Any) -> tuple[TrainState, dict]:
+        if layout is None:
+            return plain(state, batch, rng)
+        ctx, acc = begin(setup, state, rng)
+        data, whole = PartitionSpec(layout.axis), PartitionSpec()
+        specs = _Local(layout.param_specs(), whole, data, whole, whole, whole)
+        closed_specs = window_lib.Closed(layout.param_specs(), *(whole,) * 5)  # pyright: ignore[reportArgumentType]
+        local = _Local(state.params, state.model_state, batch, rng, state.step, ctx.loss_scale)
+        closed, model_state, loss, aux = jax.shard_map(
+            partial(_local_window, ctx, layout),
+            mesh=layout.mesh,
+            in_specs=(specs,),
+            out_specs=(closed_specs, whole, data, data),
+            check_vma=False,
+        )(local)
+        window = acc.window._replace(window_nonfinite=closed.nonfinite_count)
+        carry = Carry(window, model_state, jnp.zeros(()), jnp.zeros(()))
+        return scan_finish(ctx, state, acc, Outcome(carry, loss, aux), closed)
+
+    return step
+
+
+def _local_window(
+    ctx: Context, layout: sharded.Layout, local: _Local
+) -> tuple[window_lib.Closed, Any, jax.Array, Any]:
+    """One device's part of a sharded window: its rows' gradients, summed locally, then the
+    window's one reduction (all-reduce, or reduce-scatter for sharded parameters)."""
+    zero = jnp.zeros((), jnp.float32)
+    config = ctx.config
+    shapes = jax.eval_shape(partial(sharded.gather, layout=layout), local.params)
+    like = window_lib.init_window(shapes, config.policy.accumulator_dtype)
+    setup = ctx.setup
+    params = local.params
+    if setup.gather_params == "window":  # once, before the loop (more memory, one gather)
+        params = sharded.gather(params, layout)
+    else:  # in every microbatch, tied to its index so that XLA cannot hoist it
+        gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
+        setup = setup._replace(materialize=gather)
+    ctx = ctx._replace(
+        setup=setup,
+        loss_scale=local.loss_scale,
+        rng=local.rng,
+        step_count=local.step_count,
+        axis_name=layout.axis,
+    )
+    carry, aux = window_loop(ctx, params, Carry(like, local.model_state, zero, zero), local.batch)
+    closed = window_lib.close_window(
+        config.policy, carry.window, config.static_k, layout.axis, layout.scatter()
+    )
+    model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
+    loss = sharded.expand(window_loss(carry))
+    return closed, model_state, loss, None if aux is None else sharded.expand(aux)
+
+
+def _shard_map(step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool) -> Step:
+    """Batch sharded on ``axis_name``, state replicated, the key replicated.
+
+    Stream mode keeps a device-local accumulator in the (nominally replicated) optimizer
+    state between window ends, so the step runs without the replication check.
+    """
+    local = PartitionSpec(axis_name)
+    metric_specs: dict[str, Any] = {"loss": local, "updated": PartitionSpec()}
+    if f16:
+        metric_specs.update(grads_finite=local, loss_scale=PartitionSpec())
+    if has_aux:
+        metric_specs["aux"] = local
+    per_device_keys = ("loss", "aux", "grads_finite")
+
+    def per_device(state: Any, batch: Any, rng: Any) -> tuple[Any, dict[str, Any]]:
+        state, metrics = step(state, batch, rng)
+        for key in per_device_keys:  # device-local values get a leading device axis
+            if key in metrics:
+                metrics[key] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), metrics[key])
+        return state, metrics
+
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), local, PartitionSpec()),
+        out_specs=(PartitionSpec(), metric_specs),
+        check_vma=False,
+    )
+
+
+def _place_on_mesh(mesh: Mesh, axis_name: str, state: Any, batch: Any) -> tuple[Any, Any]:
+    """The ``shard_map`` step's inputs where its specs say: the state replicated (a state
+    sharded over the mesh is refused, not silently replicated), the batch split."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+        if any(entry is not None for entry in spec):
+            raise ValueError(
+                f"state{jax.tree_util.keystr(path)} is sharded ({spec}), but "
+                "make_train_step(mesh=..., axis_name=...) replicates the state. For sharded "
+                "parameters use make_train_step(mode='scan') without mesh/axis_name under jit: "
+                "it keeps every array as it is sharded."
+            )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.device_put(state, replicated), jax.device_put(batch, data_sharding(mesh, axis_name))
+
+
+def _checked_once(
+    jitted: Any,
+    pmapped: bool,
+    sharded_scan: bool = False,
+    place: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+) -> Any:
+    """``jitted`` that, on its first call, checks the (concrete) state against its optimizer
+    (a checkpoint resumed under another K or scaling is refused before anything runs); for
+    scan mode under ``jit`` it passes the arrays' `accumjax.sharded.Layout` (static), and
+    with ``place`` it puts the inputs where a ``shard_map`` step expects them."""
+    checked: list[bool] = []
+
+    def args(state: Any, batch: Any, rng: Any) -> tuple[Any, ...]:
+        if place is not None:
+            state, batch = place(state, batch)
+        if not sharded_scan:
+            return state, batch, rng
+        return state, batch, rng, sharded.layout_of(state.params, batch)
+
+    def step(state: Any, batch: Any, rng: Any = None) -> Any:
+        if not checked:
+            config = config_of(getattr(state, "tx", None))
+            if config is not None:
+                opt = state.opt_state
+                check_state(config, jax.tree.map(lambda x: x[0], opt) if pmapped else opt)
+            checked.append(True)
+        return jitted(*args(state, batch, rng))
+
+    step.lower = lambda state, batch, rng=None: jitted.lower(*args(state, batch, rng))  # pyright: ignore[reportFunctionMemberAccess]
+    step.__wrapped__ = jitted  # pyright: ignore[reportFunctionMemberAccess]
+    return step
+
+
+def wrap(setup: Setup, mesh: Mesh | None, has_aux: bool, donate: bool) -> Step:
+    """The step for ``setup``: jitted, ``pmap``-ped or ``shard_map``-ped, checked once.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from accumjax import TrainState
+      >>> from accumjax._loop import Setup
+      >>> from accumjax._loss_adapter import make_grad_fn
+      >>> grad_fn = make_grad_fn(lambda p, b: jnp.sum(p["w"] * b), False, None)
+      >>> setup = Setup(grad_fn, "stream", None, None, None, False, None, 1)
+      >>> step = wrap(setup, mesh=None, has_aux=False, donate=False)
+      >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.5))
+      >>> state, metrics = step(state, jnp.ones(2))
+      >>> state.params["w"], bool(metrics["updated"])
+      (Array([0.5, 0.5], dtype=float32), True)
+    """
+    donate_argnums = (0,) if donate else ()
+    if setup.axis_name is None and setup.mode == "scan":
+        jitted = jax.jit(
+            sharded_scan_step(setup), static_argnums=(3,), donate_argnums=donate_argnums
+        )
+        return _checked_once(jitted, False, sharded_scan=True)
+    step = stream_step(setup) if setup.mode == "stream" else scan_step(setup)
+    if setup.axis_name is None:
+        return _checked_once(jax.jit(step, donate_argnums=donate_argnums), False)
+    if mesh is None:
+        pmapped = jax.pmap(
+            step, axis_name=setup.axis_name, in_axes=(0, 0, None), donate_argnums=donate_argnums
+        )
+        return _checked_once(pmapped, True)
+    mapped = _shard_map(step, mesh, setup.axis_name, has_aux, setup.f16)
+    place = partial(_place_on_mesh, mesh, setup.axis_name)
+    return _checked_once(jax.jit(mapped, donate_argnums=donate_argnums), False, place=place)

@@ -1,0 +1,223 @@
+"""`AccumulationState`, the state of `accumjax.accumulate`, and the free functions on it.
+
+The state is a pytree of arrays the user owns (checkpoint it like any other optax state).
+The functions read it as optax's free functions read theirs (``optax.MultiSteps.has_updated``):
+`should_update`, `has_updated`, `accumulated_gradients` and `stats`; `reset` empties the open
+window. Each accepts the state as the user holds it: plain, or wrapped in ``nnx.Variable``s by
+an ``nnx.Optimizer`` (``opt.opt_state``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from accumjax import scaling as scaling_lib
+from accumjax import window as window_lib
+from accumjax._variables import unwrap_variables
+from accumjax.window import Window
+
+__all__ = [
+    "AccumulationState",
+    "AccumulationStats",
+    "accumulated_gradients",
+    "has_updated",
+    "reset",
+    "should_update",
+    "stats",
+]
+
+
+class AccumulationState(NamedTuple):
+    """State of `accumulate`: a pytree of arrays the user owns (checkpoint it like any other).
+
+    Field names are distinct from those of optax's own states, so
+    ``optax.tree_utils.tree_get(state, name)`` finds them inside any chain.
+
+    Attributes:
+      window: the open `accumjax.window.Window` (sum, weight sum, calls, skipped counts).
+      every_k: K of the current window (from the schedule), int32.
+      scaling_code: index of the scaling strategy in `accumjax.scaling.SCALINGS`, int32; a
+        state is refused by an `accumulate` with another strategy (or another int K).
+      update_count: inner updates actually applied, int32; what a K schedule is evaluated at.
+      inner_tx_state: the inner optimizer's state.
+      max_grad_norm: largest global norm of an applied window gradient, float32.
+      nonfinite_count: microbatches with a NaN/Inf gradient or an invalid weight so far.
+      skipped_microbatches: microbatches left out of their window so far (any reason).
+      skipped_windows: windows closed without an update so far.
+      updated: whether the last call applied an inner update.
+    """
+
+    window: Window
+    every_k: jax.Array
+    scaling_code: jax.Array
+    update_count: jax.Array
+    inner_tx_state: Any
+    max_grad_norm: jax.Array
+    nonfinite_count: jax.Array
+    skipped_microbatches: jax.Array
+    skipped_windows: jax.Array
+    updated: jax.Array
+
+
+class AccumulationStats(NamedTuple):
+    """What `stats` reports about an `AccumulationState`.
+
+    Attributes:
+      accumulation_steps: K of the current window.
+      current_step: calls seen in the current window.
+      total_cycles: inner updates applied so far.
+      max_grad_norm: largest norm of an applied window gradient.
+      overflow_detected: whether any non-finite microbatch has been seen.
+      num_nonfinite: how many.
+      skipped_microbatches: microbatches left out of their window.
+      skipped_windows: windows closed without an update.
+      num_parameters: number of scalars accumulated (a Python int).
+      memory_bytes: bytes held by the accumulator (a Python int).
+    """
+
+    accumulation_steps: jax.Array
+    current_step: jax.Array
+    total_cycles: jax.Array
+    max_grad_norm: jax.Array
+    overflow_detected: jax.Array
+    num_nonfinite: jax.Array
+    skipped_microbatches: jax.Array
+    skipped_windows: jax.Array
+    num_parameters: int
+    memory_bytes: int
+
+
+def _unwrap(state: Any) -> AccumulationState:
+    """The `AccumulationState` inside ``state``: itself, or Flax NNX's variable-wrapped copy."""
+    state = unwrap_variables(state)
+    if not isinstance(state, AccumulationState):
+        raise TypeError(f"expected an accumjax AccumulationState, got {type(state).__name__}.")
+    return state
+
+
+def should_update(state: Any) -> jax.Array:
+    """Whether the next ``update`` call closes the window (and may apply an update).
+
+    Args:
+      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+
+    Returns:
+      A boolean scalar array.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> state = accumjax.accumulate(optax.sgd(0.1), 1).init({"w": jnp.zeros(2)})
+      >>> bool(accumjax.should_update(state))
+      True
+    """
+    state = _unwrap(state)
+    return state.window.micro_step + 1 >= state.every_k
+
+
+def has_updated(state: Any) -> jax.Array:
+    """Whether the last ``update`` call applied an inner update (as ``MultiSteps.has_updated``).
+
+    A window closed without an update (every microbatch skipped, a non-finite sum, or
+    ``"skip_window"`` after a non-finite microbatch) reports False.
+
+    Args:
+      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+
+    Returns:
+      A boolean scalar array.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), 1)
+      >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.zeros(2)}))
+      >>> bool(accumjax.has_updated(state))
+      True
+    """
+    return _unwrap(state).updated
+
+
+def accumulated_gradients(state: Any) -> Any:
+    """The window's gradient so far, scaled as the strategy says (zeros if nothing was added).
+
+    This is what ``inner`` would receive if the window closed now (before any cross-device
+    reduction, and in the accumulator dtype).
+
+    Args:
+      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+
+    Returns:
+      A pytree like the parameters.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4, scaling="count")
+      >>> state = tx.init({"w": jnp.zeros(())})
+      >>> _, state = tx.update({"w": jnp.array(2.0)}, state)
+      >>> _, state = tx.update({"w": jnp.array(4.0)}, state)
+      >>> accumjax.accumulated_gradients(state)["w"]
+      Array(3., dtype=float32)
+    """
+    state = _unwrap(state)
+    window = state.window
+    by_scaling = [
+        functools.partial(window_lib.denominator, s, state.every_k, window.weight_sum)
+        for s in scaling_lib.SCALINGS
+    ]
+    denom = jax.lax.switch(state.scaling_code, by_scaling)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    return jax.tree.map(lambda a: a / safe.astype(a.dtype), window.grad_sum)
+
+
+def reset(state: AccumulationState) -> AccumulationState:
+    """Empties the current window and keeps the inner state, counters and K.
+
+    Args:
+      state: an `AccumulationState`.
+
+    Returns:
+      The state with a zero accumulator, ``micro_step == 0`` and zero window counts.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4)
+      >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.zeros(2)}))
+      >>> int(accumjax.reset(state).window.micro_step)
+      0
+    """
+    return state._replace(window=window_lib.empty_like(state.window))
+
+
+def stats(state: Any) -> AccumulationStats:
+    """Summarises an `AccumulationState` (steps, updates, norms, skips, accumulator size).
+
+    Args:
+      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+
+    Returns:
+      An `AccumulationStats`; its sizes are Python ints (static), the rest arrays.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> state = accumjax.accumulate(optax.sgd(0.1), 8).init({"w": jnp.zeros((4, 4))})
+      >>> s = accumjax.stats(state)
+      >>> int(s.accumulation_steps), s.num_parameters, s.memory_bytes
+      (8, 16, 64)
+    """
+    state = _unwrap(state)
+    leaves = jax.tree.leaves(state.window.grad_sum)
+    return AccumulationStats(
+        accumulation_steps=state.every_k,
+        current_step=state.window.micro_step,
+        total_cycles=state.update_count,
+        max_grad_norm=state.max_grad_norm,
+        overflow_detected=state.nonfinite_count > 0,
+        num_nonfinite=state.nonfinite_count,
+        skipped_microbatches=state.skipped_microbatches,
+        skipped_windows=state.skipped_windows,
+        num_parameters=sum(int(x.size) for x in leaves),
+        memory_bytes=sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in leaves),
+    )

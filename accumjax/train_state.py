@@ -1,0 +1,143 @@
+"""`TrainState`: the state `accumjax.make_train_step` advances, a pytree the user owns.
+
+Flax's ``flax.training.train_state.TrainState`` with two more fields, the non-trainable model
+state (BatchNorm statistics and other mutable collections) and a dynamic loss scale for
+float16, and an ``apply_gradients`` whose ``step`` counts applied updates (windows), not
+microbatches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.training import train_state
+
+from accumjax.accumulation_state import AccumulationState
+from accumjax.loss_scale import DynamicLossScale
+
+__all__ = ["TrainState", "count_update"]
+
+
+class TrainState(train_state.TrainState):
+    """Flax ``TrainState`` plus non-trainable model state and a loss scale.
+
+    Attributes:
+      step: number of optimizer updates applied (windows, not microbatches), whichever
+        way the state is advanced (``make_train_step`` or ``apply_gradients``).
+      apply_fn, params, tx, opt_state: as in ``flax.training.train_state.TrainState``.
+      model_state: non-trainable collections (e.g. ``{"batch_stats": ...}``) or
+        ``None``; when not ``None`` the loss function receives and returns it.
+      loss_scale: a :class:`accumjax.DynamicLossScale`, used by
+        ``mixed_precision="float16"`` (the step creates a default one if ``None``).
+    """
+
+    model_state: Any = None
+    loss_scale: DynamicLossScale | None = struct.field(pytree_node=True, default=None)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn: Callable[..., Any] | None,
+        params: Any,
+        tx: optax.GradientTransformation,
+        model_state: Any = None,
+        loss_scale: DynamicLossScale | None = None,
+        **kwargs: Any,
+    ) -> TrainState:
+        """Creates a state with ``step == 0`` and ``opt_state = tx.init(params)``.
+
+        Args:
+          apply_fn: usually ``model.apply`` (kept for convenience; the step never calls it,
+            so ``None`` is fine).
+          params: the master parameters (float32, or float64 with x64).
+          tx: the optimizer: ``accumjax.accumulate(inner, K)`` (a plain optax optimizer is
+            a window of one microbatch).
+          model_state: non-trainable collections, e.g. ``{"batch_stats": ...}``.
+          loss_scale: a dynamic loss scale for float16 training.
+          **kwargs: further fields of a subclass.
+
+        Returns:
+          A new :class:`TrainState`.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, accumjax
+          >>> state = accumjax.TrainState.create(
+          ...     apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1))
+          >>> int(state.step), state.model_state is None
+          (0, True)
+        """
+        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+            raise TypeError(
+                "loss_scale must be an accumjax.DynamicLossScale (accumjax.dynamic_loss_scale()), "
+                f"got {type(loss_scale).__name__}."
+            )
+        state = cls(
+            step=jnp.zeros((), jnp.int32),
+            apply_fn=cast(Callable[..., Any], apply_fn),  # None is fine: the step never calls it
+            params=params,
+            tx=tx,
+            opt_state=tx.init(params),
+            model_state=model_state,
+            loss_scale=loss_scale,
+            **kwargs,
+        )
+        return _unalias(state)
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """One optimizer call, as flax's; ``step`` grows only when an update was applied.
+
+        Args:
+          grads: one microbatch's gradients.
+          **kwargs: other fields to replace.
+
+        Returns:
+          The new state.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, accumjax
+          >>> state = accumjax.TrainState.create(
+          ...     apply_fn=None, params={"w": jnp.zeros(2)},
+          ...     tx=accumjax.accumulate(optax.sgd(0.1), 2))
+          >>> state = state.apply_gradients(grads={"w": jnp.ones(2)})
+          >>> int(state.step)
+          0
+        """
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        applied = opt_state.updated if isinstance(opt_state, AccumulationState) else True
+        step = jnp.asarray(self.step)
+        return self.replace(
+            step=optax.safe_increment(step) if applied is True else count_update(step, applied),
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+            **kwargs,
+        )
+
+
+def count_update(counter: jax.Array, applied: Any) -> jax.Array:
+    """``counter + 1`` (saturating) where ``applied``, else ``counter``."""
+    return jnp.where(applied, optax.safe_increment(counter), counter)
+
+
+def _unalias(tree: Any) -> Any:
+    """Copies leaves that are the same array object as an earlier leaf.
+
+    Optimizer ``init`` functions may reuse one zeros array for several fields; a donating
+    step cannot donate one buffer twice.
+    """
+    seen: set[int] = set()
+
+    def copy_repeat(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if id(x) in seen:
+            return jnp.copy(x)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(copy_repeat, tree)
