@@ -27,6 +27,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+__all__ = ["SCALINGS", "Scaling", "concrete_value", "microbatch_weight", "validate_scaling"]
+
 Scaling = Literal["mean", "sum", "count", "weighted"]
 SCALINGS: tuple[Scaling, ...] = ("mean", "sum", "count", "weighted")
 

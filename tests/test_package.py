@@ -1,0 +1,57 @@
+"""The package's layout holds: short modules with an explicit ``__all__``, and no private name
+(``_x``) imported across a module boundary, in ``accumjax/`` or ``benchmarks/``.
+
+Shared internals live in ``_``-prefixed modules under public names (``accumjax._checks``);
+what a benchmark needs is public. The map of modules is in ``docs/design.md``.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = sorted((ROOT / "accumjax").glob("*.py"))
+CHECKED = PACKAGE + sorted((ROOT / "benchmarks").glob("*.py"))
+# About 600 lines a module (issue 20): a module past this is doing more than one job.
+MAX_LINES = 620
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``module.name`` for each private name ``path`` takes from an accumjax module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accumjax"):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and (isinstance(node.value, ast.Name) and node.value.id in ("accumjax", "window_lib"))
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_private_name_crosses_a_module_boundary(path):
+    assert _private_imports(path) == []
+
+
+def test_the_check_finds_a_private_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from accumjax.planner import _divisors\nimport accumjax\naccumjax._x\n")
+    assert _private_imports(bad) == ["accumjax.planner._divisors", "accumjax._x"]
+
+
+@pytest.mark.parametrize("path", PACKAGE, ids=lambda p: p.name)
+def test_modules_are_short_and_declare_their_api(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_LINES
+    names = {
+        t.id
+        for node in ast.parse(text).body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    assert "__all__" in names
