@@ -1,11 +1,12 @@
 """Batch normalization for ``flax.nnx`` whose running statistics see the accumulated batch.
 
-The NNX twin of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: same arithmetic
-(the module-level functions of :mod:`accumjax.batch_norm`), same ``nnx.BatchStat``
-names as the linen layer's ``batch_stats`` entries, and the same two window modes:
-step-driven (``accum_steps=None``: the train step closes the window with
-:func:`accumjax.close_batch_norm_windows` on ``nnx.state(model, nnx.BatchStat)`` and
-puts the result back with ``nnx.update``) or self-closing (an int ``accum_steps``).
+The NNX twin of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: the same arithmetic
+(each call runs :func:`accumjax._batch_norm_math.normalize_and_accumulate`, as the linen
+layer does), the same options (``axis`` an int or a tuple, ``force_float32_reductions``),
+the same ``nnx.BatchStat`` names as the linen layer's ``batch_stats`` entries, and the same
+two window modes: step-driven (``accum_steps=None``: the train step closes the window with
+:func:`accumjax.close_batch_norm_windows` on ``nnx.state(model, nnx.BatchStat)`` and puts
+the result back with ``nnx.update``) or self-closing (an int ``accum_steps``).
 
 References:
   - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
@@ -14,30 +15,38 @@ References:
     sample variances", Stanford CS tech. report STAN-CS-79-773, 1979.
 """
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.module import first_from
-from flax.typing import Array, Dtype, Initializer
+from flax.typing import Array, Axes, Dtype, Initializer
 from jax.nn import initializers
 
-from accumjax.batch_norm import (
-    _accumulate,
-    _canonical_axes,
-    _check_config,
-    _check_input,
-    _compute_moments,
-    _empty_window,
-    _Moments,
-    _normalize,
-    _Running,
-    _stats_dtype,
-    _Window,
+from accumjax._batch_norm_math import (
+    BatchNormOptions,
+    Running,
+    Window,
+    canonical_axes,
+    check_config,
+    empty_window,
+    normalize_and_accumulate,
+    running_dtype,
 )
+from accumjax._checks import check_int
+from accumjax._variables import variable_value
 
 __all__ = ["AccumBatchNorm"]
+
+
+def _feature_shape(num_features: Any) -> tuple[int, ...]:
+    """The variables' shape for ``num_features`` (an int, or a non-empty tuple of ints)."""
+    items = tuple(num_features) if isinstance(num_features, tuple | list) else (num_features,)
+    if not items:
+        raise ValueError("num_features must be an int or a non-empty tuple of ints, got ().")
+    return tuple(check_int("num_features", n) for n in items)
 
 
 class AccumBatchNorm(nnx.Module):
@@ -80,11 +89,25 @@ class AccumBatchNorm(nnx.Module):
       >>> bn.mean[...], int(bn.acc_step[...])
       (Array([2.5, 3. ], dtype=float32), 0)
 
+      Several feature axes, with the linen layer's variable layout:
+
+      >>> bn = AccumBatchNorm((4, 3), axis=(1, 2), rngs=nnx.Rngs(0))
+      >>> bn(jnp.ones((2, 4, 3))).shape, bn.acc_mean.shape
+      ((2, 4, 3), (4, 3))
+
+    Feature axes: ``axis`` is an int or a tuple of ints, as in the linen layer; the
+    statistics reduce over all other axes. ``num_features`` is then either the feature
+    shape (a tuple of ints, the sizes of the ``axis`` axes in increasing axis order: the
+    variables have that shape, the linen layer's layout) or an int: the number of
+    features, which for several axes is the product of their sizes (the variables are
+    flat, as in :class:`flax.nnx.BatchNorm`, and are reshaped to the feature shape for
+    each call). For a single axis the two are the same.
+
     Args:
-      num_features: the number of input features.
+      num_features: the number of features (an int) or the feature shape (a tuple).
       use_running_average: if True, normalize with the stored ``mean``/``var`` and
         update nothing (``model.train()``/``model.eval()`` set it).
-      axis: the feature axis of the input.
+      axis: the feature axis or axes of the input.
       momentum: decay rate of the running averages, in ``[0, 1]``.
       epsilon: small float added to the variance to avoid dividing by zero.
       dtype: the dtype of the result (default: inferred from input and params).
@@ -97,6 +120,9 @@ class AccumBatchNorm(nnx.Module):
         statistics.
       axis_index_groups: groups of indices within ``axis_name`` to pool separately.
       use_fast_variance: if True, compute the variance as ``E[x^2] - E[x]^2``.
+      force_float32_reductions: if True (default), statistics are computed and stored
+        in at least float32; if False, the running ``mean``/``var`` use ``param_dtype``
+        (as in the linen layer). Sums and accumulators are at least float32 either way.
       accum_steps: None (the train step closes the window) or the number of
         training-mode calls per window (an int >= 1; the layer closes it).
       rngs: the random number generators for the parameter initializers.
@@ -107,10 +133,10 @@ class AccumBatchNorm(nnx.Module):
 
     def __init__(
         self,
-        num_features: int,
+        num_features: int | tuple[int, ...],
         *,
         use_running_average: bool | None = False,
-        axis: int = -1,
+        axis: Axes = -1,
         momentum: float = 0.99,
         epsilon: float = 1e-5,
         dtype: Dtype | None = None,
@@ -122,15 +148,17 @@ class AccumBatchNorm(nnx.Module):
         axis_name: str | None = None,
         axis_index_groups: Any = None,
         use_fast_variance: bool = True,
+        force_float32_reductions: bool = True,
         accum_steps: int | None = None,
         rngs: nnx.Rngs,
     ) -> None:
         """Creates the parameters and batch statistics (see the class docstring)."""
-        _check_config(accum_steps, momentum, epsilon)
-        shape = (num_features,)
-        self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
-        self.var = nnx.BatchStat(jnp.ones(shape, jnp.float32))
-        count, mean, m2, step = _empty_window(shape)
+        check_config(accum_steps, momentum, epsilon)
+        shape = _feature_shape(num_features)
+        stats_dtype = running_dtype(force_float32_reductions, param_dtype)
+        self.mean = nnx.BatchStat(jnp.zeros(shape, stats_dtype))
+        self.var = nnx.BatchStat(jnp.ones(shape, stats_dtype))
+        count, mean, m2, step = empty_window(shape)
         self.acc_count = nnx.BatchStat(count)
         self.acc_mean = nnx.BatchStat(mean)
         self.acc_m2 = nnx.BatchStat(m2)
@@ -157,6 +185,7 @@ class AccumBatchNorm(nnx.Module):
         self.axis_name = axis_name
         self.axis_index_groups = axis_index_groups
         self.use_fast_variance = use_fast_variance
+        self.force_float32_reductions = force_float32_reductions
         self.accum_steps = accum_steps
 
     def __call__(
@@ -176,6 +205,10 @@ class AccumBatchNorm(nnx.Module):
 
         Returns:
           The normalized input, with the same shape as ``x``.
+
+        Raises:
+          ValueError: if the sizes of the ``axis`` axes of ``x`` do not match
+            ``num_features``.
         """
         use_running_average = first_from(
             use_running_average,
@@ -183,45 +216,52 @@ class AccumBatchNorm(nnx.Module):
             error_msg="Pass use_running_average to AccumBatchNorm or to its call.",
         )
         x = jnp.asarray(x)
-        _check_input(x, mask)
-        feature_axes = _canonical_axes(x.ndim, self.axis)
-        if x.shape[feature_axes[0]] != self.num_features:
+        feature_axes = canonical_axes(x.ndim, self.axis)
+        shape = tuple(x.shape[i] for i in feature_axes)
+        stored = jnp.shape(self.mean[...])
+        if shape != stored and stored != (math.prod(shape),):
             raise ValueError(
-                f"expected {self.num_features} features on axis {self.axis}, got {x.shape}."
+                f"expected {self.num_features} features on axis {self.axis}, got an input "
+                f"of shape {x.shape}."
             )
-        reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
-        if use_running_average:
-            mean, var = self.mean[...], self.var[...]
-        else:
-            dtype = _stats_dtype(self.dtype, x.dtype, True)
-            moments = _compute_moments(
-                x,
-                mask,
-                reduction_axes,
-                dtype,
-                self.axis_name,
-                self.axis_index_groups,
-                self.use_fast_variance,
-            )
-            mean, var = moments.mean.astype(dtype), moments.var.astype(dtype)
-            self._update(moments)
-        scale = None if self.scale is None else self.scale[...]
-        bias = None if self.bias is None else self.bias[...]
-        return _normalize(x, mean, var, scale, bias, reduction_axes, self.epsilon, self.dtype)
+        running_vars = (self.mean, self.var)
+        window_vars = (self.acc_count, self.acc_mean, self.acc_m2, self.acc_step)
 
-    def _update(self, moments: _Moments) -> None:
-        """Merges ``moments`` into the window (and closes it when self-closing)."""
-        variables = (self.mean, self.var, self.acc_count, self.acc_mean, self.acc_m2, self.acc_step)
-        momentum = self.momentum
-        new_running, new_window = _accumulate(
-            _Running(self.mean[...], self.var[...]),
-            _Window(*(v[...] for v in variables[2:])),
-            moments,
-            momentum if isinstance(momentum, int | float) else momentum[...],
-            self.accum_steps,
+        def view(variable: Any) -> Array:
+            """The variable's value in the input's feature shape (a no-op when equal)."""
+            return variable[...].reshape(shape)
+
+        y, new_running, new_window = normalize_and_accumulate(
+            x,
+            mask,
+            feature_axes,
+            BatchNormOptions(
+                accum_steps=self.accum_steps,
+                momentum=variable_value(self.momentum),
+                epsilon=self.epsilon,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                force_float32_reductions=self.force_float32_reductions,
+                axis_name=self.axis_name,
+                axis_index_groups=self.axis_index_groups,
+                use_fast_variance=self.use_fast_variance,
+            ),
+            Running(view(self.mean), view(self.var)),
+            Window(
+                view(self.acc_count), view(self.acc_mean), view(self.acc_m2), self.acc_step[...]
+            ),
+            None if self.scale is None else view(self.scale),
+            None if self.bias is None else view(self.bias),
+            use_running_average=bool(use_running_average),
         )
-        for variable, value in zip(variables, (*new_running, *new_window), strict=True):
-            variable[...] = jax.lax.stop_gradient(value)
+        if not use_running_average:
+            assert new_window is not None
+            for variable, value in zip(
+                (*running_vars, *window_vars), (*new_running, *new_window), strict=True
+            ):
+                value = value.reshape(jnp.shape(variable[...]))
+                variable[...] = jax.lax.stop_gradient(value)
+        return y
 
     def set_view(self, use_running_average: bool | None = None) -> None:
         """Sets ``use_running_average`` for ``nnx.view`` (as ``nnx.BatchNorm`` does)."""

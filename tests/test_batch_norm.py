@@ -435,9 +435,20 @@ def test_convert_rejects_variables_without_batch_norm():
         convert_batch_norm_variables({"batch_stats": {"mean": jnp.zeros(2), "var": jnp.ones(3)}})
 
 
-@pytest.mark.parametrize("accum_steps", [0, 2.0, True, -1, 2**31])
-def test_rejects_bad_accum_steps(accum_steps):
-    with pytest.raises(ValueError, match="accum_steps"):
+@pytest.mark.parametrize(
+    ("accum_steps", "error"),
+    [
+        # Not an int (accumjax._checks: a wrong kind, bools included, is a TypeError) ...
+        (2.0, TypeError),
+        (True, TypeError),
+        # ... an int out of [1, 2**31 - 1] is a ValueError.
+        (0, ValueError),
+        (-1, ValueError),
+        (2**31, ValueError),
+    ],
+)
+def test_rejects_bad_accum_steps(accum_steps, error):
+    with pytest.raises(error, match="accum_steps"):
         AccumBatchNorm(accum_steps=accum_steps)
 
 

@@ -4,6 +4,7 @@ References are flax.nnx.BatchNorm (on each microbatch for outputs, once on the c
 window for running statistics) and the linen layer's variable layout.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,3 +150,200 @@ def test_rejects_bad_configuration():
         AccumBatchNorm(FEATURES, momentum=2.0, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="features"):
         AccumBatchNorm(FEATURES, rngs=nnx.Rngs(0))(jnp.ones((2, FEATURES + 1)))
+
+
+def test_rejects_bad_accum_steps_kinds():
+    # accumjax._checks: a wrong kind (a bool, a float) is a TypeError, as in the linen layer.
+    for accum_steps in (True, 2.0):
+        with pytest.raises(TypeError, match="accum_steps"):
+            AccumBatchNorm(FEATURES, accum_steps=accum_steps, rngs=nnx.Rngs(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The NNX layer against the linen layer: one arithmetic (accumjax._batch_norm_math), so on the
+# same inputs and parameters the two agree exactly. Both run eagerly, op by op: the same
+# operations in the same order on the same arrays give the same bits (the NNX layer only adds
+# reshapes, which do not round), so any difference is a plumbing bug, not rounding.
+# ---------------------------------------------------------------------------------------------
+
+
+def _linen_run(layer, variables, data, masks=None, close=False):
+    """Trains the linen ``layer`` eagerly on ``data``; returns outputs and batch_stats.
+
+    With ``close``, ``close_batch_norm_windows`` runs after every ``len(data[w])``-long
+    window ``data[w]`` (``data`` is then a list of windows).
+    """
+    stats, outputs = variables["batch_stats"], []
+    windows = data if close else [data]
+    for w, window in enumerate(windows):
+        for i, x in enumerate(window):
+            mask = None if masks is None else masks[w][i]
+            y, upd = layer.apply(
+                {**variables, "batch_stats": stats},
+                x,
+                use_running_average=False,
+                mask=mask,
+                mutable=["batch_stats"],
+            )
+            stats = upd["batch_stats"]
+            outputs.append(y)
+        if close:
+            stats = close_batch_norm_windows(stats, True)
+    return outputs, stats
+
+
+def _nnx_run(layer, data, masks=None, close=False):
+    """The NNX twin of :func:`_linen_run`; returns outputs and the pure batch stats."""
+    outputs = []
+    windows = data if close else [data]
+    for w, window in enumerate(windows):
+        for i, x in enumerate(window):
+            outputs.append(layer(x, mask=None if masks is None else masks[w][i]))
+        if close:
+            nnx.update(layer, close_batch_norm_windows(nnx.state(layer, nnx.BatchStat), True))
+    return outputs, nnx.to_pure_dict(nnx.state(layer, nnx.BatchStat))
+
+
+def _copy_params(layer, variables):
+    """Gives the NNX ``layer`` the linen ``variables``' scale and bias (reshaped)."""
+    for name in ("scale", "bias"):
+        param = getattr(layer, name)
+        param[...] = jnp.asarray(variables["params"][name]).reshape(param[...].shape)
+
+
+def _assert_equal_stats(nnx_stats, linen_stats):
+    assert set(nnx_stats) == set(linen_stats)
+    for name, value in linen_stats.items():
+        ours = np.asarray(nnx_stats[name])
+        assert ours.dtype == value.dtype, name
+        np.testing.assert_array_equal(ours.reshape(np.shape(value)), value, err_msg=name)
+
+
+def _tuple_axis_data(seed: int, steps: int) -> np.ndarray:
+    """float32 microbatches ``(rows=5, 4, 3)`` whose (4, 3) features differ a lot."""
+    rng = np.random.default_rng(seed)
+    loc = rng.uniform(-4.0, 4.0, size=(steps, 1, 4, 3))
+    scale = rng.uniform(0.2, 3.0, size=loc.shape)
+    return (rng.standard_normal((steps, 5, 4, 3)) * scale + loc).astype(np.float32)
+
+
+@pytest.mark.parametrize("num_features", [(4, 3), 12], ids=["feature_shape", "flat"])
+@pytest.mark.parametrize("accum_steps", [None, 3], ids=["step_driven", "self_closing"])
+def test_tuple_axis_matches_linen(num_features, accum_steps):
+    steps, axis = 3, (1, 2)
+    data = _tuple_axis_data(4, steps)
+    kwargs = dict(axis=axis, momentum=MOMENTUM, accum_steps=accum_steps)
+    linen = LinenAccumBatchNorm(scale_init=nnx.initializers.normal(), **kwargs)
+    variables = linen.init(jax.random.key(1), data[0], use_running_average=False)
+    layer = AccumBatchNorm(num_features, rngs=nnx.Rngs(0), **kwargs)
+    _copy_params(layer, variables)
+    # Per-feature statistics of a (4, 3) feature grid: the layout is the linen layer's
+    # (or flat, as flax.nnx.BatchNorm keeps it, for an int num_features).
+    flat = isinstance(num_features, int)
+    assert layer.mean[...].shape == layer.acc_m2[...].shape == ((12,) if flat else (4, 3))
+
+    close = accum_steps is None
+    windows = [data] if close else data
+    expected, linen_stats = _linen_run(linen, variables, windows, close=close)
+    outputs, nnx_stats = _nnx_run(layer, windows, close=close)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(ours, theirs)  # same ops, same order: same bits
+    _assert_equal_stats(nnx_stats, linen_stats)
+    assert np.any(nnx_stats["mean"])  # the window was closed
+    layer.eval()
+    eval_expected = linen.apply(
+        {**variables, "batch_stats": linen_stats}, data[0], use_running_average=True
+    )
+    np.testing.assert_array_equal(layer(data[0]), eval_expected)
+
+
+def test_tuple_axis_matches_flax_linen_batchnorm():
+    # An independent reference for the (4, 3) feature grid: flax.linen.BatchNorm with the
+    # same tuple axis. One call per window (accum_steps=1) is BatchNorm's update.
+    data = _tuple_axis_data(5, 2)
+    layer = AccumBatchNorm((4, 3), axis=(1, 2), momentum=MOMENTUM, accum_steps=1, rngs=nnx.Rngs(0))
+    flax_bn = nn.BatchNorm(axis=(1, 2), momentum=MOMENTUM, use_running_average=False)
+    variables = flax_bn.init(jax.random.key(0), data[0])
+    for x in data:
+        y = layer(x)
+        expected, upd = flax_bn.apply(variables, x, mutable=["batch_stats"])
+        variables = {**variables, **upd}
+        # Same float32 formulas, sums vs means in another order: float32 tolerance.
+        _assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        _assert_close(layer.mean[...], variables["batch_stats"]["mean"], rtol=1e-6, atol=1e-6)
+        _assert_close(layer.var[...], variables["batch_stats"]["var"], rtol=1e-6, atol=1e-6)
+
+
+def test_tuple_axis_rejects_mismatched_features():
+    layer = AccumBatchNorm((4, 3), axis=(1, 2), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="features"):
+        layer(jnp.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="features"):
+        AccumBatchNorm(13, axis=(1, 2), rngs=nnx.Rngs(0))(jnp.ones((2, 4, 3)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("accum_steps", [None, 2], ids=["step_driven", "self_closing"])
+def test_half_precision_without_forced_float32_matches_linen(dtype, accum_steps):
+    steps = 2
+    data = jnp.asarray(_microbatches(6, steps), dtype)
+    kwargs = dict(
+        momentum=MOMENTUM,
+        accum_steps=accum_steps,
+        dtype=dtype,
+        param_dtype=dtype,
+        force_float32_reductions=False,
+    )
+    linen = LinenAccumBatchNorm(scale_init=nnx.initializers.normal(), **kwargs)
+    variables = linen.init(jax.random.key(2), data[0], use_running_average=False)
+    layer = AccumBatchNorm(FEATURES, rngs=nnx.Rngs(0), **kwargs)
+    _copy_params(layer, variables)
+    # Unforced, the running statistics take param_dtype (forced, they would be float32).
+    assert layer.mean[...].dtype == layer.var[...].dtype == dtype
+    assert layer.acc_m2[...].dtype == jnp.float32  # accumulators are float32 either way
+
+    close = accum_steps is None
+    windows = [data] if close else data
+    expected, linen_stats = _linen_run(linen, variables, windows, close=close)
+    outputs, nnx_stats = _nnx_run(layer, windows, close=close)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        assert ours.dtype == theirs.dtype == dtype
+        np.testing.assert_array_equal(ours, theirs)  # same ops, same order: same bits
+    _assert_equal_stats(nnx_stats, linen_stats)
+    assert np.any(np.asarray(nnx_stats["mean"], np.float32))
+    layer.eval()
+    eval_expected = linen.apply(
+        {**variables, "batch_stats": linen_stats}, data[0], use_running_average=True
+    )
+    np.testing.assert_array_equal(layer(data[0]), eval_expected)
+
+
+@pytest.mark.parametrize("accum_steps", [None, 3], ids=["step_driven", "self_closing"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_var", "centred_var"])
+def test_window_of_k_microbatches_matches_linen(accum_steps, fast):
+    steps, windows = 3, 2
+    data = _microbatches(7, steps * windows).reshape(windows, steps, -1, 4, FEATURES)
+    rng = np.random.default_rng(8)
+    masks = rng.uniform(size=(windows, steps, data.shape[2], 4, 1)) < 0.7
+    masks[1, 1] = False  # a fully masked microbatch contributes nothing
+    kwargs = dict(momentum=MOMENTUM, accum_steps=accum_steps, use_fast_variance=fast)
+    linen = LinenAccumBatchNorm(scale_init=nnx.initializers.normal(), **kwargs)
+    variables = linen.init(jax.random.key(3), data[0, 0], use_running_average=False)
+    layer = AccumBatchNorm(FEATURES, rngs=nnx.Rngs(0), **kwargs)
+    _copy_params(layer, variables)
+
+    close = accum_steps is None
+    if close:  # the train step closes each window
+        expected, linen_stats = _linen_run(linen, variables, data, masks, close=True)
+        outputs, nnx_stats = _nnx_run(layer, data, masks, close=True)
+    else:  # the layer closes it on every K-th call
+        flat_data, flat_masks = (
+            data.reshape(-1, *data.shape[2:]),
+            [masks.reshape(-1, *masks.shape[2:])],
+        )
+        expected, linen_stats = _linen_run(linen, variables, flat_data, flat_masks)
+        outputs, nnx_stats = _nnx_run(layer, flat_data, flat_masks)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(ours, theirs)  # same ops, same order: same bits
+    _assert_equal_stats(nnx_stats, linen_stats)
+    assert int(nnx_stats["acc_step"]) == 0 and np.any(nnx_stats["mean"])

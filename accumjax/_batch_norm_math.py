@@ -1,0 +1,557 @@
+"""The batch-normalization arithmetic shared by the linen and NNX ``AccumBatchNorm`` (internal).
+
+Both layers, :class:`accumjax.batch_norm.AccumBatchNorm` (linen) and
+:class:`accumjax.nnx_batch_norm.AccumBatchNorm` (NNX), run one training or evaluation call
+through :func:`normalize_and_accumulate`, and :func:`accumjax.close_batch_norm_windows`
+closes step-driven windows with :func:`pool_windows` and :func:`close_window`. The layers
+only declare and write back their variables, so the two cannot drift apart.
+
+The pieces:
+
+- the per-call statistics (:func:`compute_moments`: count, mean and population variance,
+  all-reduced once over a device axis) and the normalization itself (:func:`normalize`,
+  Ioffe & Szegedy 2015);
+- the window: one call's statistics are merged into the pooled count, mean and ``M2`` (sum
+  of squared deviations) with the parallel formula of Chan, Golub & LeVeque (1979)
+  (:func:`chan_merge`, :func:`accumulate`); a closed window moves the running averages once
+  (:func:`ema`, :func:`close_window`); windows of several devices pool exactly in one
+  all-reduce (:func:`pool_windows`);
+- the configuration and input checks, the canonical axes, the dtypes, and the names of the
+  statistics (:data:`ACCUMULATOR_NAMES`, :func:`is_step_driven`).
+
+References:
+  - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
+    Reducing Internal Covariate Shift", ICML 2015.
+  - Chan, Golub & LeVeque, "Updating formulae and a pairwise algorithm for computing
+    sample variances", Stanford CS tech. report STAN-CS-79-773, 1979.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from accumjax import _batch_norm_math as bnm
+  >>> x = jnp.array([[1.0], [3.0]])
+  >>> running, window = bnm.Running(jnp.zeros(1), jnp.ones(1)), bnm.empty_window((1,))
+  >>> options = bnm.BatchNormOptions(accum_steps=1, momentum=0.5)
+  >>> y, running, window = bnm.normalize_and_accumulate(
+  ...     x, None, (1,), options, running, window, None, None, use_running_average=False)
+  >>> y[:, 0], running.mean, running.var
+  (Array([-0.99999505,  0.99999505], dtype=float32), Array([1.], dtype=float32),
+   Array([1.], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from flax.linen import dtypes
+from flax.typing import Array, Axes, Dtype
+from jax import lax
+
+from accumjax._checks import INT32_MAX, check_int, check_real
+from accumjax.window import sum_dtype
+
+__all__ = [
+    "ACCUMULATOR_NAMES",
+    "MOMENTUM_NAME",
+    "STEP_DRIVEN_NAMES",
+    "BatchNormOptions",
+    "Moments",
+    "Running",
+    "Window",
+    "accumulate",
+    "accumulator_dtype",
+    "canonical_axes",
+    "chan_merge",
+    "check_config",
+    "check_input",
+    "close_window",
+    "compute_moments",
+    "ema",
+    "empty_window",
+    "is_step_driven",
+    "normalize",
+    "normalize_and_accumulate",
+    "pool_windows",
+    "running_dtype",
+    "stats_dtype",
+]
+
+#: Names of the accumulator entries that ``AccumBatchNorm`` keeps in ``batch_stats`` next to
+#: ``mean`` and ``var``: the open window's count, mean, ``M2`` and number of calls.
+ACCUMULATOR_NAMES: tuple[str, ...] = ("acc_count", "acc_mean", "acc_m2", "acc_step")
+#: Name of the float32 scalar that step-driven layers (``accum_steps=None``) keep there.
+MOMENTUM_NAME = "momentum"
+#: Entries of one step-driven layer's statistics, as ``close_batch_norm_windows`` finds them.
+STEP_DRIVEN_NAMES: tuple[str, ...] = ("mean", "var", *ACCUMULATOR_NAMES, MOMENTUM_NAME)
+
+
+class Moments(NamedTuple):
+    """Per-feature statistics of one (possibly cross-device) microbatch."""
+
+    count: Array
+    mean: Array
+    var: Array
+
+
+class Running(NamedTuple):
+    """The running averages used in evaluation mode."""
+
+    mean: Any
+    var: Any
+
+
+class Window(NamedTuple):
+    """The open window's pooled count, mean, ``M2`` and number of calls."""
+
+    count: Any
+    mean: Any
+    m2: Any
+    step: Any
+
+
+class BatchNormOptions(NamedTuple):
+    """The hyperparameters of one layer that :func:`normalize_and_accumulate` reads.
+
+    The fields mean what the layers' attributes of the same names mean.
+    """
+
+    accum_steps: int | None = None
+    momentum: Any = 0.99
+    epsilon: float = 1e-5
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    force_float32_reductions: bool = True
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks, axes and dtypes
+# ---------------------------------------------------------------------------------------------
+
+
+def accumulator_dtype() -> jnp.dtype:
+    """The dtype of the window accumulators: float32, or float64 under ``jax_enable_x64``."""
+    return sum_dtype(jnp.float32, jnp.float64)
+
+
+def running_dtype(force_float32_reductions: bool, param_dtype: Dtype) -> Any:
+    """The dtype of the running ``mean``/``var``: float32 if forced, else ``param_dtype``."""
+    return jnp.float32 if force_float32_reductions else param_dtype
+
+
+def stats_dtype(dtype: Dtype | None, x_dtype: Any, force_float32: bool) -> jnp.dtype:
+    """The dtype of the normalizing statistics, as ``BatchNorm`` picks it.
+
+    Args:
+      dtype: the layer's ``dtype`` (None: that of the input).
+      x_dtype: the input's dtype.
+      force_float32: the layer's ``force_float32_reductions``.
+
+    Returns:
+      ``dtype`` (or ``x_dtype``), promoted to at least float32 when ``force_float32``.
+    """
+    chosen = jnp.dtype(dtype if dtype is not None else x_dtype)
+    return jnp.promote_types(chosen, jnp.float32) if force_float32 else chosen
+
+
+def check_config(accum_steps: Any, momentum: Any, epsilon: Any = 0.0) -> None:
+    """Validates a layer's ``accum_steps``, ``momentum`` and ``epsilon``.
+
+    ``accum_steps`` must be None or an int in ``[1, 2**31 - 1]``, ``momentum`` a real number
+    in ``[0, 1]`` and ``epsilon`` a finite real number ``>= 0``. A value of the wrong kind
+    (a bool, a float ``accum_steps``, a string) raises ``TypeError``, one out of range
+    ``ValueError`` (the rule of :mod:`accumjax._checks`).
+
+    Example:
+      >>> check_config(None, 0.9, 1e-5)
+      >>> check_config(0, 0.9)
+      Traceback (most recent call last):
+      ...
+      ValueError: accum_steps must be an int in [1, 2**31 - 1], got 0.
+    """
+    if accum_steps is not None:
+        check_int("accum_steps", accum_steps, 1, INT32_MAX)
+    check_real("momentum", momentum, low=0.0, high=1.0)
+    check_real("epsilon", epsilon, low=0.0)
+
+
+def canonical_axes(ndim: int, axes: Axes) -> tuple[int, ...]:
+    """Sorted, deduplicated, non-negative ``axes`` (an int or ints) of a rank-``ndim`` input.
+
+    Raises:
+      ValueError: if an axis is out of range for ``ndim``.
+
+    Example:
+      >>> canonical_axes(3, (-1, 1))
+      (1, 2)
+    """
+    items = tuple(axes) if isinstance(axes, Iterable) else (axes,)
+    for axis in items:
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"axis {axis} is out of range for an input of rank {ndim}.")
+    return tuple(sorted({axis % ndim for axis in items}))
+
+
+def check_input(x: Array, mask: Array | None) -> None:
+    """Rejects a non-floating (e.g. complex) ``x`` and a ``mask`` that does not broadcast to it.
+
+    Raises:
+      TypeError: if ``x`` is not real floating point.
+      ValueError: if ``mask`` does not broadcast to ``x.shape`` (or would enlarge it).
+    """
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"AccumBatchNorm needs a real floating-point input, got {x.dtype}.")
+    if mask is None:
+        return
+    try:
+        shape = jnp.broadcast_shapes(jnp.shape(mask), x.shape)
+    except ValueError as err:
+        raise ValueError(
+            f"mask of shape {jnp.shape(mask)} does not broadcast to the input shape {x.shape}."
+        ) from err
+    if shape != x.shape:
+        raise ValueError(f"mask of shape {jnp.shape(mask)} would enlarge the input {x.shape}.")
+
+
+def is_step_driven(node: Any) -> bool:
+    """Whether ``node`` is one step-driven layer's statistics (all of its seven leaves).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> is_step_driven({name: jnp.zeros(()) for name in STEP_DRIVEN_NAMES})
+      True
+      >>> is_step_driven({"mean": jnp.zeros(()), "var": jnp.ones(())})
+      False
+    """
+    return isinstance(node, Mapping) and all(
+        key in node and not isinstance(node[key], Mapping) for key in STEP_DRIVEN_NAMES
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics of one call, and the normalization
+# ---------------------------------------------------------------------------------------------
+
+
+def empty_window(shape: tuple[int, ...], dtype: Any = None) -> Window:
+    """Zero accumulators (constants, so they are replicated under ``shard_map``).
+
+    Args:
+      shape: the feature shape.
+      dtype: the accumulator dtype (default :func:`accumulator_dtype`).
+
+    Returns:
+      A :class:`Window` of zeros, with an int32 scalar ``step``.
+    """
+    dtype = accumulator_dtype() if dtype is None else dtype
+    count, mean, m2 = (jnp.zeros(shape, dtype) for _ in range(3))  # distinct buffers
+    return Window(count, mean, m2, jnp.zeros((), jnp.int32))
+
+
+def compute_moments(
+    x: Array,
+    mask: Array | None,
+    reduction_axes: tuple[int, ...],
+    dtype: Any,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    use_fast_variance: bool = True,
+) -> Moments:
+    """Count, mean and population variance of ``x``, all-reduced over ``axis_name``.
+
+    Sums are taken in at least float32 (and at least ``dtype``), counts in the accumulator
+    dtype. One all-reduce of ``(count, sum, sum of squares)`` serves the fast variance
+    ``E[x^2] - E[x]^2`` (clipped at 0, as in Flax); the centred variance needs a second.
+
+    Args:
+      x: the input.
+      mask: None, or a boolean array broadcastable to ``x``: only True positions count.
+      reduction_axes: the axes to reduce (all but the feature axes).
+      dtype: the statistics dtype (see :func:`stats_dtype`).
+      axis_name: the ``pmap``/``shard_map`` axis to all-reduce over, or None.
+      axis_index_groups: groups of indices within ``axis_name`` to reduce separately.
+      use_fast_variance: one-pass ``E[x^2] - E[x]^2`` if True, else centre first.
+
+    Returns:
+      The per-feature :class:`Moments` (a fully masked feature has count 0, mean 0, var 0).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> compute_moments(jnp.array([[1.0], [3.0]]), None, (0,), jnp.float32)
+      Moments(count=Array([2.], dtype=float32), mean=Array([2.], dtype=float32),
+              var=Array([1.], dtype=float32))
+    """
+    x = x.astype(sum_dtype(dtype))
+    feature_shape = tuple(d for i, d in enumerate(x.shape) if i not in reduction_axes)
+    where = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+    if where is None:
+        n_local = math.prod(x.shape[i] for i in reduction_axes)
+        count = jnp.full(feature_shape, n_local, accumulator_dtype())
+    else:
+        count = jnp.sum(where, reduction_axes, dtype=accumulator_dtype())
+
+    def all_sum(tree: Any) -> Any:
+        if axis_name is None:
+            return tree
+        return lax.psum(tree, axis_name, axis_index_groups=axis_index_groups)
+
+    def local_sum(values: Array) -> Array:
+        return jnp.sum(values, reduction_axes, where=where)
+
+    if use_fast_variance:
+        count, s1, s2 = all_sum((count, local_sum(x), local_sum(lax.square(x))))
+        denom = jnp.maximum(count, 1).astype(x.dtype)
+        mean = s1 / denom
+        var = jnp.maximum(0.0, s2 / denom - lax.square(mean))
+    else:
+        count, s1 = all_sum((count, local_sum(x)))
+        denom = jnp.maximum(count, 1).astype(x.dtype)
+        mean = s1 / denom
+        centred = lax.square(x - jnp.expand_dims(mean, reduction_axes))
+        var = all_sum(local_sum(centred)) / denom
+    return Moments(count, mean, var)
+
+
+def normalize(
+    x: Array,
+    mean: Array,
+    var: Array,
+    scale: Array | None,
+    bias: Array | None,
+    reduction_axes: tuple[int, ...],
+    epsilon: float,
+    dtype: Dtype | None,
+) -> Array:
+    """Returns ``(x - mean) / sqrt(var + epsilon) * scale + bias`` (Ioffe & Szegedy 2015).
+
+    Args:
+      x: the input.
+      mean, var: per-feature statistics (shaped like ``x`` without ``reduction_axes``).
+      scale, bias: per-feature parameters, or None to skip them.
+      reduction_axes: the reduced axes, re-inserted to broadcast the per-feature arrays.
+      epsilon: added to the variance.
+      dtype: the result dtype; None picks it from ``x`` and the params as Flax's
+        ``BatchNorm`` does, with the same operations in the same order.
+
+    Returns:
+      The normalized input, shaped like ``x``.
+    """
+    y = x - jnp.expand_dims(mean, reduction_axes)
+    factor = lax.rsqrt(jnp.expand_dims(var, reduction_axes) + epsilon)
+    inputs = [x]
+    if scale is not None:
+        scale = jnp.expand_dims(scale, reduction_axes)
+        factor = factor * scale
+        inputs.append(scale)
+    y = y * factor
+    if bias is not None:
+        bias = jnp.expand_dims(bias, reduction_axes)
+        y = y + bias
+        inputs.append(bias)
+    return jnp.asarray(y, dtypes.canonicalize_dtype(*inputs, dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The window: merge, close, pool
+# ---------------------------------------------------------------------------------------------
+
+
+def chan_merge(
+    n_a: Array, mean_a: Array, m2_a: Array, n_b: Array, mean_b: Array, m2_b: Array
+) -> tuple[Array, Array, Array]:
+    """Merges two (count, mean, M2) summaries (Chan, Golub & LeVeque 1979).
+
+    ``M2`` is the sum of squared deviations from the mean. The ``delta**2`` term carries
+    the spread between the two means. Empty summaries (count 0) merge to the other one.
+
+    Returns:
+      The merged ``(count, mean, M2)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> one = jnp.array(1.0)  # {0} merged with {2}: mean 1, M2 = 1 + 1
+      >>> [float(v) for v in chan_merge(one, jnp.array(0.0), jnp.array(0.0), one, 2 * one, 0 * one)]
+      [2.0, 1.0, 2.0]
+    """
+    n = n_a + n_b
+    w_b = n_b / jnp.maximum(n, 1)  # n_b / n, and 0 when both are empty
+    delta = mean_b - mean_a
+    return n, mean_a + delta * w_b, m2_a + m2_b + lax.square(delta) * n_a * w_b
+
+
+def ema(old: Array, new: Array, momentum: Any, update: Array) -> Array:
+    """``momentum * old + (1 - momentum) * new`` where ``update``, else ``old`` (in its dtype)."""
+    blended = momentum * old + (1 - momentum) * new.astype(old.dtype)
+    return jnp.where(update, blended.astype(old.dtype), old)
+
+
+def accumulate(
+    running: Running,
+    window: Window,
+    moments: Moments,
+    momentum: Any,
+    accum_steps: int | None,
+) -> tuple[Running, Window]:
+    """Merges one call's ``moments`` into the window.
+
+    With an int ``accum_steps`` the window closes on its ``accum_steps``-th call: the
+    running averages move towards the pooled (population) statistics, where the window
+    holds any element, and the accumulators are reset. With ``None`` only the window
+    changes; :func:`close_window` (via ``close_batch_norm_windows``) closes it.
+
+    Returns:
+      The new running averages and window.
+    """
+    dtype = window.count.dtype
+    n_b, mean_b, var_b = (jnp.asarray(v, dtype) for v in moments)
+    n, mean, m2 = chan_merge(window.count, window.mean, window.m2, n_b, mean_b, var_b * n_b)
+    step = window.step + 1
+    if accum_steps is None:
+        return running, Window(n, mean, m2, step.astype(jnp.int32))
+    # A window holding one contribution pools to its own variance; taking it directly
+    # avoids the (var * n) / n round trip, so accum_steps=1 matches BatchNorm bit for bit.
+    pooled_var = jnp.where(window.count == 0, var_b, m2 / jnp.maximum(n, 1))
+    closes = step >= accum_steps
+    update = jnp.logical_and(closes, n > 0)
+    new_running = Running(
+        ema(running.mean, mean, momentum, update), ema(running.var, pooled_var, momentum, update)
+    )
+    new_window = Window(
+        jnp.where(closes, jnp.zeros_like(n), n),
+        jnp.where(closes, jnp.zeros_like(mean), mean),
+        jnp.where(closes, jnp.zeros_like(m2), m2),
+        jnp.where(closes, 0, step).astype(jnp.int32),
+    )
+    return new_running, new_window
+
+
+def close_window(
+    running: Running, window: Window, momentum: Array, apply: Array
+) -> tuple[Running, Window]:
+    """Closes a step-driven window: EMA update where ``apply`` and non-empty; reset.
+
+    Returns:
+      The running averages (moved towards the window's pooled mean and population
+      variance ``M2 / count`` where ``apply`` and the window is non-empty) and an empty
+      window.
+    """
+    update = jnp.logical_and(apply, window.count > 0)
+    var = window.m2 / jnp.maximum(window.count, 1)
+    new_running = Running(
+        ema(running.mean, window.mean, momentum, update), ema(running.var, var, momentum, update)
+    )
+    return new_running, empty_window(window.count.shape, window.count.dtype)
+
+
+def pool_windows(shifts: list[Array], windows: list[Window], axis_name: str) -> list[Window]:
+    """Pools every layer's window across ``axis_name`` with a single ``psum``.
+
+    Each window is summarized by shifted sums ``(n, n * (mean - s), M2 + n * (mean - s)^2)``
+    with a shift ``s`` equal on every device (the running mean), so they add exactly; all
+    layers' sums travel in one flat array, i.e. one all-reduce.
+
+    Args:
+      shifts: per layer, an array equal on every device (the running mean).
+      windows: per layer, this device's window.
+      axis_name: the ``pmap``/``shard_map`` axis.
+
+    Returns:
+      The pooled windows, in the same order (``step`` kept from each device).
+    """
+    parts: list[Array] = []
+    for shift, window in zip(shifts, windows, strict=True):
+        delta = window.mean - shift.astype(window.mean.dtype)
+        parts += [window.count, window.count * delta, window.m2 + window.count * lax.square(delta)]
+    dtype = jnp.result_type(*parts)
+    flat = lax.psum(jnp.concatenate([p.astype(dtype).ravel() for p in parts]), axis_name)
+    sums, offset = [], 0
+    for part in parts:
+        sums.append(flat[offset : offset + part.size].reshape(part.shape).astype(part.dtype))
+        offset += part.size
+    pooled = []
+    for i, (shift, window) in enumerate(zip(shifts, windows, strict=True)):
+        count, s1, s2 = sums[3 * i : 3 * i + 3]
+        offset_mean = s1 / jnp.maximum(count, 1)
+        mean = shift.astype(offset_mean.dtype) + offset_mean
+        pooled.append(Window(count, mean, jnp.maximum(s2 - s1 * offset_mean, 0), window.step))
+    return pooled
+
+
+# ---------------------------------------------------------------------------------------------
+# One call of a layer
+# ---------------------------------------------------------------------------------------------
+
+
+def normalize_and_accumulate(
+    x: Array,
+    mask: Array | None,
+    feature_axes: tuple[int, ...],
+    options: BatchNormOptions,
+    running: Running,
+    window: Window | None,
+    scale: Array | None,
+    bias: Array | None,
+    *,
+    use_running_average: bool,
+    initializing: bool = False,
+) -> tuple[Array, Running, Window | None]:
+    """One call of an ``AccumBatchNorm`` layer (linen or NNX), as pure arrays.
+
+    In evaluation mode (``use_running_average``) ``x`` is normalized with ``running`` and
+    nothing changes. In training mode it is normalized with its own statistics (exactly as
+    Flax's ``BatchNorm``), whose count, mean and ``M2`` are merged into ``window``;
+    a self-closing layer (int ``options.accum_steps``) closes the window on its last call.
+    While ``initializing`` (linen's ``init``) the statistics are computed without the
+    collective over ``options.axis_name`` (which may not exist yet) and nothing is merged.
+
+    Args:
+      x: the input, a real floating-point array.
+      mask: None, or a boolean array broadcastable to ``x``: only True positions count.
+      feature_axes: canonical feature axes of ``x`` (see :func:`canonical_axes`).
+      options: the layer's hyperparameters.
+      running: the running ``mean`` and ``var``, shaped like the features of ``x``.
+      window: the open window (may be None in evaluation mode).
+      scale, bias: the per-feature parameters, or None.
+      use_running_average: evaluation mode if True.
+      initializing: True during linen's ``init``.
+
+    Returns:
+      ``(y, running, window)``: the normalized input and the new running averages and
+      window (the given ones where nothing changes).
+    """
+    check_input(x, mask)
+    reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    if not options.force_float32_reductions:
+        scale = None if scale is None else jnp.asarray(scale, options.param_dtype)
+        bias = None if bias is None else jnp.asarray(bias, options.param_dtype)
+    if use_running_average:
+        mean, var = running
+        if not options.force_float32_reductions:
+            mean, var = (
+                jnp.asarray(mean, options.param_dtype),
+                jnp.asarray(var, options.param_dtype),
+            )
+    else:
+        dtype = stats_dtype(options.dtype, x.dtype, options.force_float32_reductions)
+        moments = compute_moments(
+            x,
+            mask,
+            reduction_axes,
+            dtype,
+            None if initializing else options.axis_name,
+            options.axis_index_groups,
+            options.use_fast_variance,
+        )
+        mean, var = moments.mean.astype(dtype), moments.var.astype(dtype)
+        if not initializing:
+            if window is None:
+                raise ValueError("a training-mode call needs the window accumulators.")
+            running, window = accumulate(
+                running, window, moments, options.momentum, options.accum_steps
+            )
+    y = normalize(x, mean, var, scale, bias, reduction_axes, options.epsilon, options.dtype)
+    return y, running, window
