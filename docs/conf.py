@@ -77,6 +77,7 @@ SECTIONS = {
     "accumjax.train_state": "Train step",
     "accumjax.train_step": "Train step",
     "accumjax.batch_norm": "BatchNorm (linen)",
+    "accumjax.batch_norm_convert": "BatchNorm (linen)",
     "accumjax.nnx_batch_norm": "BatchNorm (NNX)",
     "accumjax.clipping": "Clipping",
     "accumjax.loss_scale": "Mixed precision and loss scaling",
