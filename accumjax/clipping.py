@@ -63,7 +63,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["adaptive_clip", "adaptive_clip_grad", "compute_norm", "unitwise_norm"]
+__all__ = [
+    "adaptive_clip",
+    "adaptive_clip_grad",
+    "compute_norm",
+    "squared_norm",
+    "unitwise_norm",
+]
 
 # A pytree of bools (or a prefix of params), or a callable params -> such a pytree, or None.
 Mask = Any
@@ -91,6 +97,49 @@ def _compute_dtype(dtype: Any) -> np.dtype:
     return jnp.promote_types(real, jnp.float32)
 
 
+def squared_norm(
+    x: jax.typing.ArrayLike,
+    axis: int | tuple[int, ...] | None = None,
+    keepdims: bool = False,
+) -> jax.Array:
+    """Computes the sum of squares ``sum(|x|**2)`` over ``axis``, in at least float32.
+
+    The one norm implementation of the package: :func:`compute_norm` (and through it
+    :func:`unitwise_norm` and AGC) is its square root.
+
+    Args:
+      x: A floating point (or complex) array.
+      axis: Axis or axes to reduce; ``None`` reduces all of them.
+      keepdims: Whether to keep the reduced axes with size 1 (as ``jnp.sum`` does).
+
+    Returns:
+      ``sum(x * x)`` for real ``x`` and ``sum(real(conj(x) * x))`` for complex ``x``, with
+      ``x`` first cast to at least float32 (complex64 for complex ``x``). Its dtype is
+      ``float32`` for ``float16``, ``bfloat16`` (and other sub-32-bit) inputs, and the real
+      dtype of ``x`` otherwise (``float32``, ``float64``; ``complex64 -> float32``). Its
+      shape is that of ``jnp.sum``.
+
+    Raises:
+      TypeError: if ``x`` is not floating point or complex.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax.clipping import squared_norm
+      >>> squared_norm(jnp.array([3.0, 4.0], jnp.float16))
+      Array(25., dtype=float32)
+      >>> squared_norm(jnp.array([[3.0, 0.0], [4.0, 1.0]]), axis=0, keepdims=True)
+      Array([[25.,  1.]], dtype=float32)
+      >>> squared_norm(jnp.array([3 + 4j], jnp.complex64))
+      Array(25., dtype=float32)
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise TypeError(f"a norm needs a floating point array, got dtype {x.dtype}.")
+    x = x.astype(jnp.promote_types(x.dtype, _compute_dtype(x.dtype)))
+    squared = (jnp.conj(x) * x).real if jnp.iscomplexobj(x) else x * x
+    return jnp.sum(squared, axis=axis, keepdims=keepdims)
+
+
 def compute_norm(
     x: jax.typing.ArrayLike,
     axis: int | tuple[int, ...] | None = None,
@@ -104,9 +153,10 @@ def compute_norm(
       keepdims: Whether to keep the reduced axes with size 1 (as ``jnp.sum`` does).
 
     Returns:
-      ``sqrt(sum(|x|**2, axis, keepdims))``. Its dtype is ``float32`` for ``float16``,
-      ``bfloat16`` (and other sub-32-bit) inputs, and the real dtype of ``x`` otherwise
-      (``float32``, ``float64``; ``complex64 -> float32``). Its shape is that of ``jnp.sum``.
+      ``sqrt(squared_norm(x, axis, keepdims))`` (see :func:`squared_norm`). Its dtype is
+      ``float32`` for ``float16``, ``bfloat16`` (and other sub-32-bit) inputs, and the real
+      dtype of ``x`` otherwise (``float32``, ``float64``; ``complex64 -> float32``). Its shape
+      is that of ``jnp.sum``.
 
     Raises:
       TypeError: if ``x`` is not floating point or complex.
@@ -121,12 +171,7 @@ def compute_norm(
       Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
       <https://arxiv.org/abs/2102.06171>`_, 2021
     """
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        raise TypeError(f"`compute_norm` needs a floating point array, got dtype {x.dtype}.")
-    x = x.astype(jnp.promote_types(x.dtype, _compute_dtype(x.dtype)))
-    squared = (jnp.conj(x) * x).real if jnp.iscomplexobj(x) else x * x
-    return jnp.sqrt(jnp.sum(squared, axis=axis, keepdims=keepdims))
+    return jnp.sqrt(squared_norm(x, axis=axis, keepdims=keepdims))
 
 
 def _unit_axes(shape: tuple[int, ...]) -> tuple[int, ...] | None:

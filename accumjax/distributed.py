@@ -1,13 +1,20 @@
-"""Data-parallel helpers: counting collectives in compiled HLO, pmap replication.
+"""Data-parallel helpers: a batch sharding for a mesh, and pmap replication.
 
-:func:`count_collectives` reads the optimized HLO of a compiled step and counts
-collective instructions by opcode, which is how the "one all-reduce per
-accumulation window" property of :func:`accumjax.make_train_step` is checked.
+:func:`data_sharding` shards a batch along its leading axis over a mesh axis (the ``jax.jit``
+path); :func:`replicate` and :func:`unreplicate` add and remove the leading device axis of
+a ``jax.pmap`` state. :func:`count_collectives` lives in :mod:`accumjax.collectives` and is
+re-exported here.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from accumjax.distributed import replicate, unreplicate
+  >>> state = {"w": jnp.arange(3.0)}
+  >>> unreplicate(replicate(state, 2))["w"]
+  Array([0., 1., 2.], dtype=float32)
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -15,186 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from accumjax.collectives import count_collectives
+
 __all__ = ["count_collectives", "data_sharding", "replicate", "unreplicate"]
-
-COLLECTIVE_OPS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "collective-permute",
-    "all-to-all",
-    "collective-broadcast",
-    "ragged-all-to-all",
-)
-
-_COMPUTATION_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_CALLED = re.compile(
-    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)"
-    r"=(\{[^}]*\}|%?[\w.\-]+)"
-)
-
-
-def _hlo_text(x: Any) -> str:
-    text: str | None
-    if isinstance(x, str):
-        text = x
-    elif isinstance(x, jax.stages.Lowered):
-        text = x.compile().as_text()
-    elif isinstance(x, jax.stages.Compiled):
-        text = x.as_text()
-    else:
-        raise TypeError(
-            "count_collectives expects HLO text, a jax.stages.Compiled or a jax.stages.Lowered "
-            f"(e.g. jax.jit(f).lower(*args)), got {type(x).__name__}."
-        )
-    if not text or "HloModule" not in text:
-        raise ValueError(
-            "count_collectives needs optimized HLO text (Compiled.as_text()); got text without "
-            "an 'HloModule' header (StableHLO from Lowered.as_text() is not supported: pass the "
-            "Lowered object itself)."
-        )
-    return text
-
-
-def _opcode(rhs: str) -> str:
-    """The opcode of an instruction's right-hand side ``<shape> <opcode>(...)``."""
-    rhs = rhs.lstrip()
-    if rhs.startswith("("):  # tuple shape: skip the balanced parentheses
-        depth = 0
-        for i, char in enumerate(rhs):
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                rhs = rhs[i + 1 :]
-                break
-    else:
-        rhs = rhs.split(" ", 1)[1] if " " in rhs else ""
-    return rhs.lstrip().split("(", 1)[0].strip()
-
-
-def _collective(opcode: str) -> str | None:
-    if opcode.endswith("-done"):
-        return None
-    base = opcode.removesuffix("-start")
-    return base if base in COLLECTIVE_OPS else None
-
-
-def _parse(text: str) -> tuple[dict[str, list[str]], str | None]:
-    """Splits HLO text into ``{computation: [instruction right-hand sides]}`` and the entry."""
-    computations: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        header = _COMPUTATION_HEADER.match(line)
-        if header and " = " not in line.split("(", 1)[0]:
-            current = header.group(1)
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        instruction = _INSTRUCTION.match(line)
-        if current is not None and instruction:
-            computations[current].append(instruction.group(1))
-    return computations, entry
-
-
-def _executed_counts(
-    computations: dict[str, list[str]], entry: str, default_trip_count: int | None
-) -> dict[str, int]:
-    memo: dict[str, dict[str, int]] = {}
-
-    def visit(name: str) -> dict[str, int]:
-        if name in memo:
-            return memo[name]
-        counts: dict[str, int] = {}
-        for rhs in computations.get(name, []):
-            op = _opcode(rhs)
-            kind = _collective(op)
-            if kind:
-                counts[kind] = counts.get(kind, 0) + 1
-            called = dict(_CALLED.findall(rhs))
-            if op == "while":
-                body = visit(called["body"].lstrip("%"))
-                if body:
-                    trip = _TRIP_COUNT.search(rhs)
-                    if trip is None and default_trip_count is None:
-                        raise ValueError(
-                            f"A while loop contains collectives {body} but has no known trip "
-                            "count; pass default_trip_count (e.g. 1 for a loop that runs at "
-                            "most once) or use per_execution=False."
-                        )
-                    n = int(trip.group(1)) if trip else default_trip_count
-                    for k, v in body.items():
-                        counts[k] = counts.get(k, 0) + v * int(n or 0)
-                continue
-            if op == "conditional":  # one branch runs: count the most expensive one
-                branch_counts = [
-                    visit(b.strip().lstrip("%"))
-                    for key in ("branch_computations", "true_computation", "false_computation")
-                    if key in called
-                    for b in called[key].strip("{}").split(",")
-                ]
-                for k in {k for c in branch_counts for k in c}:
-                    counts[k] = counts.get(k, 0) + max(c.get(k, 0) for c in branch_counts)
-                continue
-            if "calls" in called:  # fusions, calls and async wrappers run once
-                for callee in called["calls"].strip("{}").split(","):
-                    for k, v in visit(callee.strip().lstrip("%")).items():
-                        counts[k] = counts.get(k, 0) + v
-        memo[name] = counts
-        return counts
-
-    return visit(entry)
-
-
-def count_collectives(
-    x: Any, *, per_execution: bool = False, default_trip_count: int | None = None
-) -> dict[str, int]:
-    """Counts collective instructions in optimized HLO, by opcode.
-
-    Instructions are recognised by their opcode (not their name or metadata); an
-    asynchronous pair ``all-reduce-start``/``all-reduce-done`` counts once, as
-    ``"all-reduce"``. A variadic all-reduce of several arrays (one group) counts once.
-
-    Args:
-      x: HLO text (``Compiled.as_text()``), a ``jax.stages.Compiled`` or a
-        ``jax.stages.Lowered`` (compiled here).
-      per_execution: if False, count instructions as they appear in the program
-        (an all-reduce inside a loop body counts once). If True, count how many
-        run per execution: loop bodies are multiplied by their known trip count
-        (``ValueError`` if unknown) and a conditional counts its most expensive branch.
-      default_trip_count: with ``per_execution``, the trip count assumed for loops
-        whose count XLA does not know (e.g. ``1`` for a run-at-most-once loop, giving an
-        upper bound); ``None`` raises instead.
-
-    Returns:
-      A dict from op name (``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
-      ``"collective-permute"``, ``"all-to-all"``, plus any other collective found)
-      to its count; the first five are always present.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, accumjax
-      >>> f = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
-      >>> counts = accumjax.count_collectives(f.lower(jnp.ones((jax.device_count(), 2))))
-      >>> counts["all-reduce"] <= 1  # 0 on a single device: XLA removes it
-      True
-    """
-    computations, entry = _parse(_hlo_text(x))
-    counts: dict[str, int] = {op: 0 for op in COLLECTIVE_OPS[:5]}
-    if per_execution:
-        if entry is None:
-            raise ValueError("HLO text has no ENTRY computation.")
-        counts.update(_executed_counts(computations, entry, default_trip_count))
-        return counts
-    for body in computations.values():
-        for rhs in body:
-            kind = _collective(_opcode(rhs))
-            if kind:
-                counts[kind] = counts.get(kind, 0) + 1
-    return counts
 
 
 def data_sharding(mesh: Mesh, axis_name: str) -> NamedSharding:
@@ -234,6 +64,13 @@ def replicate(tree: Any, num_devices: int | None = None) -> Any:
       >>> accumjax.distributed.replicate({"w": jnp.ones(3)}, 2)["w"].shape
       (2, 3)
     """
+    # Not flax.jax_utils.replicate(tree, jax.local_devices()[:n]) (flax 0.12.8): it places
+    # the copies on the devices (a NamedSharding; here one (n, ...) array stays on the
+    # default device and pmap splits it), and it returns other shapes and dtypes: with
+    # n > jax.local_device_count() it makes local_device_count copies, not n; with n == 0
+    # one per local device (an empty device list means "all"); Python scalar leaves lose
+    # their weak type. The pmap tests pass with either (and raise no DeprecationWarning);
+    # test_replicate_gives_num_devices_copies_whatever_the_device_count pins the difference.
     n = jax.local_device_count() if num_devices is None else num_devices
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *np.shape(x))), tree)
 
@@ -252,4 +89,13 @@ def unreplicate(tree: Any) -> Any:
       >>> accumjax.distributed.unreplicate({"w": jnp.ones((2, 3))})["w"].shape
       (3,)
     """
+    # Not flax.jax_utils.unreplicate (flax 0.12.8): it returns leaf[0] for pmap outputs (one
+    # row per device along axis 0), NumPy arrays and single-device arrays, but reads the
+    # first device's shard of any other leaf on several devices: a fully replicated leaf
+    # comes back whole (shape (n, ...), not leaf[0]); one split otherwise (several rows per
+    # device, or along another axis) raises ValueError or comes back as the first device's
+    # part only; a 0-d leaf comes back as it is (IndexError here). Pinned by
+    # test_unreplicate_takes_leaf_zero_of_pmap_outputs_numpy_and_replicated_arrays. On pmap
+    # outputs its shard read is faster, and gives a single-device array where leaf[0] gives
+    # one replicated on every device.
     return jax.tree.map(lambda x: x[0], tree)

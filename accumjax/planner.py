@@ -45,6 +45,7 @@ __all__ = [
     "compiled_memory_bytes",
     "plan_microbatches",
     "plan_microbatches_for",
+    "scan_step_for_k",
 ]
 
 CompileForK = Callable[[int], jax.stages.Compiled]
@@ -215,17 +216,57 @@ def _abstract(tree: Any) -> Any:
     return jax.eval_shape(lambda t: t, tree)
 
 
-def _scan_step_for_k(loss_fn: Any, state: Any, k: int, **kwargs: Any) -> tuple[Any, Any]:
-    """The jitted scan-mode step for K microbatches, and the (abstract) state it takes.
+def scan_step_for_k(
+    loss_fn: Callable[..., Any], state: Any, k: int, **make_train_step_kwargs: Any
+) -> tuple[Any, Any]:
+    """The scan-mode train step for K microbatches, and the state it takes.
 
-    K lives in the optimizer: ``state.tx`` is rebuilt with K (`accumjax.with_every_k`, or
-    ``accumulate(state.tx, K)`` around a plain optimizer) and its state from shapes only.
+    This is the step :func:`plan_microbatches` compiles for each candidate K; use it to
+    compile, measure or run the same step yourself. K lives in the optimizer: ``state.tx``
+    is rebuilt for K (:func:`accumjax.with_every_k` if it is already an
+    :func:`accumjax.accumulate` transformation, every other option kept; otherwise
+    ``accumulate(state.tx, k)`` around it) and its state is derived from shapes only.
+
+    Args:
+      loss_fn: the loss, as for :func:`accumjax.make_train_step`.
+      state: an :class:`accumjax.TrainState` (arrays or ``jax.ShapeDtypeStruct`` leaves).
+      k: the number of microbatches per window, an int >= 1.
+      **make_train_step_kwargs: further options of ``make_train_step`` (``has_aux``,
+        ``mixed_precision``, ``donate``, ...); not ``accum_steps`` (``k``) or ``mode``
+        (``"scan"``).
+
+    Returns:
+      ``(step, state_k)``: ``step`` is ``make_train_step(loss_fn, mode="scan", ...)``, called
+      as ``step(state_k, batch)`` with the whole batch (it splits it into K microbatches);
+      ``state_k`` is ``state`` with the rebuilt ``tx`` and an abstract ``opt_state``
+      (``jax.ShapeDtypeStruct`` leaves, from ``jax.eval_shape(tx.init, params)``): enough to
+      ``step.lower(state_k, batch)``; to run the step, initialise it first:
+      ``state_k.replace(opt_state=state_k.tx.init(state_k.params))``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> from accumjax.planner import compiled_memory_bytes, scan_step_for_k
+      >>> params = {"w": jnp.zeros((8, 1))}
+      >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+      >>> state = accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+      >>> batch = {"x": jnp.ones((16, 8)), "y": jnp.ones((16, 1))}
+      >>> step, state_4 = scan_step_for_k(loss_fn, state, 4)
+      >>> compiled_memory_bytes(step.lower(state_4, batch).compile()) > 0
+      True
+      >>> state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+      >>> new_state, metrics = step(state_4, batch)
+      >>> int(new_state.step)  # one window of 4 microbatches: one update
+      1
     """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}.")
+    for name in ("accum_steps", "mode"):
+        if name in make_train_step_kwargs:
+            raise TypeError(f"scan_step_for_k sets {name}; do not pass {name}=.")
     tx = with_every_k(state.tx, k) if config_of(state.tx) else accumulate(state.tx, k)
     opt_state = jax.eval_shape(tx.init, state.params)
-    return make_train_step(loss_fn, mode="scan", **kwargs), state.replace(
-        tx=tx, opt_state=opt_state
-    )
+    step = make_train_step(loss_fn, mode="scan", **make_train_step_kwargs)
+    return step, state.replace(tx=tx, opt_state=opt_state)
 
 
 def plan_microbatches(
@@ -298,7 +339,7 @@ def plan_microbatches(
     abstract_state, abstract_batch = _abstract(state), _abstract(batch)
 
     def compile_for_k(k: int) -> jax.stages.Compiled:
-        step, state_k = _scan_step_for_k(loss_fn, abstract_state, k, **make_train_step_kwargs)
+        step, state_k = scan_step_for_k(loss_fn, abstract_state, k, **make_train_step_kwargs)
         return step.lower(state_k, abstract_batch).compile()
 
     return plan_microbatches_for(compile_for_k, ks, budget, batch_size=batch_size)

@@ -41,8 +41,8 @@ import optax
 
 import accumjax
 from accumjax.planner import (
-    _scan_step_for_k,  # the one K -> step builder (API switch there)
     compiled_memory_bytes,
+    scan_step_for_k,  # the one K -> step builder (API switch there)
 )
 from benchmarks import common
 
@@ -166,7 +166,7 @@ def _cases_for_k(size, params, batch, k, full_batch):
     out["full_batch"] = (full_batch, lambda c: full_batch(c, batch), carry)
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=_tx())  # type: ignore[arg-type]
     for name, fn in (("accumjax_scan", loss), ("accumjax_scan_remat", loss_remat)):
-        step, state_k = _scan_step_for_k(fn, state, k)
+        step, state_k = scan_step_for_k(fn, state, k)
         state_k = state_k.replace(opt_state=state_k.tx.init(params))  # concrete, to run
         compiled = step.lower(state_k, batch).compile()
         out[name] = (compiled, lambda s, f=compiled: f(s, batch, None)[0], state_k)
@@ -189,7 +189,7 @@ def _propagate_temp_bytes(size, params, batch, k) -> int:
     memory only, not timed."""
     tx = accumjax.accumulate(_tx(), k, on_nonfinite="propagate")
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)  # type: ignore[arg-type]
-    step, state = _scan_step_for_k(_loss_fn(_model(size)), state, k)
+    step, state = scan_step_for_k(_loss_fn(_model(size)), state, k)
     return int(step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
 
 

@@ -9,7 +9,14 @@ import pytest
 from flax import linen as nn
 
 import accumjax
-from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
+from accumjax import window
+from accumjax.clipping import (
+    adaptive_clip,
+    adaptive_clip_grad,
+    compute_norm,
+    squared_norm,
+    unitwise_norm,
+)
 
 # float32 results compared with float64 numpy references. A float32 sum of n positive terms has
 # relative error <= n * u (u = 2**-24 ~ 6e-8) in any summation order; with n <= 64 squares per
@@ -152,6 +159,73 @@ def test_compute_norm_float64_and_complex():
 def test_compute_norm_rejects_integers():
     with pytest.raises(TypeError, match="floating point"):
         compute_norm(jnp.arange(4))
+
+
+# ---------------------------------------------------------------------------------------------
+# squared_norm: the one sum of squares (compute_norm is its square root)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_squared_norm_matches_numpy_in_float32():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3, 4, 5)) * 30.0
+    z = (rng.normal(size=(3, 4, 5)) + 1j * rng.normal(size=(3, 4, 5))).astype(np.complex64)
+    xs = {
+        "f32": jnp.asarray(x, jnp.float32),
+        "bf16": jnp.asarray(x, jnp.bfloat16),
+        "f16": jnp.asarray(x, jnp.float16),
+        "c64": jnp.asarray(z),
+    }
+    got = jax.jit(
+        lambda xs: {
+            name: [squared_norm(t, axis=a, keepdims=k) for a, k in AXES] for name, t in xs.items()
+        }
+    )(xs)
+    for name, leaf in xs.items():
+        exact = np.asarray(leaf).astype(np.complex128 if name == "c64" else np.float64)
+        for (axis, keepdims), value in zip(AXES, got[name], strict=True):
+            want = np.sum(np.abs(exact) ** 2, axis=axis, keepdims=keepdims)
+            assert value.dtype == jnp.float32 and value.shape == want.shape
+            # A sum of <= 60 positive terms: within 60 u ~ 3.6e-6 (2 u more for complex).
+            np.testing.assert_allclose(value, want, rtol=4e-6, err_msg=name)
+
+
+def test_squared_norm_does_not_round_to_16_bits():
+    # optax.tree.norm squares and returns float16/bfloat16 leaves in their own dtype: inf for
+    # the first, 9984 for the second.
+    big = jnp.full((1,), 300.0, jnp.float16)
+    ones = jnp.ones((10001,), jnp.bfloat16)
+    assert float(squared_norm(big)) == 90000.0 and float(squared_norm(ones)) == 10001.0
+
+
+def test_compute_norm_is_the_square_root_of_squared_norm_bitwise():
+    rng = np.random.default_rng(6)
+    xs = [jnp.asarray(rng.normal(size=(7, 33)), d) for d in (jnp.float16, jnp.float32)]
+    xs.append(jnp.asarray(rng.normal(size=(7, 33)) + 1j * rng.normal(size=(7, 33)), jnp.complex64))
+    for x in xs:
+        for f in (lambda x: x, jax.jit):
+            a = f(lambda x: compute_norm(x, axis=0))(x)
+            b = f(lambda x: jnp.sqrt(squared_norm(x, axis=0)))(x)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_window_global_norm_uses_the_same_sum_of_squares_on_real_leaves():
+    # Bitwise for real leaves; complex leaves differ by at most 1 ulp until window.global_norm
+    # sums squared_norm itself (it squares abs(x); squared_norm takes real(conj(x) * x)).
+    rng = np.random.default_rng(7)
+    tree = {
+        d.__name__: jnp.asarray(rng.normal(size=(n,)) * 10.0, d)
+        for d, n in ((jnp.float16, 3), (jnp.bfloat16, 1000), (jnp.float32, 4097))
+    }
+    ours = jax.jit(
+        lambda t: jnp.sqrt(sum((squared_norm(x) for x in jax.tree.leaves(t)), jnp.zeros(())))
+    )(tree)
+    assert np.asarray(jax.jit(window.global_norm)(tree)).tobytes() == np.asarray(ours).tobytes()
+
+
+def test_squared_norm_rejects_integers():
+    with pytest.raises(TypeError, match="floating point"):
+        squared_norm(jnp.arange(4))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Tests for accumjax.distributed and the one-all-reduce-per-window property of the train step."""
+"""Tests for accumjax.distributed (pmap replication, mesh sharding) and the train step's
+one-all-reduce-per-window property; count_collectives itself: tests/test_collectives.py."""
 
 import os
 import re
@@ -21,58 +22,6 @@ from accumjax.distributed import count_collectives, data_sharding, replicate, un
 HERE = Path(__file__).parent
 K = 4
 
-# Hand-written optimized HLO: names and metadata that mention collectives must not count,
-# an async start/done pair counts once, a loop body runs 5 times, one branch runs.
-HLO = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %all-reduce.9 = f32[] add(%a, %b), metadata={op_name="jit(f)/all-reduce"}
-}
-
-%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
-  %p = (s32[], f32[4]{0}) parameter(0)
-  %x = f32[4]{0} get-tuple-element(%p), index=1
-  %psum.3 = f32[4]{0} all-reduce(%x), to_apply=%add, metadata={op_name="all-gather"}
-  %i = s32[] get-tuple-element(%p), index=0
-  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %psum.3)
-}
-
-%cond (q: (s32[], f32[4])) -> pred[] {
-  %q = (s32[], f32[4]{0}) parameter(0)
-  %j = s32[] get-tuple-element(%q), index=0
-  %five = s32[] constant(5)
-  ROOT %lt = pred[] compare(%j, %five), direction=LT
-}
-
-%branch0 (r: f32[4]) -> f32[4] {
-  ROOT %r = f32[4]{0} parameter(0)
-}
-
-%branch1 (s: f32[4]) -> f32[4] {
-  %s = f32[4]{0} parameter(0)
-  %ag = f32[8]{0} all-gather(%s), dimensions={0}, replica_groups={{0,1}}
-  %cp-start = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%s)
-  %cp-done = f32[4]{0} collective-permute-done(%cp-start)
-  ROOT %sl = f32[4]{0} slice(%ag), slice={[0:4]}
-}
-
-ENTRY %main (x.1: f32[4]) -> f32[4] {
-  %x.1 = f32[4]{0} parameter(0)
-  %one = f32[] constant(1)
-  %ars = (f32[4]{0}, f32[]) all-reduce-start(%x.1, %one), replica_groups={{0,1}}, to_apply=%add
-  %ard = (f32[4]{0}, f32[]) all-reduce-done(%ars)
-  %y = f32[4]{0} get-tuple-element(%ard), index=0
-  %zero = s32[] constant(0)
-  %init = (s32[], f32[4]{0}) tuple(%zero, %y)
-  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, TRIP_COUNT
-  %z = f32[4]{0} get-tuple-element(%w), index=1
-  %pred = pred[] constant(true)
-  ROOT %c = f32[4]{0} conditional(%pred, %z, %z), branch_computations={%branch0, %branch1}
-}
-""".replace("TRIP_COUNT", 'backend_config={"known_trip_count":{"n":"5"}}')
-
 
 def _counts(all_reduce=0, all_gather=0, reduce_scatter=0, permute=0, all_to_all=0):
     return {
@@ -82,59 +31,6 @@ def _counts(all_reduce=0, all_gather=0, reduce_scatter=0, permute=0, all_to_all=
         "collective-permute": permute,
         "all-to-all": all_to_all,
     }
-
-
-def test_count_collectives_static_hlo_text():
-    assert count_collectives(HLO) == _counts(all_reduce=2, all_gather=1, permute=1)
-
-
-def test_count_collectives_per_execution_hlo_text():
-    # entry all-reduce 1 + loop body 1 x 5 trips; the all-gather branch counts once.
-    assert count_collectives(HLO, per_execution=True) == _counts(
-        all_reduce=6, all_gather=1, permute=1
-    )
-
-
-def test_count_collectives_unknown_trip_count_raises():
-    text = HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
-    assert count_collectives(text)["all-reduce"] == 2
-    with pytest.raises(ValueError, match="trip count"):
-        count_collectives(text, per_execution=True)
-    counts = count_collectives(text, per_execution=True, default_trip_count=1)
-    assert counts == _counts(all_reduce=2, all_gather=1, permute=1)
-
-
-def test_count_collectives_rejects_bad_input():
-    with pytest.raises(TypeError, match="HLO text"):
-        count_collectives(42)
-    lowered = jax.jit(lambda x: x + 1).lower(jnp.ones(2))
-    with pytest.raises(ValueError, match="HloModule"):
-        count_collectives(lowered.as_text())  # StableHLO, not optimized HLO
-
-
-def test_count_collectives_real_pmap_program():
-    n = jax.device_count()
-    assert n >= 8
-
-    def f(x):
-        gathered = jax.lax.all_gather(x, "i")
-        scattered = jax.lax.psum_scatter(x, "i", tiled=True)
-        permuted = jax.lax.ppermute(x, "i", [(j, (j + 1) % n) for j in range(n)])
-        swapped = jax.lax.all_to_all(x.reshape(n, -1), "i", 0, 0)
-        summed = jax.lax.psum(x, "i")
-        return gathered.sum() + scattered.sum() + permuted.sum() + swapped.sum() + summed.sum()
-
-    lowered = jax.pmap(f, axis_name="i").lower(jnp.ones((n, 2 * n)))
-    compiled = lowered.compile()
-    expected = _counts(1, 1, 1, 1, 1)
-    assert count_collectives(lowered) == expected
-    assert count_collectives(compiled) == expected
-    assert count_collectives(compiled.as_text(), per_execution=True) == expected
-
-
-def test_count_collectives_no_collectives():
-    compiled = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
-    assert count_collectives(compiled) == _counts()
 
 
 def test_replicate_unreplicate_and_data_sharding():
@@ -147,6 +43,31 @@ def test_replicate_unreplicate_and_data_sharding():
     assert data_sharding(mesh, "data").spec == PartitionSpec("data")
     with pytest.raises(ValueError, match="not an axis"):
         data_sharding(mesh, "model")
+
+
+def test_unreplicate_takes_leaf_zero_of_pmap_outputs_numpy_and_replicated_arrays():
+    # Where flax.jax_utils.unreplicate differs (see the comment in unreplicate): a leaf on
+    # several devices that is not split one row per device.
+    n = jax.device_count()
+    out = jax.pmap(lambda x: {"w": x * 2, "s": x.sum()})(jnp.arange(3.0 * n).reshape(n, 3))
+    got = unreplicate(out)
+    np.testing.assert_array_equal(got["w"], [0.0, 2.0, 4.0])
+    assert got["s"].shape == () and float(got["s"]) == 3.0
+    np.testing.assert_array_equal(unreplicate(np.arange(6.0).reshape(2, 3)), [0.0, 1.0, 2.0])
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    stacked = replicate({"w": jnp.arange(3.0)}, 4)
+    everywhere = jax.device_put(stacked, jax.sharding.NamedSharding(mesh, PartitionSpec()))
+    np.testing.assert_array_equal(unreplicate(everywhere)["w"], [0.0, 1.0, 2.0])
+    rows = jax.device_put(jnp.arange(2.0 * n).reshape(2 * n, 1), data_sharding(mesh, "data"))
+    np.testing.assert_array_equal(unreplicate(rows), [0.0])
+
+
+def test_replicate_gives_num_devices_copies_whatever_the_device_count():
+    # flax.jax_utils.replicate(tree, jax.local_devices()[:n]) returns min(n, devices) copies.
+    n = 2 * jax.local_device_count()
+    rep = replicate({"w": jnp.ones(3), "step": 0}, n)
+    assert rep["w"].shape == (n, 3) and rep["step"].shape == (n,)
+    assert replicate({"w": jnp.ones(3)}, 0)["w"].shape == (0, 3)
 
 
 # ----------------------------------------------------------------------- one all-reduce per window

@@ -11,7 +11,12 @@ import pytest
 
 import accumjax
 from accumjax import planner
-from accumjax.planner import MicrobatchPlan, plan_microbatches, plan_microbatches_for
+from accumjax.planner import (
+    MicrobatchPlan,
+    plan_microbatches,
+    plan_microbatches_for,
+    scan_step_for_k,
+)
 
 BATCH = 1024
 DIMS = (16, 256, 256, 4)  # activation-heavy: memory falls steadily with K
@@ -146,6 +151,45 @@ def test_bad_core_arguments():
         plan_microbatches_for(lambda k: None, [1], 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_size"):
         plan_microbatches_for(lambda k: None, [1], 10, batch_size=0)  # type: ignore[arg-type]
+
+
+def test_scan_step_for_k_is_the_step_the_planner_measures(setup):
+    state, batch = setup
+    step, state_4 = scan_step_for_k(_loss, state, 4)
+    assert (
+        accumjax.accumulation.config_of(state_4.tx).every_k == 4
+    )  # K in the optimizer, adam inside
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state_4.opt_state))
+    b4 = _bytes_of_k(state, batch, 4)
+    assert planner.compiled_memory_bytes(step.lower(state_4, batch).compile()) == b4
+    assert plan_microbatches(_loss, state, batch, memory_budget=b4, candidates=[4]).tried == (
+        (4, b4),
+    )
+    # An accumulate transformation gets the new K and keeps its options.
+    wrapped = state.replace(tx=accumjax.accumulate(optax.sgd(0.1), 2, scaling="sum"))
+    _, state_8 = scan_step_for_k(_loss, wrapped, 8)
+    assert accumjax.accumulation.config_of(state_8.tx).every_k == 8
+    assert accumjax.accumulation.config_of(state_8.tx).policy.scaling == "sum"
+    # Initialised, it runs: one window of 4 microbatches is one optimizer update.
+    state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+    new_state, metrics = step(state_4, batch)
+    assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize(
+    ("k", "kwargs", "error", "match"),
+    [
+        (0, {}, ValueError, "k must be"),
+        (2.0, {}, ValueError, "k must be"),
+        (True, {}, ValueError, "k must be"),
+        (2, {"mode": "stream"}, TypeError, "mode"),
+        (2, {"accum_steps": 2}, TypeError, "accum_steps"),
+    ],
+)
+def test_scan_step_for_k_bad_arguments(setup, k, kwargs, error, match):
+    state, _ = setup
+    with pytest.raises(error, match=match):
+        scan_step_for_k(_loss, state, k, **kwargs)
 
 
 def test_docstring_examples():
