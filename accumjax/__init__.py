@@ -22,7 +22,13 @@ from accumjax.batch_norm import (
     close_batch_norm_windows,
     convert_batch_norm_variables,
 )
-from accumjax.clipping import adaptive_clip, adaptive_clip_grad, compute_norm, unitwise_norm
+from accumjax.clipping import (
+    adaptive_clip,
+    adaptive_clip_grad,
+    compute_norm,
+    squared_norm,
+    unitwise_norm,
+)
 from accumjax.distributed import count_collectives, data_sharding, replicate, unreplicate
 from accumjax.loss_scale import (
     DynamicLossScale,
@@ -44,6 +50,7 @@ from accumjax.planner import (
     compiled_memory_bytes,
     plan_microbatches,
     plan_microbatches_for,
+    scan_step_for_k,
 )
 from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step
@@ -82,7 +89,9 @@ __all__ = [
     "replicate",
     "reset",
     "scale_loss",
+    "scan_step_for_k",
     "should_update",
+    "squared_norm",
     "stats",
     "unitwise_norm",
     "unreplicate",

@@ -54,14 +54,14 @@ References:
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from accumjax._checks import check_real
 
 __all__ = [
     "adaptive_clip",
@@ -78,17 +78,10 @@ _MAX_RANK = 5
 
 
 def _check_hyperparams(clip_factor: float, eps: float) -> tuple[float, float]:
-    """Validates ``clip_factor`` (> 0) and ``eps`` (>= 0); returns them as Python floats."""
-    checked = []
-    for name, value, lower_ok in (("clip_factor", clip_factor, False), ("eps", eps, True)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"`{name}` must be a real Python number, got {value!r}.")
-        value = float(value)
-        if not math.isfinite(value) or value < 0 or (value == 0 and not lower_ok):
-            bound = ">= 0" if lower_ok else "> 0"
-            raise ValueError(f"`{name}` must be finite and {bound}, got {value}.")
-        checked.append(value)
-    return checked[0], checked[1]
+    """``clip_factor`` (> 0) and ``eps`` (>= 0) as Python floats, or a clear error."""
+    return check_real("clip_factor", clip_factor, low=0.0, low_open=True), check_real(
+        "eps", eps, low=0.0
+    )
 
 
 def _compute_dtype(dtype: Any) -> np.dtype:

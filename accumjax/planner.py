@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from accumjax._checks import check_int
 from accumjax.accumulation import accumulate, config_of, with_every_k
 from accumjax.train_step import make_train_step
 
@@ -105,22 +106,15 @@ def compiled_memory_bytes(compiled: jax.stages.Compiled) -> int:
 
 
 def _check_budget(budget_bytes: Any, name: str) -> int:
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-        raise TypeError(f"{name} must be an int number of bytes, got {budget_bytes!r}.")
-    if budget_bytes <= 0:
-        raise ValueError(f"{name} must be > 0 bytes, got {budget_bytes}.")
-    return budget_bytes
+    return check_int(name, budget_bytes, low=1, high=2**63 - 1)
 
 
 def _check_candidates(candidates: Any) -> tuple[int, ...]:
     if isinstance(candidates, str | bytes) or not isinstance(candidates, Sequence):
         raise TypeError(f"candidates must be a sequence of ints >= 1, got {candidates!r}.")
-    for k in candidates:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"candidates must be ints >= 1, got {k!r} in {list(candidates)}.")
     if not candidates:
         raise ValueError("candidates must not be empty.")
-    return tuple(sorted(set(candidates)))
+    return tuple(sorted({check_int("candidates' K", k) for k in candidates}))
 
 
 def _no_fit(tried: Sequence[tuple[int, int]], budget_bytes: int) -> ValueError:

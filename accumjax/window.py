@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from accumjax import scaling as scaling_lib
+from accumjax.clipping import squared_norm
 
 __all__ = [
     "ON_NONFINITE",
@@ -192,11 +193,9 @@ def empty_like(window: Window) -> Window:
 
 
 def global_norm(tree: Any) -> jax.Array:
-    """Global L2 norm of a pytree, summed in float32 or wider whatever the leaf dtype."""
-    squares = [
-        jnp.sum(jnp.square(jnp.abs(x).astype(jnp.promote_types(jnp.abs(x).dtype, jnp.float32))))
-        for x in jax.tree.leaves(tree)
-    ]
+    r"""Global L2 norm of a pytree: the leaves' `accumjax.clipping.squared_norm`\s (float32 or
+    wider whatever the leaf dtype), summed, float32."""
+    squares = [squared_norm(x) for x in jax.tree.leaves(tree)]
     return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))).astype(jnp.float32)
 
 

@@ -82,6 +82,8 @@ SECTIONS = {
     "accumjax.clipping": "Clipping",
     "accumjax.loss_scale": "Mixed precision and loss scaling",
     "accumjax.distributed": "Distributed helpers",
+    "accumjax.collectives": "Distributed helpers",
+    "accumjax.planner": "Microbatch planner",
 }
 
 API_HEADER = """\

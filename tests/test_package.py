@@ -55,3 +55,39 @@ def test_modules_are_short_and_declare_their_api(path):
         if isinstance(t, ast.Name)
     }
     assert "__all__" in names
+
+
+def _design_map() -> list[tuple[str, set[str]]]:
+    """``(module, modules it may import)`` rows of the map in ``docs/design.md``, in order."""
+    rows = []
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0].endswith(".py`"):
+            allowed = set() if cells[2] == "nothing" else set(cells[2].replace("`", "").split(", "))
+            rows.append((cells[0].strip("`")[: -len(".py")], allowed))
+    return rows
+
+
+def _imports(path: Path) -> set[str]:
+    """The accumjax modules ``path`` imports from."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accumjax."):
+            found.add(node.module.split(".")[1])  # pyright: ignore[reportOptionalMemberAccess]
+        elif isinstance(node, ast.ImportFrom) and node.module == "accumjax":
+            found |= {a.name for a in node.names}
+    return found
+
+
+def test_the_design_map_lists_every_module_once():
+    listed = [name for name, _ in _design_map()]
+    assert sorted(listed) == sorted(p.stem for p in PACKAGE if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("row", range(len(_design_map())))
+def test_each_module_imports_only_what_the_design_map_allows_from_above(row):
+    rows = _design_map()
+    name, allowed = rows[row]
+    above = {n for n, _ in rows[:row]}
+    assert allowed <= above, f"{name} may import only modules above it in the map"
+    assert _imports(ROOT / "accumjax" / f"{name}.py") <= allowed
