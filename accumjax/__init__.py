@@ -21,6 +21,7 @@ from accumjax.batch_norm import (
     AccumBatchNorm,
     close_batch_norm_windows,
     convert_batch_norm_variables,
+    sync_batch_norm,
 )
 from accumjax.clipping import (
     adaptive_clip,
@@ -93,6 +94,7 @@ __all__ = [
     "should_update",
     "squared_norm",
     "stats",
+    "sync_batch_norm",
     "unitwise_norm",
     "unreplicate",
     "unscale_grads",

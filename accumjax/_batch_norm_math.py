@@ -41,9 +41,11 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from flax.linen import dtypes
 from flax.typing import Array, Axes, Dtype
@@ -71,6 +73,7 @@ __all__ = [
     "ema",
     "empty_window",
     "is_step_driven",
+    "warn_if_open",
     "normalize",
     "normalize_and_accumulate",
     "pool_windows",
@@ -555,3 +558,30 @@ def normalize_and_accumulate(
             )
     y = normalize(x, mean, var, scale, bias, reduction_axes, options.epsilon, options.dtype)
     return y, running, window
+
+
+def _warn_open(calls: Any) -> None:
+    warnings.warn(
+        f"AccumBatchNorm (accum_steps=None) evaluated with {int(calls)} training call(s) "
+        "pooled in a window that was never closed: the running mean/var do not include them. "
+        "make_train_step closes the window once per optimizer update; in a loop you write "
+        "yourself, call accumjax.sync_batch_norm(new_stats, old_stats, opt_state) after each "
+        "optimizer update (or close_batch_norm_windows when the window ends).",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def warn_if_open(step: Array) -> None:
+    """Warns, at run time (under ``jit`` too), when ``step`` (a step-driven layer's
+    ``acc_step``) shows training calls that no window close has folded in yet.
+
+    An evaluation-mode call of a step-driven layer runs it: a loop that never closes the
+    windows would otherwise keep the initial running statistics forever, silently.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> warn_if_open(jnp.zeros((), jnp.int32))  # an empty window: nothing to say
+    """
+    step = jnp.asarray(step)
+    jax.lax.cond(step > 0, lambda: jax.debug.callback(_warn_open, step), lambda: None)

@@ -262,8 +262,10 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
     def update_fn(grads, state, params=None, *, weight=None, **extra_args):
         state = check_state(config, state)
         _check_grads(grads, state.window.grad_sum)
-        window, _ = window_lib.add_microbatch(config.policy, state.window, grads, weight, params)
-        state = state._replace(window=window, updated=jnp.zeros((), bool))
+        window, micro = window_lib.add_microbatch(
+            config.policy, state.window, grads, weight, params
+        )
+        state = state._replace(window=window, updated=jnp.zeros((), bool), added=micro.added)
         placeholder = _updates_placeholder(config, grads, state, params, extra_args)
 
         def close(operand):
@@ -333,6 +335,7 @@ def init_state(config: Config, params: Any, inner_tx_state: Any = None) -> Accum
         skipped_microbatches=zero_i(),
         skipped_windows=zero_i(),
         updated=jnp.zeros((), bool),
+        added=jnp.zeros((), bool),
     )
 
 

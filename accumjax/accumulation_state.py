@@ -28,6 +28,7 @@ __all__ = [
     "reset",
     "should_update",
     "stats",
+    "unwrap",
 ]
 
 
@@ -49,6 +50,9 @@ class AccumulationState(NamedTuple):
       skipped_microbatches: microbatches left out of their window so far (any reason).
       skipped_windows: windows closed without an update so far.
       updated: whether the last call applied an inner update.
+      added: whether the last call's microbatch went into its window (False when it was
+        skipped: non-finite, an invalid weight, ``skip_fn``); in scan mode, whether the
+        window's update was applied. `sync_batch_norm` reads it.
     """
 
     window: Window
@@ -61,6 +65,7 @@ class AccumulationState(NamedTuple):
     skipped_microbatches: jax.Array
     skipped_windows: jax.Array
     updated: jax.Array
+    added: jax.Array
 
 
 class AccumulationStats(NamedTuple):
@@ -71,9 +76,10 @@ class AccumulationStats(NamedTuple):
       current_step: calls seen in the current window.
       total_cycles: inner updates applied so far.
       max_grad_norm: largest norm of an applied window gradient.
-      overflow_detected: whether any non-finite microbatch has been seen.
+      overflow_detected: whether any non-finite microbatch has been seen (open window
+        included).
       num_nonfinite: how many.
-      skipped_microbatches: microbatches left out of their window.
+      skipped_microbatches: microbatches left out of their window (open window included).
       skipped_windows: windows closed without an update.
       num_parameters: number of scalars accumulated (a Python int).
       memory_bytes: bytes held by the accumulator (a Python int).
@@ -91,7 +97,7 @@ class AccumulationStats(NamedTuple):
     memory_bytes: int
 
 
-def _unwrap(state: Any) -> AccumulationState:
+def unwrap(state: Any) -> AccumulationState:
     """The `AccumulationState` inside ``state``: itself, or Flax NNX's variable-wrapped copy."""
     state = unwrap_variables(state)
     if not isinstance(state, AccumulationState):
@@ -114,7 +120,7 @@ def should_update(state: Any) -> jax.Array:
       >>> bool(accumjax.should_update(state))
       True
     """
-    state = _unwrap(state)
+    state = unwrap(state)
     return state.window.micro_step + 1 >= state.every_k
 
 
@@ -137,7 +143,7 @@ def has_updated(state: Any) -> jax.Array:
       >>> bool(accumjax.has_updated(state))
       True
     """
-    return _unwrap(state).updated
+    return unwrap(state).updated
 
 
 def accumulated_gradients(state: Any) -> Any:
@@ -161,7 +167,7 @@ def accumulated_gradients(state: Any) -> Any:
       >>> accumjax.accumulated_gradients(state)["w"]
       Array(3., dtype=float32)
     """
-    state = _unwrap(state)
+    state = unwrap(state)
     window = state.window
     by_scaling = [
         functools.partial(window_lib.denominator, s, state.every_k, window.weight_sum)
@@ -197,6 +203,13 @@ def stats(state: Any) -> AccumulationStats:
     Args:
       state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
 
+    The counts (``num_nonfinite``, ``overflow_detected``, ``skipped_microbatches``) cover every
+    microbatch seen so far, the open window's included, so a non-finite microbatch shows in
+    the call right after it. With data parallelism (``accumulate(..., axis_name=...)`` under
+    ``pmap``/``shard_map``, or ``make_train_step(axis_name=...)``) the open window's counts
+    are each device's own until the window closes (each device reports what it has seen);
+    closed windows' counts are summed over the devices.
+
     Returns:
       An `AccumulationStats`; its sizes are Python ints (static), the rest arrays.
 
@@ -207,16 +220,20 @@ def stats(state: Any) -> AccumulationStats:
       >>> int(s.accumulation_steps), s.num_parameters, s.memory_bytes
       (8, 16, 64)
     """
-    state = _unwrap(state)
+    state = unwrap(state)
     leaves = jax.tree.leaves(state.window.grad_sum)
+    # The closed windows' counts plus the open window's, so a NaN shows at once.
+    nonfinite = window_lib.saturating_add(state.nonfinite_count, state.window.window_nonfinite)
     return AccumulationStats(
         accumulation_steps=state.every_k,
         current_step=state.window.micro_step,
         total_cycles=state.update_count,
         max_grad_norm=state.max_grad_norm,
-        overflow_detected=state.nonfinite_count > 0,
-        num_nonfinite=state.nonfinite_count,
-        skipped_microbatches=state.skipped_microbatches,
+        overflow_detected=nonfinite > 0,
+        num_nonfinite=nonfinite,
+        skipped_microbatches=window_lib.saturating_add(
+            state.skipped_microbatches, state.window.window_skipped
+        ),
         skipped_windows=state.skipped_windows,
         num_parameters=sum(int(x.size) for x in leaves),
         memory_bytes=sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in leaves),

@@ -39,7 +39,9 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import linen as nn
+from flax import nnx
 from flax.typing import Array, Dtype, Initializer
 from jax.nn import initializers
 
@@ -57,8 +59,10 @@ from accumjax._batch_norm_math import (
     normalize_and_accumulate,
     pool_windows,
     running_dtype,
+    warn_if_open,
 )
-from accumjax._variables import is_variable, variable_value
+from accumjax._variables import is_variable, unwrap_variables, variable_value
+from accumjax.accumulation_state import unwrap
 from accumjax.batch_norm_convert import convert_batch_norm_variables
 
 __all__ = [
@@ -66,6 +70,7 @@ __all__ = [
     "AccumBatchNorm",
     "close_batch_norm_windows",
     "convert_batch_norm_variables",
+    "sync_batch_norm",
 ]
 
 _Tree = TypeVar("_Tree")
@@ -238,6 +243,8 @@ class AccumBatchNorm(nn.Module):
         if not use_running_average or self.is_initializing():
             # Declared during an eval-mode init too, so that the layout is complete.
             window, momentum = self._window_stats(feature_shape)
+        elif self.accum_steps is None and self.has_variable("batch_stats", "acc_step"):
+            warn_if_open(self.get_variable("batch_stats", "acc_step"))
         param_dtype = self.param_dtype
         scale = (
             self.param("scale", self.scale_init, feature_shape, param_dtype)
@@ -381,6 +388,10 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
       Chan, Golub & LeVeque, "Updating formulae and a pairwise algorithm for computing
       sample variances", 1979; Ioffe & Szegedy, "Batch Normalization", ICML 2015.
     """
+    if isinstance(apply, str | bytes) or not jnp.issubdtype(jnp.result_type(apply), jnp.bool_):
+        raise TypeError(
+            f"apply must be a bool scalar (True, False or a bool array), got {apply!r}."
+        )
     apply = jnp.asarray(apply)
     if apply.shape != ():
         raise ValueError(f"apply must be a bool scalar, got shape {apply.shape}.")
@@ -397,3 +408,108 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
         values = dict(zip(names, (*new_running, *new_window), strict=True))
         nodes[i] = _replace_leaves(nodes[i], values)
     return jax.tree.unflatten(treedef, nodes)
+
+
+def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree:
+    """BatchNorm statistics kept in step with ``accumulate``, for a loop you write yourself.
+
+    `accumjax.make_train_step` does this itself. In your own loop (an optax chain with
+    `accumjax.accumulate`, or ``nnx.Optimizer(model, accumulate(...))``), call it after each
+    optimizer ``update``, with the statistics the forward pass returned and those it started
+    from. It follows the optimizer's decisions:
+
+    1. a microbatch the optimizer left out (non-finite, an invalid weight, ``skip_fn``) leaves
+       the statistics as they were (``old_stats``), so its (maybe NaN) statistics never reach
+       a window;
+    2. when the call closed the optimizer's window, every step-driven layer's window is
+       closed (`close_batch_norm_windows`), applied only if the optimizer applied its update.
+
+    Args:
+      new_stats: the statistics after this microbatch's forward pass: the ``batch_stats``
+        collection a linen ``apply(..., mutable=["batch_stats"])`` returned, or
+        ``nnx.state(model, nnx.BatchStat)`` after the call.
+      old_stats: the statistics before it, of the same structure; for NNX a copy taken
+        before the forward pass, ``nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))``
+        (``nnx.state`` itself is a live view of the model's variables, refused here).
+      opt_state: the optimizer state after this microbatch's ``update``: an
+        `accumjax.AccumulationState` (or an ``nnx.Optimizer``'s ``opt_state``).
+
+    Returns:
+      The statistics to keep, as ``new_stats`` (for NNX its pure dict, for ``nnx.update``).
+
+    Raises:
+      ValueError: if ``old_stats`` is a live view of the same variables as ``new_stats``.
+
+    Example:
+      The loop of plain Flax and optax, with one line changed (the last):
+
+      >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, accumjax
+      >>> bn = accumjax.AccumBatchNorm(use_running_average=False, momentum=0.5)
+      >>> model = nn.Sequential([nn.Dense(3), bn])
+      >>> x = jax.random.normal(jax.random.key(0), (8, 2))
+      >>> variables = model.init(jax.random.key(1), x)
+      >>> params, batch_stats = variables["params"], variables["batch_stats"]
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), every_k=2)
+      >>> opt_state = tx.init(params)
+      >>> def loss_fn(params, batch_stats, xb):
+      ...     y, new = model.apply({"params": params, "batch_stats": batch_stats}, xb,
+      ...                          mutable=["batch_stats"])
+      ...     return jnp.mean(y**2), new["batch_stats"]
+      >>> @jax.jit
+      ... def train_step(params, batch_stats, opt_state, xb):
+      ...     grads, new_stats = jax.grad(loss_fn, has_aux=True)(params, batch_stats, xb)
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     params = optax.apply_updates(params, updates)
+      ...     batch_stats = accumjax.sync_batch_norm(new_stats, batch_stats, opt_state)
+      ...     return params, batch_stats, opt_state
+      >>> for xb in (x[:4], x[4:]):
+      ...     params, batch_stats, opt_state = train_step(params, batch_stats, opt_state, xb)
+      >>> int(batch_stats["layers_1"]["acc_step"])  # the window closed after 2 microbatches
+      0
+
+      With ``nnx.Optimizer`` (two lines beyond plain Flax NNX: ``before`` and the last):
+
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.linear = nnx.Linear(2, 3, rngs=rngs)
+      ...         self.norm = accumjax.NNXAccumBatchNorm(3, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return self.norm(self.linear(x))
+      >>> net = Net(nnx.Rngs(0))
+      >>> opt = nnx.Optimizer(net, accumjax.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+      >>> @nnx.jit
+      ... def nnx_step(net, opt, xb):
+      ...     before = nnx.to_pure_dict(nnx.state(net, nnx.BatchStat))
+      ...     opt.update(net, nnx.grad(lambda m: jnp.mean(m(xb) ** 2))(net))
+      ...     after = nnx.state(net, nnx.BatchStat)
+      ...     nnx.update(net, accumjax.sync_batch_norm(after, before, opt.opt_state))
+      >>> for xb in (x[:4], x[4:]):
+      ...     nnx_step(net, opt, xb)
+      >>> int(net.norm.acc_step[...])
+      0
+    """
+    state = unwrap(opt_state)
+    _check_not_live(new_stats, old_stats)
+    new_stats, old_stats = _pure(new_stats), _pure(old_stats)
+    kept = optax.tree.where(state.added, new_stats, old_stats)
+    closed = close_batch_norm_windows(kept, state.updated)
+    return optax.tree.where(state.window.micro_step == 0, closed, kept)
+
+
+def _pure(stats: Any) -> Any:
+    """Statistics as plain arrays: an ``nnx.State`` as its pure dict, others unwrapped."""
+    return nnx.to_pure_dict(stats) if isinstance(stats, nnx.State) else unwrap_variables(stats)
+
+
+def _check_not_live(new_stats: Any, old_stats: Any) -> None:
+    """Refuses ``old_stats`` holding the very variables of ``new_stats`` (``nnx.state`` is a
+    live view: its values change with the model's, so nothing could be rolled back)."""
+    is_var = lambda x: is_variable(x)
+    new = {id(v) for v in jax.tree.leaves(new_stats, is_leaf=is_var) if is_variable(v)}
+    if any(id(v) in new for v in jax.tree.leaves(old_stats, is_leaf=is_var) if is_variable(v)):
+        raise ValueError(
+            "sync_batch_norm: old_stats holds the model's own variables (nnx.state is a live "
+            "view, which the forward pass changed too). Take a copy before the forward pass: "
+            "old_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))."
+        )

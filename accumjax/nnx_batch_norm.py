@@ -34,6 +34,7 @@ from accumjax._batch_norm_math import (
     empty_window,
     normalize_and_accumulate,
     running_dtype,
+    warn_if_open,
 )
 from accumjax._checks import check_int
 from accumjax._variables import variable_value
@@ -254,6 +255,8 @@ class AccumBatchNorm(nnx.Module):
             None if self.bias is None else view(self.bias),
             use_running_average=bool(use_running_average),
         )
+        if use_running_average and self.accum_steps is None:
+            warn_if_open(self.acc_step[...])
         if not use_running_average:
             assert new_window is not None
             for variable, value in zip(

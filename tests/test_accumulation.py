@@ -502,3 +502,16 @@ def test_accumulator_never_narrower_than_params():
         {"a": jnp.zeros(2, jnp.float16)}
     )
     assert state.window.grad_sum["a"].dtype == jnp.float16
+
+
+def test_stats_count_the_open_window_at_once():
+    tx = accumjax.accumulate(optax.sgd(0.1), 4)
+    state = tx.init({"w": jnp.zeros(2)})
+    _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state)
+    s = accumjax.stats(state)
+    assert bool(s.overflow_detected) and int(s.num_nonfinite) == 1
+    assert int(s.skipped_microbatches) == 1 and int(s.current_step) == 1
+    for _ in range(3):  # the window closes: the counts move to the state, not counted twice
+        _, state = tx.update({"w": jnp.ones(2)}, state)
+    s = accumjax.stats(state)
+    assert int(s.num_nonfinite) == 1 and int(s.skipped_microbatches) == 1

@@ -5,6 +5,7 @@ float64 statistics. Microbatches have very different means and scales, so averag
 per-microbatch variances (the seed library's AccumBatchNormalization) would fail them.
 """
 
+import warnings
 from functools import partial
 from typing import Any
 
@@ -12,11 +13,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax.core import FrozenDict
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import accumjax
 from accumjax.batch_norm import (
     ACCUMULATOR_NAMES,
     AccumBatchNorm,
@@ -750,3 +753,100 @@ def test_convert_partial_swap_with_target():
     with pytest.raises(ValueError, match="cannot match"):
         fewer = _Chain((nn.BatchNorm, AccumBatchNorm, partial(AccumBatchNorm, name="named")))
         convert_batch_norm_variables(trained, target=fewer.init(jax.random.key(1), data[0]))
+
+
+# ----------------------------------------------------------------------------- your own loop
+
+
+def _user_loop_setup(k: int):
+    """BatchNorm first (its statistics are those of the input, whatever the parameters),
+    then a Dense layer; an optax loop with accumulate, as users write it."""
+
+    model = nn.Sequential(
+        [AccumBatchNorm(use_running_average=False, momentum=MOMENTUM), nn.Dense(1)]
+    )
+    x = jnp.asarray(_microbatches(3, 2 * k, (4, 3)).reshape(-1, 3))
+    variables = model.init(jax.random.key(0), x[:4])
+    tx = accumjax.accumulate(optax.sgd(0.1), k)
+
+    def loss_fn(params, batch_stats, xb):
+        y, new = model.apply(
+            {"params": params, "batch_stats": batch_stats}, xb, mutable=["batch_stats"]
+        )
+        return jnp.mean(y**2), new["batch_stats"]
+
+    @jax.jit
+    def train_step(params, batch_stats, opt_state, xb):
+        grads, new_stats = jax.grad(loss_fn, has_aux=True)(params, batch_stats, xb)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        batch_stats = accumjax.sync_batch_norm(new_stats, batch_stats, opt_state)  # the recipe
+        return params, batch_stats, opt_state
+
+    state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    return x, state, train_step
+
+
+def _batch_norm_reference(rows: np.ndarray, windows: list[slice]) -> tuple[np.ndarray, ...]:
+    """flax.linen.BatchNorm run once per window on the window's rows (float64 numpy)."""
+    mean, var = np.zeros(3), np.ones(3)
+    for w in windows:
+        block = rows[w].astype(np.float64)
+        mean = MOMENTUM * mean + (1 - MOMENTUM) * block.mean(0)
+        var = MOMENTUM * var + (1 - MOMENTUM) * block.var(0)
+    return mean, var
+
+
+def test_sync_batch_norm_in_an_optax_loop_equals_batch_norm_per_window():
+    k = 3
+    x, (params, batch_stats, opt_state), train_step = _user_loop_setup(k)
+    for i in range(2 * k):
+        params, batch_stats, opt_state = train_step(
+            params, batch_stats, opt_state, x[4 * i : 4 * i + 4]
+        )
+    mean, var = _batch_norm_reference(np.asarray(x), [slice(0, 12), slice(12, 24)])
+    bn = batch_stats["layers_0"]
+    np.testing.assert_allclose(bn["mean"], mean, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(bn["var"], var, rtol=RTOL, atol=ATOL)
+    assert int(bn["acc_step"]) == 0
+
+
+def test_sync_batch_norm_leaves_a_skipped_nan_microbatch_out():
+    k = 3
+    x, (params, batch_stats, opt_state), train_step = _user_loop_setup(k)
+    x = x.at[5].set(jnp.nan)  # microbatch 1 (rows 4..7): NaN gradient, NaN statistics
+    for i in range(k):
+        params, batch_stats, opt_state = train_step(
+            params, batch_stats, opt_state, x[4 * i : 4 * i + 4]
+        )
+    rows = np.concatenate([np.asarray(x[0:4]), np.asarray(x[8:12])])
+    mean, var = _batch_norm_reference(rows, [slice(0, 8)])
+    bn = batch_stats["layers_0"]
+    assert int(opt_state.skipped_microbatches) == 1 and bool(opt_state.updated)
+    np.testing.assert_allclose(bn["mean"], mean, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(bn["var"], var, rtol=RTOL, atol=ATOL)
+
+
+def test_evaluating_an_unclosed_step_driven_window_warns():
+    bn = AccumBatchNorm()
+    x = jnp.ones((4, 3))
+    variables = bn.init(jax.random.key(0), x, use_running_average=False)
+    _, updated = bn.apply(variables, 2 * x, use_running_average=False, mutable=["batch_stats"])
+    evaluate = jax.jit(lambda v: bn.apply(v, x, use_running_average=True))
+    with pytest.warns(UserWarning, match="never closed"):
+        evaluate({**variables, **updated}).block_until_ready()
+        jax.effects_barrier()
+    closed = {**variables, "batch_stats": close_batch_norm_windows(updated["batch_stats"], True)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate(closed).block_until_ready()
+        jax.effects_barrier()
+
+
+@pytest.mark.parametrize("apply", ["yes", 1, 0.5])
+def test_close_rejects_an_apply_that_is_not_a_bool(apply):
+    variables = AccumBatchNorm().init(
+        jax.random.key(0), jnp.ones((2, 1)), use_running_average=False
+    )
+    with pytest.raises(TypeError, match="apply"):
+        close_batch_norm_windows(variables, apply)

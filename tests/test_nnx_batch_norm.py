@@ -347,3 +347,61 @@ def test_window_of_k_microbatches_matches_linen(accum_steps, fast):
         np.testing.assert_array_equal(ours, theirs)  # same ops, same order: same bits
     _assert_equal_stats(nnx_stats, linen_stats)
     assert int(nnx_stats["acc_step"]) == 0 and np.any(nnx_stats["mean"])
+
+
+# ----------------------------------------------------------------------------- nnx.Optimizer
+
+
+class _NormFirst(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = AccumBatchNorm(3, momentum=0.9, rngs=rngs)
+        self.head = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("nan_microbatch", [None, 1])
+def test_nnx_optimizer_recipe_closes_windows_and_drops_skipped_statistics(nan_microbatch):
+    """The documented recipe: two lines beyond plain Flax NNX (``before`` and the update)."""
+    import optax
+
+    import accumjax
+
+    k, rows = 3, np.random.default_rng(0).normal(3.0, 2.0, (24, 3)).astype(np.float32)
+    if nan_microbatch is not None:
+        rows[4 * nan_microbatch + 1] = np.nan
+    model = _NormFirst(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, accumjax.accumulate(optax.sgd(0.1), k), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, opt, xb):
+        before = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+        grads = nnx.grad(lambda m: jnp.mean(m(xb) ** 2))(model)
+        opt.update(model, grads)
+        after = nnx.state(model, nnx.BatchStat)
+        nnx.update(model, accumjax.sync_batch_norm(after, before, opt.opt_state))
+
+    for i in range(2 * k):
+        train_step(model, opt, jnp.asarray(rows[4 * i : 4 * i + 4]))
+    mean, var = np.zeros(3), np.ones(3)
+    for w in range(2):  # flax BatchNorm once per window, on the microbatches that were added
+        block = [rows[4 * i : 4 * i + 4] for i in range(w * k, (w + 1) * k) if i != nan_microbatch]
+        block = np.concatenate(block).astype(np.float64)
+        mean, var = 0.9 * mean + 0.1 * block.mean(0), 0.9 * var + 0.1 * block.var(0)
+    # float32 statistics of 8-12 rows and two momentum steps: ~1e-7 relative observed.
+    np.testing.assert_allclose(model.norm.mean[...], mean, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(model.norm.var[...], var, rtol=2e-5, atol=2e-6)
+    assert int(model.norm.acc_step[...]) == 0
+
+
+def test_sync_batch_norm_refuses_a_live_view_as_old_stats():
+    import optax
+
+    import accumjax
+
+    model = _NormFirst(nnx.Rngs(0))
+    opt_state = accumjax.accumulate(optax.sgd(0.1), 2).init(nnx.state(model, nnx.Param))
+    live = nnx.state(model, nnx.BatchStat)
+    with pytest.raises(ValueError, match="live view"):
+        accumjax.sync_batch_norm(nnx.state(model, nnx.BatchStat), live, opt_state)
