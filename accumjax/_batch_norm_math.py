@@ -73,6 +73,8 @@ __all__ = [
     "ema",
     "empty_window",
     "is_step_driven",
+    "check_no_self_closing",
+    "self_closing_paths",
     "warn_if_open",
     "normalize",
     "normalize_and_accumulate",
@@ -233,6 +235,44 @@ def is_step_driven(node: Any) -> bool:
     return isinstance(node, Mapping) and all(
         key in node and not isinstance(node[key], Mapping) for key in STEP_DRIVEN_NAMES
     )
+
+
+def self_closing_paths(tree: Any) -> list[str]:
+    """Where ``tree`` holds a self-closing layer's statistics (``accum_steps=K``: the
+    accumulators without the ``momentum`` of a step-driven layer), as key paths.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> names = ("mean", "var", *ACCUMULATOR_NAMES)
+      >>> self_closing_paths({"bn": {name: jnp.zeros(()) for name in names}})
+      ["['bn']"]
+    """
+    names = ("mean", "var", *ACCUMULATOR_NAMES)
+
+    def self_closing(node: Any) -> bool:
+        return (
+            isinstance(node, Mapping)
+            and all(k in node and not isinstance(node[k], Mapping) for k in names)
+            and MOMENTUM_NAME not in node
+        )
+
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=self_closing)[0]
+    return [jax.tree_util.keystr(path) for path, node in found if self_closing(node)]
+
+
+def check_no_self_closing(tree: Any, where: str) -> None:
+    """Refuses self-closing layers where an optimizer decides the windows (``where`` names
+    the caller): a layer that counts its own calls cannot follow an optimizer that skips a
+    microbatch or a window, so the two would drift apart."""
+    paths = self_closing_paths(tree)
+    if paths:
+        raise ValueError(
+            f"{where}: the statistics at {', '.join(paths)} belong to AccumBatchNorm("
+            "accum_steps=K), which closes its window itself every K calls and cannot follow "
+            "the optimizer's window (a skipped microbatch would put it out of phase). State K "
+            "once, in accumjax.accumulate, and build the layer with accum_steps=None (the "
+            "default): its window then closes with the optimizer's."
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from accumjax._batch_norm_math import (
     accumulator_dtype,
     canonical_axes,
     check_config,
+    check_no_self_closing,
     close_window,
     is_step_driven,
     normalize_and_accumulate,
@@ -490,6 +491,7 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
       0
     """
     state = unwrap(opt_state)
+    check_no_self_closing(new_stats, "sync_batch_norm")
     _check_not_live(new_stats, old_stats)
     new_stats, old_stats = _pure(new_stats), _pure(old_stats)
     kept = optax.tree.where(state.added, new_stats, old_stats)

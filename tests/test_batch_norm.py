@@ -850,3 +850,12 @@ def test_close_rejects_an_apply_that_is_not_a_bool(apply):
     )
     with pytest.raises(TypeError, match="apply"):
         close_batch_norm_windows(variables, apply)
+
+
+def test_sync_batch_norm_refuses_self_closing_layers():
+    layer = AccumBatchNorm(accum_steps=4)
+    x = jnp.ones((4, 3))
+    stats = layer.init(jax.random.key(0), x, use_running_average=False)["batch_stats"]
+    opt_state = accumjax.accumulate(optax.sgd(0.1), 4).init({"w": jnp.zeros(1)})
+    with pytest.raises(ValueError, match=r"accum_steps=K.*accum_steps=None"):
+        accumjax.sync_batch_norm(stats, stats, opt_state)
