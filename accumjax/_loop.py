@@ -13,6 +13,7 @@ microbatches of a batch in a ``lax.scan`` (`window_loop`). The parallel wrappers
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -43,7 +44,9 @@ __all__ = [
     "Setup",
     "Step",
     "begin",
+    "check_key_argument",
     "close_model_state",
+    "positional_limit",
     "pvary",
     "scan_finish",
     "scan_step",
@@ -71,6 +74,8 @@ class Setup(NamedTuple):
       gather_params: FSDP: gather parameters once a ``"window"`` or every ``"microbatch"``.
       materialize: ``(params, microbatch index) -> params`` a microbatch computes with
         (the per-microbatch FSDP gather), or None for the parameters as they are.
+      loss_positional: the most positional arguments ``loss_fn`` takes
+        (`positional_limit`), or None when unknown; refuses ``rng`` for a loss without a key.
     """
 
     grad_fn: GradFn
@@ -83,6 +88,7 @@ class Setup(NamedTuple):
     unroll: int | bool
     gather_params: str = "window"
     materialize: Callable[[Any, Any], Any] | None = None
+    loss_positional: int | None = None
 
 
 class Context(NamedTuple):
@@ -179,9 +185,89 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     return config._replace(axis_name=setup.axis_name), owned
 
 
+def _is_multisteps(node: Any) -> bool:
+    return isinstance(node, optax.MultiStepsState)
+
+
+def _check_no_multisteps(opt_state: Any) -> None:
+    """Refuses an optimizer state holding an ``optax.MultiStepsState`` (anywhere in it)."""
+    if any(map(_is_multisteps, jax.tree.leaves(opt_state, is_leaf=_is_multisteps))):
+        raise TypeError(
+            "tx is or contains optax.MultiSteps (state.opt_state holds an "
+            "optax.MultiStepsState): the train step accumulates by itself and would run it as "
+            "a plain optimizer, reporting an update (metrics['updated'], state.step) on every "
+            "call while MultiSteps holds its updates back. Use tx=accumjax.accumulate(inner, K) "
+            "in place of optax.MultiSteps(inner, K)."
+        )
+
+
+def _describe(value: Any) -> str:
+    """``int32[]``, ``key<fry>[3]``: an array's dtype and shape, or a value's type."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return type(value).__name__
+    return f"{dtype}{list(shape)}"
+
+
+def _check_rng(rng: Any) -> None:
+    """``rng`` is None, one typed key (shape ``()``) or one raw ``uint32`` key (1-D)."""
+    if rng is None:
+        return
+    dtype, ndim = getattr(rng, "dtype", None), getattr(rng, "ndim", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == jnp.uint32
+    if (typed and ndim == 0) or (raw and ndim == 1):
+        return
+    what = "rng must be None, one key from jax.random.key(seed), or one raw uint32[2] key "
+    what += f"from jax.random.PRNGKey(seed); got {_describe(rng)}"
+    if (typed and ndim) or (raw and ndim and ndim > 1):
+        raise ValueError(
+            f"{what}, a batch of keys. Pass one key: the step derives a key for every "
+            "microbatch, device and update from it (fold_in of state.step and the indices)."
+        )
+    seed = dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+    raise TypeError(f"{what}.{' For a seed, pass jax.random.key(seed).' if seed else ''}")
+
+
+def positional_limit(fn: Callable[..., Any]) -> int | None:
+    """The most positional arguments ``fn`` takes, or None (``*args``, or no signature).
+
+    Example:
+      >>> positional_limit(lambda params, batch, key=None: 0), positional_limit(print)
+      (3, None)
+    """
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = [p.kind for p in parameters]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(kind in positional for kind in kinds)
+
+
+def check_key_argument(limit: int | None, n_args: int, rng: Any) -> None:
+    """Refuses ``rng`` for a loss that takes exactly the ``n_args`` arguments of a call
+    without a key (``limit``: `positional_limit` of the loss, None to skip the check)."""
+    if rng is not None and limit == n_args:
+        raise TypeError(
+            f"loss_fn takes no key argument but step(...) was given rng={_describe(rng)}; "
+            "add a last parameter `key` to loss_fn or call step(state, batch)."
+        )
+
+
 def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationState]:
-    """The step's `Context` and its `AccumulationState` (a fresh one for a plain optimizer)."""
+    """The step's `Context` and its `AccumulationState` (a fresh one for a plain optimizer).
+
+    Every mode's step starts here, at trace time: the state and optimizer (no
+    ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once.
+    """
     config, owned = _config(setup, state)
+    _check_no_multisteps(state.opt_state)
+    _check_rng(rng)
+    n_args = 2 if state.model_state is None else 3
+    check_key_argument(setup.loss_positional, n_args, rng)
     if owned:
         acc = check_state(config, state.opt_state)
     else:

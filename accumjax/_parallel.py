@@ -9,8 +9,9 @@
 - ``axis_name`` without a mesh: ``jax.pmap`` (the state carries a leading device axis);
 - ``axis_name`` with a mesh: ``jax.jit(jax.shard_map(...))``, batch split, state replicated.
 
-Every form checks the concrete state against its optimizer on the first call
-(`_checked_once`).
+Every form checks the concrete state against its optimizer on the first call and, on every
+call, refuses a state holding an array that an earlier call donated (`_checked_once`); a call
+that fails on arrays placed on different devices names them (`_devices_apart`).
 """
 
 from __future__ import annotations
@@ -166,6 +167,53 @@ def _place_on_mesh(mesh: Mesh, axis_name: str, state: Any, batch: Any) -> tuple[
     return jax.device_put(state, replicated), jax.device_put(batch, data_sharding(mesh, axis_name))
 
 
+def _check_alive(state: Any) -> None:
+    """Refuses a state with a deleted array (donated to an earlier call's output)."""
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"state{jax.tree_util.keystr(path)} was deleted: an earlier call of this step "
+                "donated it (make_train_step(..., donate=True) is the default). Use the state "
+                "the step returns (state, metrics = step(state, batch)), build the step with "
+                "donate=False, or copy arrays this state shares with another "
+                "(jax.tree.map(jnp.copy, params))."
+            )
+
+
+def _where(leaf: jax.Array) -> str:
+    """``mesh (data=4) of devices [0, 1, 2, 3]``, or ``devices [...]`` off a mesh."""
+    sharding = leaf.sharding
+    devices = f"devices {sorted(d.id for d in sharding.device_set)}"
+    if isinstance(sharding, NamedSharding):
+        axes = ", ".join(f"{name}={size}" for name, size in sharding.mesh.shape.items())
+        return f"mesh ({axes}) of {devices}"
+    return devices
+
+
+def _devices_apart(state: Any, batch: Any) -> str | None:
+    """Why a jitted step cannot take these arrays: two committed ones on different devices
+    (e.g. params on one mesh, the batch on another), or None."""
+    named = [
+        (f"{root}{jax.tree_util.keystr(path)}", leaf)
+        for root, tree in (("batch", batch), ("state", state))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if isinstance(leaf, jax.Array) and leaf.committed and not leaf.is_deleted()
+    ]
+    if not named:
+        return None
+    first, ref = named[0]
+    for name, leaf in named[1:]:
+        if leaf.sharding.device_set != ref.sharding.device_set:
+            return (
+                f"{first} is on the {_where(ref)}, but {name} is on the {_where(leaf)}: a "
+                "step's arrays must all be on one mesh. Put the state and the batch on the "
+                "same mesh (jax.device_put(x, NamedSharding(mesh, spec)))."
+            )
+    return None
+
+
 def _checked_once(
     jitted: Any,
     pmapped: bool,
@@ -175,7 +223,11 @@ def _checked_once(
     """``jitted`` that, on its first call, checks the (concrete) state against its optimizer
     (a checkpoint resumed under another K or scaling is refused before anything runs); for
     scan mode under ``jit`` it passes the arrays' `accumjax.sharded.Layout` (static), and
-    with ``place`` it puts the inputs where a ``shard_map`` step expects them."""
+    with ``place`` it puts the inputs where a ``shard_map`` step expects them.
+
+    Every call first refuses a state holding an array an earlier call donated (`_check_alive`:
+    one ``is_deleted`` per leaf); a call that fails is diagnosed, for free on success, for
+    arrays on different devices (`_devices_apart`; not under ``pmap`` or ``place``)."""
     checked: list[bool] = []
 
     def args(state: Any, batch: Any, rng: Any) -> tuple[Any, ...]:
@@ -185,16 +237,26 @@ def _checked_once(
             return state, batch, rng
         return state, batch, rng, sharded.layout_of(state.params, batch)
 
+    def call(run: Callable[..., Any], state: Any, batch: Any, rng: Any) -> Any:
+        try:
+            return run(*args(state, batch, rng))
+        except Exception as err:
+            apart = None if pmapped or place else _devices_apart(state, batch)
+            if apart is None:
+                raise
+            raise ValueError(apart) from err
+
     def step(state: Any, batch: Any, rng: Any = None) -> Any:
+        _check_alive(state)
         if not checked:
             config = config_of(getattr(state, "tx", None))
             if config is not None:
                 opt = state.opt_state
                 check_state(config, jax.tree.map(lambda x: x[0], opt) if pmapped else opt)
             checked.append(True)
-        return jitted(*args(state, batch, rng))
+        return call(jitted, state, batch, rng)
 
-    step.lower = lambda state, batch, rng=None: jitted.lower(*args(state, batch, rng))  # pyright: ignore[reportFunctionMemberAccess]
+    step.lower = lambda state, batch, rng=None: call(jitted.lower, state, batch, rng)  # pyright: ignore[reportFunctionMemberAccess]
     step.__wrapped__ = jitted  # pyright: ignore[reportFunctionMemberAccess]
     return step
 

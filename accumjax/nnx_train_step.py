@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from accumjax._loop import Step, check_key_argument, positional_limit
 from accumjax.loss_scale import DynamicLossScale
-from accumjax._loop import Step
 from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step
 
@@ -183,13 +183,16 @@ class _NNXStep:
         self._loss_fn = loss_fn
         self._options = options
         self._steps: dict[Any, Step] = {}
+        # The functional loss takes ``*key``: the user's loss decides whether rng fits.
+        self._positional = positional_limit(loss_fn)
 
-    def _for(self, state: Any) -> Any:
+    def _for(self, state: Any, rng: Any) -> Any:
         if not isinstance(state, NNXTrainState) or state.graphdef is None:
             raise TypeError(
                 "make_nnx_train_step's step expects an accumjax.NNXTrainState, got "
                 f"{type(state).__name__}; create it with accumjax.nnx_train_state(model, tx)."
             )
+        check_key_argument(self._positional, 2, rng)  # loss_fn(model, batch[, key])
         step = self._steps.get(state.graphdef)
         if step is None:
             loss = _functional_loss(
@@ -201,11 +204,11 @@ class _NNXStep:
     def __call__(
         self, state: NNXTrainState, batch: Any, rng: Any = None
     ) -> tuple[NNXTrainState, dict[str, Any]]:
-        return self._for(state)(state, batch, rng)
+        return self._for(state, rng)(state, batch, rng)
 
     def lower(self, state: NNXTrainState, batch: Any, rng: Any = None) -> Any:
         """``jax.jit(...).lower`` of the step (e.g. for :func:`accumjax.count_collectives`)."""
-        return self._for(state).lower(state, batch, rng)
+        return self._for(state, rng).lower(state, batch, rng)
 
 
 def make_nnx_train_step(
@@ -242,7 +245,8 @@ def make_nnx_train_step(
 
     Raises:
       TypeError: as :func:`accumjax.make_train_step`, and for a state that is not an
-        :class:`NNXTrainState` or a ``loss_fn`` output that does not match ``has_aux``.
+        :class:`NNXTrainState`, a ``loss_fn`` output that does not match ``has_aux``, or
+        ``rng`` given to a ``loss_fn(model, batch)`` without a key.
       ValueError: as :func:`accumjax.make_train_step`.
 
     Example:

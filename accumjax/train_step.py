@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from accumjax._checks import check_callable, check_choice, check_int, check_real
-from accumjax._loop import Setup, Step
+from accumjax._loop import Setup, Step, positional_limit
 from accumjax._loss_adapter import make_grad_fn
 from accumjax._parallel import wrap
 from accumjax.clipping import Mask, adaptive_clip_grad
@@ -143,7 +143,11 @@ def make_train_step(
     Raises:
       ValueError / TypeError: naming the argument, for invalid arguments here; at trace time
       for a batch not divisible by K, an ``accum_steps`` that differs from the optimizer's K,
-      scan mode with a K schedule, or a loss_fn output that does not match ``has_aux``.
+      scan mode with a K schedule, or a loss_fn output that does not match ``has_aux``; for
+      a ``tx`` that is or contains ``optax.MultiSteps`` (use ``accumulate(inner, K)``); for
+      an ``rng`` that is not one key (an int seed, a float array, a batch of keys) or is
+      given to a ``loss_fn`` that takes no key; on the call, for a state holding an array
+      that an earlier call donated, or a state and batch on different meshes.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, accumjax
@@ -199,6 +203,7 @@ def make_train_step(
         transform=_agc(use_agc, clip_factor, agc_eps, agc_mask),
         unroll=_check_unroll(unroll),
         gather_params=check_choice("gather_params", gather_params, _GATHER),
+        loss_positional=positional_limit(loss_fn),
     )
     return wrap(setup, mesh, has_aux, donate)
 

@@ -299,3 +299,34 @@ def test_errors():
         make_nnx_train_step(lambda m, b: (mse(m, b), 0.0))(state, window)
     with pytest.raises(TypeError, match="has_aux=True"):
         make_nnx_train_step(mse, has_aux=True)(state, window)
+
+
+# ----------------------------------------------------------------------------- misuse: clear errors
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize("where", ["alone", "in_chain"])
+def test_multisteps_tx_is_refused(where, mode):
+    multi = optax.MultiSteps(optax.sgd(0.1), K)
+    tx = (
+        multi if where == "alone" else optax.chain(optax.clip(1.0), multi.gradient_transformation())
+    )
+    state = nnx_train_state(MLP(nnx.Rngs(0)), tx)  # type: ignore[arg-type]
+    window = _windows(seed=9, windows=1)[0]
+    with pytest.raises(
+        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
+    ):
+        make_nnx_train_step(mse, mode=mode)(state, window)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_rng_given_to_a_loss_without_key_names_rng(mode):
+    state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K))
+    window = _windows(seed=9, windows=1)[0]
+    step = make_nnx_train_step(mse, mode=mode, donate=False)
+    with pytest.raises(TypeError, match=r"loss_fn takes no key argument but step.* rng=.*`key`"):
+        step(state, window, jax.random.key(0))
+    with pytest.raises(TypeError, match="loss_fn takes no key argument"):
+        step.lower(state, window, jax.random.key(0))
+    with pytest.raises(TypeError, match=r"rng must be .*jax\.random\.key"):
+        make_nnx_train_step(bn_loss, mode=mode)(state, window, 0)

@@ -952,3 +952,160 @@ def test_scan_temp_memory_at_most_optax_microbatch_and_the_full_batch(on_nonfini
         assert temp <= optax_temp, (k, temp, optax_temp)
         if k != 2:
             assert temp <= full, (k, temp, full)
+
+
+# ----------------------------------------------------------------------------- misuse: clear errors
+
+_P, _Named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+
+
+def _multisteps_txs():
+    inner = optax.sgd(0.1)
+    multi = optax.MultiSteps(inner, K)
+    injected = optax.inject_hyperparams(
+        lambda learning_rate: optax.MultiSteps(
+            optax.sgd(learning_rate), K
+        ).gradient_transformation()
+    )(learning_rate=0.1)
+    return {
+        "alone": multi,
+        "in_chain": optax.chain(optax.clip(1.0), multi.gradient_transformation()),
+        "in_inject_hyperparams": injected,
+        "inside_accumulate": accumulate(multi, K),
+    }
+
+
+@pytest.mark.parametrize(
+    "where", ["alone", "in_chain", "in_inject_hyperparams", "inside_accumulate"]
+)
+@pytest.mark.parametrize("mode", ["stream", "scan", "scan_sharded", "pmap", "shard_map"])
+def test_multisteps_tx_is_refused_in_every_mode(mode, where):
+    """optax.MultiSteps driven by the step would run as K=1: updated True on every call and
+    state.step counting calls while the parameters never move. It is refused, pointing to
+    accumulate."""
+    tx = _multisteps_txs()[where]
+    state = TrainState.create(apply_fn=None, params=_fresh(_params()), tx=tx)
+    x, y = _data()
+    batch = _windows(x, y)[0]  # 32 rows: divisible by K and by the 8 devices
+    kwargs = {"mode": "stream" if mode == "stream" else "scan"}
+    if mode == "scan_sharded":
+        batch = jax.device_put(batch, _Named(_mesh(), _P("data")))
+    elif mode == "pmap":
+        kwargs["axis_name"] = "data"
+        state, batch = replicate(state), _per_device(batch)
+    elif mode == "shard_map":
+        kwargs.update(axis_name="data", mesh=_mesh())
+    step = make_train_step(loss_fn, **kwargs)
+    with pytest.raises(
+        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
+    ):
+        step(state, batch)
+
+
+def test_multisteps_tx_is_refused_by_plan_microbatches():
+    state = TrainState.create(
+        apply_fn=None, params=_fresh(_params()), tx=optax.MultiSteps(optax.sgd(0.1), K)
+    )
+    x, y = _data()
+    batch = _windows(x, y)[0]
+    with pytest.raises(
+        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
+    ):
+        accumjax.plan_microbatches(loss_fn, state, batch, memory_budget=2**40)
+
+
+def _bad_rngs():
+    return {
+        "int": (0, TypeError),
+        "float_array": (jnp.ones((2,), jnp.float32), TypeError),
+        "split_keys": (jax.random.split(jax.random.key(0), 3), ValueError),
+        "split_raw_keys": (jax.random.split(jax.random.PRNGKey(0), 3), ValueError),
+    }
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize("kind", ["int", "float_array", "split_keys", "split_raw_keys"])
+def test_rng_that_is_not_one_key_is_refused(kind, mode):
+    rng, error = _bad_rngs()[kind]
+    state = TrainState.create(
+        apply_fn=None, params=_fresh(_params()), tx=accumulate(optax.sgd(0.1), K)
+    )
+    x, y = _data()
+    batch = _windows(x, y)[0]
+    step = make_train_step(_dropout_loss, mode=mode, has_aux=True, donate=False)
+    with pytest.raises(error, match=r"rng must be .*jax\.random\.key"):
+        step(state, batch, rng)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_rng_accepts_none_a_typed_key_and_a_raw_key(mode):
+    state = TrainState.create(apply_fn=None, params=_fresh(_params()), tx=optax.sgd(0.1))
+    x, y = _data()
+    batch = _windows(x, y)[0]
+    make_train_step(loss_fn, mode=mode, donate=False)(state, batch, None)
+    step = make_train_step(_dropout_loss, mode=mode, has_aux=True, donate=False)
+    typed = step(state, batch, jax.random.key(3))[0]
+    raw = step(state, batch, jax.random.PRNGKey(3))[0]
+    _assert_tree_equal(raw.params, typed.params)  # the same threefry key, two spellings
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_rng_given_to_a_loss_without_key_names_rng(mode):
+    state = TrainState.create(apply_fn=None, params=_fresh(_params()), tx=optax.sgd(0.1))
+    x, y = _data()
+    batch = _windows(x, y)[0]
+    step = make_train_step(loss_fn, mode=mode, donate=False)
+    with pytest.raises(TypeError, match=r"loss_fn takes no key argument but step.* rng=.*`key`"):
+        step(state, batch, jax.random.key(0))
+    bn_loss, params, model_state, _ = _bn_setup()  # with model state: one more argument
+    bn_state = TrainState.create(
+        apply_fn=None, params=params, tx=optax.sgd(0.1), model_state=model_state
+    )
+    bn_batch = {"x": batch["x"], "y": batch["y"]}
+    with pytest.raises(TypeError, match="loss_fn takes no key argument"):
+        make_train_step(bn_loss, mode=mode, donate=False)(bn_state, bn_batch, jax.random.key(0))
+    varargs = lambda *args: loss_fn(*args[:2])  # *args: the key is taken, nothing refused
+    make_train_step(varargs, mode=mode, donate=False)(state, batch, jax.random.key(0))
+
+
+def _two_meshes():
+    devices = jax.devices()
+    return Mesh(np.array(devices[:4]), ("data",)), Mesh(np.array(devices[4:8]), ("data",))
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize("params_spec", [_P(), _P("data")])
+def test_params_and_batch_on_different_meshes_is_refused(mode, params_spec):
+    first, second = _two_meshes()
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+    params = {
+        "w": jax.device_put(params["w"], _Named(first, params_spec)),
+        "b": jax.device_put(params["b"], _Named(first, _P())),
+    }
+    state = TrainState.create(apply_fn=None, params=params, tx=accumulate(optax.sgd(0.1), K))
+    x, y = _data()
+    batch = {"x": x[: K * MICRO, :4], "y": y[: K * MICRO]}
+    batch = jax.device_put(batch, _Named(second, _P("data")))
+    step = make_train_step(loss_fn, mode=mode)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)batch\['x'\].*devices \[4, 5, 6, 7\].*params.*devices \[0, 1, 2, 3\]",
+    ):
+        step(state, batch)
+    assert not state.params["w"].is_deleted()  # refused before anything ran
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_reusing_a_donated_state_says_the_step_donated_it(mode):
+    x, y = _data()
+    batch = _windows(x, y)[0]
+    state = TrainState.create(
+        apply_fn=None, params=_fresh(_params()), tx=accumulate(optax.sgd(0.1), K)
+    )
+    step = make_train_step(loss_fn, mode=mode)
+    new, _ = step(state, batch)
+    with pytest.raises(
+        ValueError, match=r"(?s)state.*deleted.*donate.*returns.*donate=False.*copy"
+    ):
+        step(state, batch)  # the old state: its buffers went to `new`
+    step(new, batch)  # the returned state works
