@@ -7,6 +7,12 @@ without running anything: it lowers and compiles the scan-mode step for each can
 (abstract ``jax.ShapeDtypeStruct`` arguments from ``jax.eval_shape``; nothing is executed
 and nothing is allocated) and reads XLA's compile-time memory analysis.
 
+It plans the step you train: the same loss, options and state. A loss that takes a key
+(dropout) is planned with one (``rng=``): its random masks are part of the footprint. With
+model state (``TrainState(model_state=...)``, e.g. BatchNorm statistics) and ``has_aux`` the
+step is the one :func:`accumjax.make_train_step` builds; an :class:`accumjax.NNXTrainState`
+gets :func:`accumjax.make_nnx_train_step`'s.
+
 The predicted footprint of a compiled step (:func:`compiled_memory_bytes`) is::
 
     argument + output - alias + temp + generated_code     (device-side figures)
@@ -32,13 +38,17 @@ callable, so it also plans custom steps.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from accumjax._checks import check_int
 from accumjax.accumulation import accumulate, config_of, with_every_k
+from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
+from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step
 
 __all__ = [
@@ -110,6 +120,8 @@ def _check_budget(budget_bytes: Any, name: str) -> int:
 
 
 def _check_candidates(candidates: Any) -> tuple[int, ...]:
+    if isinstance(candidates, np.ndarray) and candidates.ndim == 1:
+        candidates = list(candidates)  # numpy scalars: check_int takes integers, not floats
     if isinstance(candidates, str | bytes) or not isinstance(candidates, Sequence):
         raise TypeError(f"candidates must be a sequence of ints >= 1, got {candidates!r}.")
     if not candidates:
@@ -127,6 +139,15 @@ def _no_fit(tried: Sequence[tuple[int, int]], budget_bytes: int) -> ValueError:
     )
 
 
+def _compile_noting_k(compile_for_k: CompileForK, k: int) -> jax.stages.Compiled:
+    """``compile_for_k(k)``; an exception keeps its type and gains a note naming K."""
+    try:
+        return compile_for_k(k)
+    except Exception as err:
+        err.add_note(f"accumjax planner: raised while compiling the step for K={k}.")
+        raise
+
+
 def plan_microbatches_for(
     compile_for_k: CompileForK,
     candidates: Sequence[int],
@@ -137,12 +158,14 @@ def plan_microbatches_for(
     """The smallest K whose compiled computation fits ``budget_bytes``.
 
     Candidates are compiled in increasing K and the search stops at the first that fits,
-    so a plan costs one compilation per K that does not fit, plus one.
+    so a plan costs one compilation per K that does not fit, plus one. An exception raised
+    by ``compile_for_k(k)`` propagates with its type and a note naming that K.
 
     Args:
       compile_for_k: ``k -> jax.stages.Compiled``: the step for K microbatches, compiled
         (not run; lower it with abstract ``jax.ShapeDtypeStruct`` arguments).
-      candidates: the Ks to consider (ints >= 1; sorted and de-duplicated here).
+      candidates: the Ks to consider (ints >= 1, numpy integers too, or a 1-D integer
+        array; sorted and de-duplicated here).
       budget_bytes: the memory budget in bytes.
       batch_size: the global batch size, to report ``microbatch_size``; optional.
 
@@ -171,7 +194,7 @@ def plan_microbatches_for(
         _check_budget(batch_size, "batch_size")
     tried: list[tuple[int, int]] = []
     for k in ks:
-        predicted = compiled_memory_bytes(compile_for_k(k))
+        predicted = compiled_memory_bytes(_compile_noting_k(compile_for_k, k))
         tried.append((k, predicted))
         if predicted <= budget_bytes:
             micro = None if batch_size is None else batch_size // k
@@ -210,32 +233,64 @@ def _abstract(tree: Any) -> Any:
     return jax.eval_shape(lambda t: t, tree)
 
 
+def _check_state(state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            "state must be an accumjax.TrainState (accumjax.TrainState.create(...)) or an "
+            "accumjax.NNXTrainState (accumjax.nnx_train_state(model, tx)), got "
+            f"{type(state).__name__}."
+        )
+
+
+def _needs_key(loss_fn: Callable[..., Any], state: Any) -> bool:
+    """Whether ``loss_fn`` has a required parameter after those of a key-free call."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in parameters if p.kind in positional and p.default is p.empty]
+    key_free = 2 if isinstance(state, NNXTrainState) or state.model_state is None else 3
+    return len(required) > key_free
+
+
 def scan_step_for_k(
     loss_fn: Callable[..., Any], state: Any, k: int, **make_train_step_kwargs: Any
 ) -> tuple[Any, Any]:
     """The scan-mode train step for K microbatches, and the state it takes.
 
     This is the step :func:`plan_microbatches` compiles for each candidate K; use it to
-    compile, measure or run the same step yourself. K lives in the optimizer: ``state.tx``
+    compile, measure or run the same step yourself: :func:`accumjax.make_train_step`'s, or
+    :func:`accumjax.make_nnx_train_step`'s for an :class:`accumjax.NNXTrainState`. K lives
+    in the optimizer: ``state.tx``
     is rebuilt for K (:func:`accumjax.with_every_k` if it is already an
     :func:`accumjax.accumulate` transformation, every other option kept; otherwise
     ``accumulate(state.tx, k)`` around it) and its state is derived from shapes only.
 
     Args:
-      loss_fn: the loss, as for :func:`accumjax.make_train_step`.
-      state: an :class:`accumjax.TrainState` (arrays or ``jax.ShapeDtypeStruct`` leaves).
-      k: the number of microbatches per window, an int >= 1.
-      **make_train_step_kwargs: further options of ``make_train_step`` (``has_aux``,
+      loss_fn: the loss, as for :func:`accumjax.make_train_step` (``loss_fn(params,
+        [model_state,] batch[, key])``), or ``loss_fn(model, batch[, key])`` as for
+        :func:`accumjax.make_nnx_train_step` when ``state`` is an ``NNXTrainState``.
+      state: an :class:`accumjax.TrainState` or :class:`accumjax.NNXTrainState` (arrays or
+        ``jax.ShapeDtypeStruct`` leaves).
+      k: the number of microbatches per window, an int >= 1 (numpy integers too).
+      **make_train_step_kwargs: further options of the step (``has_aux``,
         ``mixed_precision``, ``donate``, ...); not ``accum_steps`` (``k``) or ``mode``
         (``"scan"``).
 
     Returns:
-      ``(step, state_k)``: ``step`` is ``make_train_step(loss_fn, mode="scan", ...)``, called
-      as ``step(state_k, batch)`` with the whole batch (it splits it into K microbatches);
-      ``state_k`` is ``state`` with the rebuilt ``tx`` and an abstract ``opt_state``
-      (``jax.ShapeDtypeStruct`` leaves, from ``jax.eval_shape(tx.init, params)``): enough to
-      ``step.lower(state_k, batch)``; to run the step, initialise it first:
+      ``(step, state_k)``: ``step`` is ``make_train_step(loss_fn, mode="scan", ...)`` (or
+      ``make_nnx_train_step``), called as ``step(state_k, batch[, rng])`` with the whole
+      batch (it splits it into K microbatches); ``state_k`` is ``state`` with the rebuilt
+      ``tx`` and an abstract ``opt_state`` (``jax.ShapeDtypeStruct`` leaves, from
+      ``jax.eval_shape(tx.init, params)``): enough to ``step.lower(state_k, batch[, rng])``;
+      to run the step, initialise it first:
       ``state_k.replace(opt_state=state_k.tx.init(state_k.params))``.
+
+    Raises:
+      TypeError: ``state`` is not a train state, ``k`` is not an integer, or
+        ``accum_steps``/``mode`` is given.
+      ValueError: ``k`` < 1.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -252,14 +307,15 @@ def scan_step_for_k(
       >>> int(new_state.step)  # one window of 4 microbatches: one update
       1
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}.")
+    k = check_int("k", k)
+    _check_state(state)
     for name in ("accum_steps", "mode"):
         if name in make_train_step_kwargs:
             raise TypeError(f"scan_step_for_k sets {name}; do not pass {name}=.")
     tx = with_every_k(state.tx, k) if config_of(state.tx) else accumulate(state.tx, k)
     opt_state = jax.eval_shape(tx.init, state.params)
-    step = make_train_step(loss_fn, mode="scan", **make_train_step_kwargs)
+    build = make_nnx_train_step if isinstance(state, NNXTrainState) else make_train_step
+    step = build(loss_fn, mode="scan", **make_train_step_kwargs)
     return step, state.replace(tx=tx, opt_state=opt_state)
 
 
@@ -270,23 +326,35 @@ def plan_microbatches(
     *,
     memory_budget: int | None = None,
     candidates: Sequence[int] | None = None,
+    rng: Any = None,
     **make_train_step_kwargs: Any,
 ) -> MicrobatchPlan:
     """The smallest K (largest microbatch) whose scan-mode train step fits in memory.
 
-    Compiles ``accumjax.make_train_step(loss_fn, mode="scan", ...)`` for candidate Ks in
-    increasing order, from abstract shapes only (nothing runs, nothing is allocated), and
-    returns the first whose predicted footprint (:func:`compiled_memory_bytes`) fits.
+    Compiles ``accumjax.make_train_step(loss_fn, mode="scan", ...)`` (for an
+    :class:`accumjax.NNXTrainState`, ``accumjax.make_nnx_train_step``) for candidate Ks in
+    increasing order, lowered as ``step.lower(state, batch, rng)`` from abstract shapes only
+    (nothing runs, nothing is allocated), and returns the first whose predicted footprint
+    (:func:`compiled_memory_bytes`) fits. An exception raised while compiling one K keeps
+    its type and gains a note naming that K.
 
     Args:
-      loss_fn: the loss, as for :func:`accumjax.make_train_step`.
-      state: an :class:`accumjax.TrainState` (arrays or ``jax.ShapeDtypeStruct`` leaves).
+      loss_fn: the loss, as for :func:`accumjax.make_train_step` (with ``model_state``,
+        ``has_aux``, a key: whatever the state and options say), or ``loss_fn(model,
+        batch[, key])`` as for :func:`accumjax.make_nnx_train_step` with an NNX state.
+      state: an :class:`accumjax.TrainState` or :class:`accumjax.NNXTrainState` (arrays or
+        ``jax.ShapeDtypeStruct`` leaves).
       batch: the global batch (arrays or ``jax.ShapeDtypeStruct`` leaves, one leading axis).
       memory_budget: bytes; ``None`` means the device's own limit
         (``memory_stats()["bytes_limit"]``) where JAX reports one (GPU, TPU; not CPU).
-      candidates: the Ks to try; default: every divisor of the batch size. Each must
-        divide the batch size.
-      **make_train_step_kwargs: further options of ``make_train_step`` (``has_aux``,
+      candidates: the Ks to try (ints, numpy integers, a 1-D integer array); default:
+        every divisor of the batch size. Each must divide the batch size.
+      rng: the key you train with, ``step(state, batch, rng)``, for a loss that takes one
+        (dropout): only its shape and dtype matter (``jax.random.key(0)`` or
+        ``jax.ShapeDtypeStruct((), jax.random.key(0).dtype)``). Required when ``loss_fn``
+        has a required key parameter; a loss with an optional key (``key=None``) is
+        planned without its random masks unless ``rng`` is given.
+      **make_train_step_kwargs: further options of the step (``has_aux``,
         ``mixed_precision``, ``donate``, ``unroll``, ...); not ``accum_steps`` or ``mode``.
 
     Returns:
@@ -294,7 +362,8 @@ def plan_microbatches(
       ``budget_bytes`` and the ``(k, bytes)`` pairs tried.
 
     Raises:
-      ValueError / TypeError: for invalid arguments (the message names the argument), if
+      ValueError / TypeError: for invalid arguments (the message names the argument: e.g.
+        a ``state`` that is not a train state, a key-taking loss without ``rng``), if
         ``memory_budget`` is ``None`` and the device reports no limit, or if no candidate
         fits (the message gives the smallest predicted footprint).
 
@@ -313,9 +382,27 @@ def plan_microbatches(
       >>> plan = plan_microbatches(loss_fn, state, batch, memory_budget=big.predicted_bytes - 1)
       >>> plan.accum_steps > 1, plan.predicted_bytes <= plan.budget_bytes
       (True, True)
+
+      With dropout, plan with the key you train with (its masks take memory too):
+
+      >>> def dropout_loss(params, batch, key):
+      ...     h = jnp.tanh(batch["x"] @ params["w"])
+      ...     h = jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0.0)
+      ...     return jnp.mean((h @ params["v"] - batch["y"]) ** 2)
+      >>> keyed = plan_microbatches(dropout_loss, state, batch, memory_budget=2**40,
+      ...                           rng=jax.random.key(0))
+      >>> keyed.predicted_bytes > big.predicted_bytes
+      True
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    _check_state(state)
+    if rng is None and _needs_key(loss_fn, state):
+        raise TypeError(
+            "loss_fn takes a key but rng is None: plan with the key you train with, "
+            "rng=jax.random.key(0) (only its shape and dtype matter), so that the planned "
+            "step draws the same random masks as training."
+        )
     for name in ("accum_steps", "mode"):
         if name in make_train_step_kwargs:
             raise TypeError(f"plan_microbatches chooses {name}; do not pass {name}=.")
@@ -331,9 +418,10 @@ def plan_microbatches(
     else:
         budget = _check_budget(memory_budget, "memory_budget")
     abstract_state, abstract_batch = _abstract(state), _abstract(batch)
+    abstract_rng = None if rng is None else _abstract(rng)
 
     def compile_for_k(k: int) -> jax.stages.Compiled:
         step, state_k = scan_step_for_k(loss_fn, abstract_state, k, **make_train_step_kwargs)
-        return step.lower(state_k, abstract_batch).compile()
+        return step.lower(state_k, abstract_batch, abstract_rng).compile()
 
     return plan_microbatches_for(compile_for_k, ks, budget, batch_size=batch_size)

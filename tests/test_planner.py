@@ -180,8 +180,8 @@ def test_scan_step_for_k_is_the_step_the_planner_measures(setup):
     ("k", "kwargs", "error", "match"),
     [
         (0, {}, ValueError, "k must be"),
-        (2.0, {}, ValueError, "k must be"),
-        (True, {}, ValueError, "k must be"),
+        (2.0, {}, TypeError, "k must be"),
+        (True, {}, TypeError, "k must be"),
         (2, {"mode": "stream"}, TypeError, "mode"),
         (2, {"accum_steps": 2}, TypeError, "accum_steps"),
     ],
@@ -195,3 +195,210 @@ def test_scan_step_for_k_bad_arguments(setup, k, kwargs, error, match):
 def test_docstring_examples():
     results = doctest.testmod(planner, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert results.failed == 0 and results.attempted > 0
+
+
+# ------------------------------------------------- the planner plans what users train
+
+
+def _dropout_loss(params, batch, key=None):
+    """``_loss`` with dropout on the hidden activations when given a key."""
+    h = batch["x"]
+    for i in range(len(DIMS) - 1):
+        h = h @ params[f"w{i}"]
+        if i < len(DIMS) - 2:
+            h = jnp.tanh(h)
+            if key is not None:
+                key, sub = jax.random.split(key)
+                h = jnp.where(jax.random.bernoulli(sub, 0.9, h.shape), h / 0.9, 0.0)
+    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+
+def _keyed_loss(params, batch, key):
+    return _dropout_loss(params, batch, key)
+
+
+def _compiled_bytes(loss_fn, state, batch, k, *args, **kwargs):
+    """The K-step compiled with ``args`` (a key), measured apart from the planner's search."""
+    step, state_k = scan_step_for_k(loss_fn, state, k, **kwargs)
+    return planner.compiled_memory_bytes(step.lower(state_k, batch, *args).compile())
+
+
+def test_a_loss_with_a_key_is_planned_with_the_key(setup):
+    state, batch = setup
+    key = jax.random.key(0)
+    free = plan_microbatches(_dropout_loss, state, batch, memory_budget=2**40, candidates=[4])
+    keyed = plan_microbatches(
+        _keyed_loss, state, batch, memory_budget=2**40, candidates=[4], rng=key
+    )
+    assert keyed.predicted_bytes > free.predicted_bytes  # the dropout masks
+    assert keyed.predicted_bytes == _compiled_bytes(_keyed_loss, state, batch, 4, key)
+    # A budget the key-free step fits at K=4 but the keyed one does not: a larger K.
+    budget = free.predicted_bytes
+    plan = plan_microbatches(_keyed_loss, state, batch, memory_budget=budget, rng=key)
+    assert plan.accum_steps > 4
+    assert _compiled_bytes(_keyed_loss, state, batch, plan.accum_steps, key) <= budget
+    # An abstract key plans the same step.
+    abstract_key = jax.ShapeDtypeStruct((), key.dtype)
+    same = plan_microbatches(
+        _keyed_loss, state, batch, memory_budget=2**40, candidates=[4], rng=abstract_key
+    )
+    assert same.predicted_bytes == keyed.predicted_bytes
+
+
+def test_a_loss_that_needs_a_key_without_rng_names_rng(setup):
+    state, batch = setup
+    with pytest.raises(TypeError, match="rng="):
+        plan_microbatches(_keyed_loss, state, batch, memory_budget=2**40)
+
+
+def test_has_aux_is_planned(setup):
+    state, batch = setup
+
+    def aux_loss(params, batch):
+        loss = _loss(params, batch)
+        return loss, {"loss_copy": loss}
+
+    plan = plan_microbatches(
+        aux_loss, state, batch, memory_budget=2**40, candidates=[4], has_aux=True
+    )
+    assert plan.predicted_bytes == _compiled_bytes(aux_loss, state, batch, 4, has_aux=True)
+
+
+def test_model_state_is_planned():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = accumjax.AccumBatchNorm(use_running_average=False)(nn.Dense(64)(x))
+            return nn.Dense(4)(jnp.tanh(x))
+
+    x = jnp.ones((256, 16))
+    batch = {"x": x, "y": jnp.zeros((256,), jnp.int32)}
+    net = Net()
+    variables = net.init(jax.random.key(0), x)
+    state = accumjax.TrainState.create(
+        apply_fn=net.apply,
+        params=variables["params"],
+        tx=optax.adam(1e-3),
+        model_state={"batch_stats": variables["batch_stats"]},
+    )
+
+    def loss_fn(params, model_state, batch, key):
+        logits, new_state = net.apply(
+            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+        )
+        logits = jnp.where(jax.random.bernoulli(key, 0.9, logits.shape), logits, 0.0)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, new_state
+
+    key = jax.random.key(0)
+    plan = plan_microbatches(loss_fn, state, batch, memory_budget=2**40, candidates=[4], rng=key)
+    assert plan.predicted_bytes == _compiled_bytes(loss_fn, state, batch, 4, key)
+    # The planned step runs, and closes the BatchNorm window it accumulated.
+    step, state_4 = scan_step_for_k(loss_fn, state, 4)
+    state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+    new_state, _ = step(state_4, batch, key)
+    assert int(new_state.step) == 1
+
+
+def _nnx_setup():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(16, 64, rngs=rngs)
+            self.norm = accumjax.NNXAccumBatchNorm(64, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1)
+            self.head = nnx.Linear(64, 4, rngs=rngs)
+
+        def __call__(self, x, rngs=None):
+            h = jnp.tanh(self.norm(self.linear(x)))
+            if rngs is not None:
+                h = self.dropout(h, rngs=rngs)
+            return self.head(h)
+
+    def loss_fn(model, batch, *key):
+        logits = model(batch["x"], rngs=nnx.Rngs(dropout=key[0]) if key else None)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32),
+        "y": jnp.asarray(rng.integers(0, 4, 256), jnp.int32),
+    }
+    state = accumjax.nnx_train_state(Net(nnx.Rngs(0)), optax.adam(1e-3))
+    return state, batch, loss_fn
+
+
+def test_nnx_states_are_planned_with_the_nnx_step():
+    state, batch, loss_fn = _nnx_setup()
+    step, state_4 = scan_step_for_k(loss_fn, state, 4)
+    assert isinstance(state_4, accumjax.NNXTrainState) and state_4.graphdef is state.graphdef
+    plan = plan_microbatches(loss_fn, state, batch, memory_budget=2**40, candidates=[4])
+    assert plan.predicted_bytes == planner.compiled_memory_bytes(
+        step.lower(state_4, batch).compile()
+    )
+    # With a key: the dropout step, planned as trained.
+    key = jax.random.key(0)
+    keyed = plan_microbatches(loss_fn, state, batch, memory_budget=2**40, candidates=[4], rng=key)
+    assert keyed.predicted_bytes == _compiled_bytes(loss_fn, state, batch, 4, key)
+    assert keyed.predicted_bytes > plan.predicted_bytes
+    # The planned step runs on the real state, and its BatchNorm window is closed.
+    state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+    new_state, metrics = step(state_4, batch, key)
+    assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
+    assert int(new_state.model_state["norm"]["acc_step"][...]) == 0
+
+
+def test_numpy_integers_are_ks(setup):
+    state, batch = setup
+    b4 = _bytes_of_k(state, batch, 4)
+    for candidates in ([np.int64(4)], np.array([4, 8]), (np.int32(8), 4)):
+        plan = plan_microbatches(_loss, state, batch, memory_budget=b4, candidates=candidates)
+        assert plan.accum_steps == 4 and type(plan.accum_steps) is int
+    step, state_4 = scan_step_for_k(_loss, state, np.int64(4))
+    assert accumjax.accumulation.config_of(state_4.tx).every_k == 4
+    assert planner.compiled_memory_bytes(step.lower(state_4, batch).compile()) == b4
+    with pytest.raises(TypeError, match="candidates"):
+        plan_microbatches(_loss, state, batch, memory_budget=b4, candidates=np.array([4.0]))
+
+
+def test_a_failing_k_is_named(setup):
+    state, batch = setup
+
+    def loss_fn(params, batch):
+        if batch["x"].shape[0] < 256:  # fails from K=8 on (microbatches of 128 rows)
+            raise ValueError("microbatch too small for this loss")
+        return _loss(params, batch)
+
+    with pytest.raises(ValueError, match="microbatch too small") as info:
+        plan_microbatches(loss_fn, state, batch, memory_budget=1000, candidates=[2, 4, 8])
+    assert any("K=8" in note for note in getattr(info.value, "__notes__", []))
+    assert not any("K=4" in note for note in info.value.__notes__)
+
+    def compile_for_k(k):
+        raise RuntimeError("no compiler")
+
+    with pytest.raises(RuntimeError, match="no compiler") as info:
+        plan_microbatches_for(compile_for_k, [3], 10)
+    assert any("K=3" in note for note in getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("bad", [{"params": {}}, None, (1, 2)])
+def test_a_state_that_is_not_a_train_state_names_state(setup, bad):
+    _, batch = setup
+    with pytest.raises(TypeError, match=r"state must be an accumjax\.TrainState"):
+        plan_microbatches(_loss, bad, batch, memory_budget=2**40)
+    with pytest.raises(TypeError, match=r"state must be an accumjax\.TrainState"):
+        scan_step_for_k(_loss, bad, 2)
+
+
+def test_multisteps_is_refused_by_the_step_and_named_with_k(setup):
+    state, batch = setup
+    multi = accumjax.TrainState.create(
+        apply_fn=None, params=state.params, tx=optax.MultiSteps(optax.sgd(0.1), 2)
+    )
+    with pytest.raises(TypeError, match="MultiSteps") as info:
+        plan_microbatches(_loss, multi, batch, memory_budget=2**40, candidates=[2])
+    assert any("K=2" in note for note in getattr(info.value, "__notes__", []))
