@@ -13,7 +13,6 @@ microbatches of a batch in a ``lax.scan`` (`window_loop`). The parallel wrappers
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -22,8 +21,9 @@ import jax.numpy as jnp
 import optax
 
 from accumjax import window as window_lib
-from accumjax._batch_norm_math import is_step_driven
+from accumjax._batch_norm_windows import is_step_driven
 from accumjax._loss_adapter import GradFn
+from accumjax._step_checks import check_step_inputs
 from accumjax.accumulation import (
     Config,
     check_state,
@@ -34,7 +34,7 @@ from accumjax.accumulation import (
 )
 from accumjax.accumulation_state import AccumulationState
 from accumjax.batch_norm import close_batch_norm_windows
-from accumjax.loss_scale import DynamicLossScale, adjust_loss_scale, dynamic_loss_scale
+from accumjax.loss_scale import DynamicLossScale, adjust_loss_scale
 from accumjax.train_state import TrainState, count_update
 
 __all__ = [
@@ -44,9 +44,7 @@ __all__ = [
     "Setup",
     "Step",
     "begin",
-    "check_key_argument",
     "close_model_state",
-    "positional_limit",
     "pvary",
     "scan_finish",
     "scan_step",
@@ -139,11 +137,13 @@ class Carry(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What a window's microbatches produced: the carry, the loss metric and the aux."""
+    """What a window's microbatches produced: the carry, the loss metric and the aux; for one
+    microbatch, also whether it was added to the window."""
 
     carry: Carry
     loss: Any
     aux: Any
+    added: Any = None
 
 
 class Fields(NamedTuple):
@@ -185,78 +185,6 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     return config._replace(axis_name=setup.axis_name), owned
 
 
-def _is_multisteps(node: Any) -> bool:
-    return isinstance(node, optax.MultiStepsState)
-
-
-def _check_no_multisteps(opt_state: Any) -> None:
-    """Refuses an optimizer state holding an ``optax.MultiStepsState`` (anywhere in it)."""
-    if any(map(_is_multisteps, jax.tree.leaves(opt_state, is_leaf=_is_multisteps))):
-        raise TypeError(
-            "tx is or contains optax.MultiSteps (state.opt_state holds an "
-            "optax.MultiStepsState): the train step accumulates by itself and would run it as "
-            "a plain optimizer, reporting an update (metrics['updated'], state.step) on every "
-            "call while MultiSteps holds its updates back. Use tx=accumjax.accumulate(inner, K) "
-            "in place of optax.MultiSteps(inner, K)."
-        )
-
-
-def _describe(value: Any) -> str:
-    """``int32[]``, ``key<fry>[3]``: an array's dtype and shape, or a value's type."""
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is None or dtype is None:
-        return type(value).__name__
-    return f"{dtype}{list(shape)}"
-
-
-def _check_rng(rng: Any) -> None:
-    """``rng`` is None, one typed key (shape ``()``) or one raw ``uint32`` key (1-D)."""
-    if rng is None:
-        return
-    dtype, ndim = getattr(rng, "dtype", None), getattr(rng, "ndim", None)
-    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    raw = dtype == jnp.uint32
-    if (typed and ndim == 0) or (raw and ndim == 1):
-        return
-    what = "rng must be None, one key from jax.random.key(seed), or one raw uint32[2] key "
-    what += f"from jax.random.PRNGKey(seed); got {_describe(rng)}"
-    if (typed and ndim) or (raw and ndim and ndim > 1):
-        raise ValueError(
-            f"{what}, a batch of keys. Pass one key: the step derives a key for every "
-            "microbatch, device and update from it (fold_in of state.step and the indices)."
-        )
-    seed = dtype is not None and jnp.issubdtype(dtype, jnp.integer)
-    raise TypeError(f"{what}.{' For a seed, pass jax.random.key(seed).' if seed else ''}")
-
-
-def positional_limit(fn: Callable[..., Any]) -> int | None:
-    """The most positional arguments ``fn`` takes, or None (``*args``, or no signature).
-
-    Example:
-      >>> positional_limit(lambda params, batch, key=None: 0), positional_limit(print)
-      (3, None)
-    """
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    kinds = [p.kind for p in parameters]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(kind in positional for kind in kinds)
-
-
-def check_key_argument(limit: int | None, n_args: int, rng: Any) -> None:
-    """Refuses ``rng`` for a loss that takes exactly the ``n_args`` arguments of a call
-    without a key (``limit``: `positional_limit` of the loss, None to skip the check)."""
-    if rng is not None and limit == n_args:
-        raise TypeError(
-            f"loss_fn takes no key argument but step(...) was given rng={_describe(rng)}; "
-            "add a last parameter `key` to loss_fn or call step(state, batch)."
-        )
-
-
 def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationState]:
     """The step's `Context` and its `AccumulationState` (a fresh one for a plain optimizer).
 
@@ -264,17 +192,12 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once.
     """
     config, owned = _config(setup, state)
-    _check_no_multisteps(state.opt_state)
-    _check_rng(rng)
-    n_args = 2 if state.model_state is None else 3
-    check_key_argument(setup.loss_positional, n_args, rng)
+    check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
     if owned:
         acc = check_state(config, state.opt_state)
     else:
         acc = init_state(config, state.params, state.opt_state)
-    loss_scale = None
-    if setup.f16:
-        loss_scale = dynamic_loss_scale() if state.loss_scale is None else state.loss_scale
+    loss_scale = state.loss_scale if setup.f16 else None
     context = Context(setup, config, owned, loss_scale, rng, state.step, setup.axis_name)
     return context, acc
 
@@ -328,7 +251,8 @@ def microbatch(
     w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
     loss_sum = carry.loss_sum + jnp.where(micro.added, w * loss, 0.0)
-    return Outcome(Carry(window, model_state, loss_sum, carry.loss_weight + w), loss, aux)
+    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w)
+    return Outcome(carry, loss, aux, micro.added)
 
 
 # ----------------------------------------------------------------------------- the window's end
@@ -415,7 +339,9 @@ def stream_step(setup: Setup) -> Step:
         outcome = microbatch(
             ctx, _start(state, acc), params, batch, acc.window.micro_step, first=not ctx.owned
         )
-        opt = acc._replace(window=outcome.carry.window, updated=jnp.zeros((), bool))
+        opt = acc._replace(
+            window=outcome.carry.window, updated=jnp.zeros((), bool), added=outcome.added
+        )
         fields = Fields(state.params, opt, outcome.carry.model_state, ctx.loss_scale)
         close = lambda f: close_fields(ctx, f)
         if ctx.owned:
@@ -557,7 +483,8 @@ def scan_finish(
     fields = close_fields(ctx, Fields(state.params, opt, carry.model_state, ctx.loss_scale), closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
-    fields = fields._replace(opt=fields.opt._replace(window=acc.window))
+    updated = fields.opt.updated
+    fields = fields._replace(opt=fields.opt._replace(window=acc.window, added=updated))
     if state.model_state is not None:  # a skipped window leaves all model state as it was
         kept = optax.tree.where(fields.opt.updated, fields.model_state, state.model_state)
         fields = fields._replace(model_state=kept)

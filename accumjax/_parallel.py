@@ -9,9 +9,10 @@
 - ``axis_name`` without a mesh: ``jax.pmap`` (the state carries a leading device axis);
 - ``axis_name`` with a mesh: ``jax.jit(jax.shard_map(...))``, batch split, state replicated.
 
-Every form checks the concrete state against its optimizer on the first call and, on every
-call, refuses a state holding an array that an earlier call donated (`_checked_once`); a call
-that fails on arrays placed on different devices names them (`_devices_apart`).
+Every form checks, on the host, a state it did not return itself (the first call's, or one
+restored from a checkpoint) against its optimizer, refuses on every call a state holding an
+array that an earlier call donated (`_checked_once`), and names the arrays of a call that fails
+on arrays placed on different devices (`_devices_apart`).
 """
 
 from __future__ import annotations
@@ -214,21 +215,46 @@ def _devices_apart(state: Any, batch: Any) -> str | None:
     return None
 
 
+def _made_here(opt_state: Any, returned: Any) -> bool:
+    """Whether ``opt_state`` is the one the step returned last (its K array, the very object),
+    so it needs no check: only a state from elsewhere (a checkpoint) is read on the host."""
+    every_k = getattr(opt_state, "every_k", None)
+    return every_k is not None and every_k is getattr(returned, "every_k", None)
+
+
+def _check_window_boundary(opt: Any) -> None:
+    """Refuses a mid-window state from elsewhere on the ``mesh=`` stream path, whose window
+    sums are each device's own although the state is declared replicated."""
+    step = int(opt.window.micro_step)
+    if step != 0:
+        raise ValueError(
+            "make_train_step(mode='stream', mesh=..., axis_name=...) was given a state in the "
+            f"middle of a window (state.opt_state.window.micro_step == {step}) "
+            "that this step did not return: on this path each device keeps its own partial "
+            "window sum in an array declared replicated, so a checkpoint holds one device's and "
+            "cannot resume the window. Save and restore at window boundaries "
+            "(micro_step == 0), or use mode='scan', whose state holds no open window."
+        )
+
+
 def _checked_once(
     jitted: Any,
     pmapped: bool,
     sharded_scan: bool = False,
     place: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+    mesh_stream: bool = False,
 ) -> Any:
-    """``jitted`` that, on its first call, checks the (concrete) state against its optimizer
-    (a checkpoint resumed under another K or scaling is refused before anything runs); for
-    scan mode under ``jit`` it passes the arrays' `accumjax.sharded.Layout` (static), and
+    """``jitted`` that checks a state it did not return itself (the first call's, or one
+    restored from a checkpoint) against its optimizer on the host: another K or scaling is
+    refused before anything runs, and on the ``mesh=`` stream path (``mesh_stream``) so is a
+    window left open. A state the step returned last is recognized by identity, at no cost.
+    For scan mode under ``jit`` it passes the arrays' `accumjax.sharded.Layout` (static), and
     with ``place`` it puts the inputs where a ``shard_map`` step expects them.
 
     Every call first refuses a state holding an array an earlier call donated (`_check_alive`:
     one ``is_deleted`` per leaf); a call that fails is diagnosed, for free on success, for
     arrays on different devices (`_devices_apart`; not under ``pmap`` or ``place``)."""
-    checked: list[bool] = []
+    returned: list[Any] = []  # the optimizer state of the last call's output
 
     def args(state: Any, batch: Any, rng: Any) -> tuple[Any, ...]:
         if place is not None:
@@ -248,13 +274,15 @@ def _checked_once(
 
     def step(state: Any, batch: Any, rng: Any = None) -> Any:
         _check_alive(state)
-        if not checked:
-            config = config_of(getattr(state, "tx", None))
-            if config is not None:
-                opt = state.opt_state
-                check_state(config, jax.tree.map(lambda x: x[0], opt) if pmapped else opt)
-            checked.append(True)
-        return call(jitted, state, batch, rng)
+        config = config_of(getattr(state, "tx", None))
+        if config is not None and not (returned and _made_here(state.opt_state, returned[0])):
+            opt = state.opt_state
+            opt = check_state(config, jax.tree.map(lambda x: x[0], opt) if pmapped else opt)
+            if mesh_stream:
+                _check_window_boundary(opt)
+        out = call(jitted, state, batch, rng)
+        returned[:] = [getattr(out[0], "opt_state", None)]
+        return out
 
     step.lower = lambda state, batch, rng=None: call(jitted.lower, state, batch, rng)  # pyright: ignore[reportFunctionMemberAccess]
     step.__wrapped__ = jitted  # pyright: ignore[reportFunctionMemberAccess]
@@ -293,4 +321,5 @@ def wrap(setup: Setup, mesh: Mesh | None, has_aux: bool, donate: bool) -> Step:
         return _checked_once(pmapped, True)
     mapped = _shard_map(step, mesh, setup.axis_name, has_aux, setup.f16)
     place = partial(_place_on_mesh, mesh, setup.axis_name)
-    return _checked_once(jax.jit(mapped, donate_argnums=donate_argnums), False, place=place)
+    jitted = jax.jit(mapped, donate_argnums=donate_argnums)
+    return _checked_once(jitted, False, place=place, mesh_stream=setup.mode == "stream")

@@ -54,14 +54,12 @@ from accumjax._batch_norm_math import (
     accumulator_dtype,
     canonical_axes,
     check_config,
-    check_no_self_closing,
     close_window,
-    is_step_driven,
     normalize_and_accumulate,
     pool_windows,
     running_dtype,
-    warn_if_open,
 )
+from accumjax._batch_norm_windows import check_no_self_closing, is_step_driven, warn_if_open
 from accumjax._variables import is_variable, unwrap_variables, variable_value
 from accumjax.accumulation_state import unwrap
 from accumjax.batch_norm_convert import convert_batch_norm_variables

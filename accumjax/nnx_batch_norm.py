@@ -34,8 +34,8 @@ from accumjax._batch_norm_math import (
     empty_window,
     normalize_and_accumulate,
     running_dtype,
-    warn_if_open,
 )
+from accumjax._batch_norm_windows import warn_if_open
 from accumjax._checks import check_int
 from accumjax._variables import variable_value
 

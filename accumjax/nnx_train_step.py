@@ -32,10 +32,12 @@ real updates is ``accumjax.stats(opt.opt_state).total_cycles``, and
 >>> bool(accumjax.has_updated(opt.opt_state)), bool(accumjax.should_update(opt.opt_state))
 (True, False)
 
-With ``nnx.Optimizer`` a step-driven :class:`accumjax.NNXAccumBatchNorm` window is closed by
-hand: after the call that ends the window (``should_update`` was True before it),
-``nnx.update(model, accumjax.close_batch_norm_windows(nnx.state(model, nnx.BatchStat),
-accumjax.has_updated(opt.opt_state)))``. :func:`make_nnx_train_step` does this itself.
+With ``nnx.Optimizer``, step-driven :class:`accumjax.NNXAccumBatchNorm` windows follow the
+optimizer with :func:`accumjax.sync_batch_norm`: take ``before =
+nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))`` ahead of the forward pass, and after
+``opt.update`` call ``nnx.update(model, accumjax.sync_batch_norm(nnx.state(model,
+nnx.BatchStat), before, opt.opt_state))`` (a skipped microbatch's statistics are dropped, the
+windows close with the optimizer's). :func:`make_nnx_train_step` does this itself.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from accumjax._loop import Step, check_key_argument, positional_limit
+from accumjax._loop import Step
+from accumjax._step_checks import check_key_argument, positional_limit
 from accumjax.loss_scale import DynamicLossScale
 from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step
@@ -89,7 +92,8 @@ def nnx_train_state(
 
     The state holds copies of the model's arrays (the step donates the state's buffers, the
     model keeps its own). The graph definition is taken as the model is now, so put the
-    model in training mode first (a fresh NNX model is; see ``nnx.view``).
+    model in training mode first (``model.train()``: a fresh ``nnx.MultiHeadAttention``
+    has ``deterministic=None``; see ``nnx.view``).
 
     Args:
       model: the NNX model.
@@ -223,8 +227,9 @@ def make_nnx_train_step(
 
     * ``loss_fn(model, batch) -> loss``, or ``(loss, aux)`` with ``has_aux=True``;
     * with ``step(state, batch, rng)``: ``loss_fn(model, batch, key)``, ``key`` distinct for
-      every microbatch, device and update, e.g. for ``model(x, rngs=key)`` with
-      ``nnx.Dropout`` layers that take their key at call time. (Dropout layers that hold
+      every microbatch, device and update, e.g. for ``model(x, rngs=nnx.Rngs(dropout=key))``
+      with ``nnx.Dropout`` and ``nnx.MultiHeadAttention`` layers that take their key at call
+      time (``MultiHeadAttention`` takes an ``nnx.Rngs``, not a bare key). (Dropout layers that hold
       their own ``nnx.Rngs`` work without ``rng``: their key and count are model state, a
       fresh key per microbatch, but the same on every data-parallel device.)
 
@@ -264,7 +269,7 @@ def make_nnx_train_step(
       ...         return self.head(x)
       >>> model = Model(nnx.Rngs(0))
       >>> def loss_fn(model, batch, key):
-      ...     return jnp.mean((model(batch["x"], rngs=key) - batch["y"]) ** 2)
+      ...     return jnp.mean((model(batch["x"], rngs=nnx.Rngs(dropout=key)) - batch["y"]) ** 2)
       >>> state = nnx_train_state(model, accumjax.accumulate(optax.adam(1e-2), 4))
       >>> step = make_nnx_train_step(loss_fn, mode="scan")
       >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.ones((16, 1))}  # 4 microbatches of 4

@@ -32,8 +32,8 @@ class TrainState(train_state.TrainState):
       apply_fn, params, tx, opt_state: as in ``flax.training.train_state.TrainState``.
       model_state: non-trainable collections (e.g. ``{"batch_stats": ...}``) or
         ``None``; when not ``None`` the loss function receives and returns it.
-      loss_scale: a :class:`accumjax.DynamicLossScale`, used by
-        ``mixed_precision="float16"`` (the step creates a default one if ``None``).
+      loss_scale: a :class:`accumjax.DynamicLossScale`, needed by
+        ``mixed_precision="float16"`` (a float16 step refuses a state without one).
     """
 
     model_state: Any = None

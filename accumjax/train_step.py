@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from accumjax._checks import check_callable, check_choice, check_int, check_real
-from accumjax._loop import Setup, Step, positional_limit
+from accumjax._loop import Setup, Step
 from accumjax._loss_adapter import make_grad_fn
 from accumjax._parallel import wrap
+from accumjax._step_checks import positional_limit
 from accumjax.clipping import Mask, adaptive_clip_grad
 
 __all__ = ["make_train_step"]
@@ -105,10 +106,11 @@ def make_train_step(
       agc_mask: which parameters AGC clips (see :func:`accumjax.adaptive_clip_grad`).
       mixed_precision: ``None``; ``"bfloat16"`` (params and float inputs cast to bfloat16
         for the loss; master params, gradients and accumulator keep the params' dtype); or
-        ``"float16"``: the same with float16 plus dynamic loss scaling (``state.loss_scale``;
-        a default :func:`accumjax.dynamic_loss_scale` is created if it is ``None``). An
-        overflowed microbatch is a non-finite microbatch, handled by ``on_nonfinite``; the
-        scale is adjusted once per window (lowered if the window saw an overflow).
+        ``"float16"``: the same with float16 plus dynamic loss scaling (``state.loss_scale``,
+        which must be set: ``TrainState.create(..., loss_scale=accumjax.dynamic_loss_scale())``;
+        a state without one is refused, as is ``on_nonfinite="propagate"``). An overflowed
+        microbatch is a non-finite microbatch, handled by ``on_nonfinite``; the scale is
+        adjusted once per window (lowered if the window saw an overflow).
       axis_name: data parallelism. Without ``mesh`` the step is ``jax.pmap``-ped (the state
         carries a leading device axis, :func:`accumjax.replicate`; ``rng`` is shared). The
         window's gradient sum, weights and counts are all-reduced once per window; step-closed

@@ -98,3 +98,66 @@ def test_guide_code_runs(guide):
     namespace: dict = {"__name__": f"guide_{guide.stem}"}
     for block in blocks:
         exec(compile(block, str(guide), "exec"), namespace)
+
+
+# ----------------------------------------------------------------------------- field names
+
+# What a name of the form ``state.a.b`` may walk through: each class's fields, and which
+# class a field holds. ``state`` may be a TrainState or an AccumulationState.
+_HOLDS = {
+    "opt_state": accumjax.AccumulationState,
+    "window": accumjax.window.Window,
+    "loss_scale": accumjax.DynamicLossScale,
+}
+_STATES = (accumjax.TrainState, accumjax.NNXTrainState, accumjax.AccumulationState)
+# The other libraries' names a migration table's first column shows (MultiSteps' state).
+_FOREIGN = {"mini_step", "gradient_step", "inner_opt_state", "acc_grads"}
+
+
+def _fields(cls) -> set[str]:
+    named = getattr(cls, "_fields", None)
+    return set(named) if named else set(getattr(cls, "__dataclass_fields__", {}))
+
+
+def _resolves(path: list[str]) -> bool:
+    """Whether ``state.<path>`` names fields that exist, on any of the state classes."""
+
+    def walk(cls, names):
+        if not names or names[0].startswith("_"):  # the end, or a NamedTuple method
+            return True
+        if names[0] not in _fields(cls):
+            return False
+        held = _HOLDS.get(names[0])
+        return held is None or walk(held, names[1:])
+
+    return any(walk(cls, path) for cls in _STATES)
+
+
+def _state_paths(text: str) -> list[str]:
+    """Every ``state.x.y`` / ``opt_state.x`` inside backticks or code, but not in a migration
+    table's first column (it names the other library's fields)."""
+    found = []
+    for line in text.splitlines():
+        cells = line.split("|")
+        checked = "|".join(cells[2:]) if line.startswith("|") and len(cells) > 3 else line
+        for match in re.finditer(r"\b(opt_state|state)((?:\.[A-Za-z_]\w*)+)", checked):
+            names = match.group(2).split(".")[1:]
+            found.append(match.group(1) + "." + ".".join(names))
+    return found
+
+
+@pytest.mark.parametrize("page", [*GUIDES, DOCS.parent / "README.md"], ids=lambda p: p.name)
+def test_docs_name_only_state_fields_that_exist(page):
+    bad = []
+    for path in _state_paths(page.read_text()):
+        head, *names = path.split(".")
+        walk = ["opt_state", *names] if head == "opt_state" else names
+        if set(names) & _FOREIGN or not _resolves(walk):
+            bad.append(path)
+    assert bad == []
+
+
+def test_the_field_check_finds_a_field_that_does_not_exist():
+    text = "use `state.micro_step` and `opt_state.window.grad_sum`\n| `state.acc_grads` | x | y |"
+    assert _state_paths(text) == ["state.micro_step", "opt_state.window.grad_sum"]
+    assert not _resolves(["micro_step"]) and _resolves(["opt_state", "window", "grad_sum"])

@@ -450,12 +450,8 @@ def test_float16_stream_skips_overflowed_microbatch_bit_for_bit():
     x, y = _data()
     window = _windows(x, y)[0]
     micro = _microbatches(window)
-    # No loss scale given: float16 mode creates the default one (2**15).
     state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.05), K))
-    assert state.loss_scale is None
     step = make_train_step(loss_fn, mixed_precision="float16", donate=False)
-    _, metrics = step(state, micro[0])
-    assert float(metrics["loss_scale"]) == 2.0**15
     # 2**15 is borderline for these O(1) gradients (65504 is float16's largest value).
     state = state.replace(loss_scale=accumjax.dynamic_loss_scale(initial=2.0**12))
     state, metrics = step(state, micro[0])
@@ -1109,3 +1105,80 @@ def test_reusing_a_donated_state_says_the_step_donated_it(mode):
     ):
         step(state, batch)  # the old state: its buffers went to `new`
     step(new, batch)  # the returned state works
+
+
+# ----------------------------------------------------------------------------- restored states
+
+
+def test_float16_needs_the_loss_scale_in_the_state():
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    step = make_train_step(loss_fn, mixed_precision="float16")
+    with pytest.raises(ValueError, match=r"loss_scale.*dynamic_loss_scale"):
+        step(state, _microbatches(_windows(*_data())[0])[0])
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_float16_with_propagate_is_refused(mode):
+    state = TrainState.create(
+        apply_fn=None,
+        params=_params(),
+        tx=accumulate(optax.sgd(0.1), K, on_nonfinite="propagate"),
+        loss_scale=accumjax.dynamic_loss_scale(),
+    )
+    step = make_train_step(loss_fn, mode=mode, mixed_precision="float16")
+    batch = _windows(*_data())[0]
+    with pytest.raises(ValueError, match=r"float16.*propagate.*skip_microbatch"):
+        step(state, batch if mode == "scan" else _microbatches(batch)[0])
+
+
+def test_self_closing_batch_norm_is_refused_by_the_step():
+    model = nn.Sequential([accumjax.AccumBatchNorm(accum_steps=K), nn.Dense(1)])
+    x, y = _data()
+    variables = model.init(jax.random.key(0), x[:MICRO], use_running_average=False)
+
+    def bn_loss(params, model_state, batch):
+        pred, new = model.apply(
+            {"params": params, **model_state},
+            batch["x"],
+            use_running_average=False,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), new
+
+    state = TrainState.create(
+        apply_fn=None,
+        params=variables["params"],
+        model_state={"batch_stats": variables["batch_stats"]},
+        tx=accumulate(optax.sgd(0.1), K),
+    )
+    step = make_train_step(bn_loss)
+    with pytest.raises(ValueError, match=r"accum_steps=K.*accum_steps=None"):
+        step(state, {"x": x[:MICRO], "y": y[:MICRO]})
+
+
+def test_a_restored_state_with_another_k_is_refused_after_the_first_call():
+    micro = _microbatches(_windows(*_data())[0])
+    step = make_train_step(loss_fn, donate=False)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    state, _ = step(state, micro[0])
+    state, _ = step(state, micro[1])  # the returned state: no host check needed
+    other = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), 2))
+    # A checkpoint of another run (K=2) restored into this run's state: refused.
+    restored = state.replace(opt_state=other.opt_state)
+    with pytest.raises(ValueError, match="every_k=2"):
+        step(restored, micro[2])
+
+
+def test_mesh_stream_refuses_a_state_restored_mid_window():
+    mesh = _mesh()
+    micro = _microbatches(_windows(*_data())[0])
+    step = make_train_step(loss_fn, axis_name="data", mesh=mesh, donate=False)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    state, _ = step(state, micro[0])
+    copy = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), state)  # as a checkpoint would
+    with pytest.raises(ValueError, match=r"middle of a window.*micro_step == 1"):
+        step(copy, micro[1])
+    for mb in micro[1:]:  # the step's own state goes on; at the boundary a copy resumes
+        state, _ = step(state, mb)
+    assert int(state.opt_state.window.micro_step) == 0
+    step(jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), state), micro[0])
