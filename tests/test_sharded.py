@@ -177,3 +177,34 @@ def test_fsdp_gather_per_microbatch_trades_gathers_for_memory():
         np.testing.assert_array_equal(window_params[key], micro_params[key])
     with pytest.raises(ValueError, match="gather_params"):
         accumjax.make_train_step(_loss, mode="scan", gather_params="layer")
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip_microbatch", "skip_window"])
+def test_float16_overflow_on_one_shard_under_fsdp_is_skipped_and_lowers_the_scale(on_nonfinite):
+    # One row of one device's shard of one microbatch overflows float16 (issue 17: params and
+    # Adam state became Inf, grads_finite said True and the scale never went down).
+    mesh = _mesh("explicit")
+    params, batch = _problem()
+    batch["y"][3] = 1e4  # row 3: device 0's rows, microbatch 3 (rows i, i + K, ...)
+    with jax.set_mesh(mesh):
+        params = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        tx = accumjax.accumulate(optax.adam(1e-2), K, on_nonfinite=on_nonfinite)
+        state = accumjax.TrainState.create(
+            apply_fn=None,
+            params=params,
+            tx=tx,
+            loss_scale=accumjax.dynamic_loss_scale(initial=2.0**15),
+        )
+        step = accumjax.make_train_step(_loss, mode="scan", mixed_precision="float16")
+        before = jax.tree.map(np.asarray, state.params)
+        after, metrics = step(state, batch)
+    assert not bool(metrics["grads_finite"])
+    assert float(after.loss_scale.loss_scale) < 2.0**15  # lowered at the window's end
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(after.params))
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(after.opt_state))
+    assert int(after.opt_state.nonfinite_count) >= 1
+    if on_nonfinite == "skip_window":  # nothing applied: the parameters bit for bit
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, after.params), before)
+    else:  # the other microbatches were applied
+        assert bool(metrics["updated"])
