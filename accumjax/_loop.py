@@ -312,7 +312,9 @@ def _finish(
         model_state=fields.model_state,
         loss_scale=fields.loss_scale if fields.loss_scale is not None else state.loss_scale,
     )
-    metrics: dict[str, Any] = {"loss": outcome.loss, "updated": updated}
+    # The norm of the gradient the inner optimizer saw at this call (NaN: no update here).
+    grad_norm = jnp.where(updated, fields.opt.grad_norm, jnp.nan)
+    metrics: dict[str, Any] = {"loss": outcome.loss, "updated": updated, "grad_norm": grad_norm}
     if fields.loss_scale is not None:
         metrics["grads_finite"] = outcome.carry.window.window_nonfinite == 0
         metrics["loss_scale"] = fields.loss_scale.loss_scale

@@ -129,7 +129,11 @@ def _shard_map(step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool)
     state between window ends, so the step runs without the replication check.
     """
     local = PartitionSpec(axis_name)
-    metric_specs: dict[str, Any] = {"loss": local, "updated": PartitionSpec()}
+    metric_specs: dict[str, Any] = {
+        "loss": local,
+        "updated": PartitionSpec(),
+        "grad_norm": PartitionSpec(),
+    }
     if f16:
         metric_specs.update(grads_finite=local, loss_scale=PartitionSpec())
     if has_aux:

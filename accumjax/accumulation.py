@@ -331,6 +331,7 @@ def init_state(config: Config, params: Any, inner_tx_state: Any = None) -> Accum
         update_count=update_count,
         inner_tx_state=config.inner.init(params) if inner_tx_state is None else inner_tx_state,
         max_grad_norm=zero_f(),
+        grad_norm=zero_f(),
         nonfinite_count=zero_i(),
         skipped_microbatches=zero_i(),
         skipped_windows=zero_i(),
@@ -375,17 +376,17 @@ def close_and_update(
     dtypes = jax.tree.map(jnp.result_type, grads_like)
 
     def update(operand: Any) -> Any:
-        out, inner_state, params, closed, extra_args, max_norm = operand
-        updates, inner_state, scaled = _inner_update(
-            config, closed, inner_state, params, dtypes, None, extra_args
+        out, inner_state, params, closed, extra_args, norms = operand
+        updates, inner_state, scaled, norms = _inner_update(
+            config, closed, inner_state, params, dtypes, None, extra_args, norms
         )
         out = _cast_like(updates, out)
-        max_norm = jnp.maximum(max_norm, closed.norm)
-        return out, inner_state, params, closed._replace(grad_sum=scaled), extra_args, max_norm
+        return out, inner_state, params, closed._replace(grad_sum=scaled), extra_args, norms
 
-    operand = (placeholder, state.inner_tx_state, params, closed, extra_args, state.max_grad_norm)
-    out, inner_state, *_, max_grad_norm = window_lib.run_once(closed.apply, update, operand)
-    return out, _after_close(config, state, closed, inner_state, max_grad_norm)
+    norms = (state.max_grad_norm, state.grad_norm)
+    operand = (placeholder, state.inner_tx_state, params, closed, extra_args, norms)
+    out, inner_state, *_, norms = window_lib.run_once(closed.apply, update, operand)
+    return out, _after_close(config, state, closed, inner_state, norms)
 
 
 def close_and_apply(
@@ -421,18 +422,17 @@ def close_and_apply(
     dtypes = jax.tree.map(jnp.result_type, params)
 
     def update(operand: Any) -> Any:
-        params, inner_state, closed, max_norm = operand
-        updates, inner_state, scaled = _inner_update(
-            config, closed, inner_state, params, dtypes, transform, {}
+        params, inner_state, closed, norms = operand
+        updates, inner_state, scaled, norms = _inner_update(
+            config, closed, inner_state, params, dtypes, transform, {}, norms
         )
         new_params = _cast_like(optax.apply_updates(params, updates), params)
-        max_norm = jnp.maximum(max_norm, closed.norm)
-        return new_params, inner_state, closed._replace(grad_sum=scaled), max_norm
+        return new_params, inner_state, closed._replace(grad_sum=scaled), norms
 
     # The parameters travel once: a loop carry holding one buffer twice makes XLA copy it.
-    operand = (params, state.inner_tx_state, closed, state.max_grad_norm)
-    params, inner_state, _, max_grad_norm = window_lib.run_once(closed.apply, update, operand)
-    return params, _after_close(config, state, closed, inner_state, max_grad_norm)
+    operand = (params, state.inner_tx_state, closed, (state.max_grad_norm, state.grad_norm))
+    params, inner_state, _, norms = window_lib.run_once(closed.apply, update, operand)
+    return params, _after_close(config, state, closed, inner_state, norms)
 
 
 def _inner_update(
@@ -443,22 +443,28 @@ def _inner_update(
     dtypes: Any,
     transform: Callable[[Any, Any], Any] | None,
     extra_args: dict[str, Any],
-) -> tuple[Any, Any, Any]:
-    """``inner`` on the scaled window gradient: ``(updates, inner state, scaled gradient)``.
+    norms: tuple[jax.Array, jax.Array],
+) -> tuple[Any, Any, Any, tuple[jax.Array, jax.Array]]:
+    """``inner`` on the scaled window gradient: ``(updates, inner state, scaled gradient,
+    norms)``, ``norms`` the running maximum of the window norm and the norm of the gradient
+    ``inner`` sees (after ``transform``).
 
     The scaled gradient goes back into the sum's slot of the loop carry: a slot the loop does
     not change would let XLA hoist the division out of the loop, into a second gradient-sized
-    buffer. The caller raises ``max_grad_norm`` inside the loop too, so the norm's one use is
-    in there (after the loop XLA would copy the gradient into the loop for it).
+    buffer. The norms are taken inside the loop too, so the window norm's one use is in there
+    (after the loop XLA would copy the gradient into the loop for it).
     """
     scaled = window_lib.scaled_gradient(closed)
     grads = jax.tree.map(lambda g, dtype: g.astype(dtype), scaled, dtypes)
+    seen = closed.norm
     if transform is not None:
         grads = transform(grads, params)
+        seen = window_lib.global_norm(grads)
     updates, new_inner = config.inner.update(grads, inner_state, params, **extra_args)
+    norms = (jnp.maximum(norms[0], closed.norm), seen.astype(jnp.float32))
     # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments), so
     # the state is a fixed pytree type under loop carries.
-    return updates, _cast_like(new_inner, inner_state), scaled
+    return updates, _cast_like(new_inner, inner_state), scaled, norms
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -470,9 +476,9 @@ def _after_close(
     state: AccumulationState,
     closed: window_lib.Closed,
     inner_state: Any,
-    max_grad_norm: jax.Array,
+    norms: tuple[jax.Array, jax.Array],
 ) -> AccumulationState:
-    """The state after a window closed: empty window, next K, counters."""
+    """The state after a window closed: empty window, next K, counters, norms."""
     apply = closed.apply
     update_count = jnp.where(apply, optax.safe_increment(state.update_count), state.update_count)
     return state._replace(
@@ -480,7 +486,8 @@ def _after_close(
         every_k=config.k_at(update_count),
         update_count=update_count,
         inner_tx_state=inner_state,
-        max_grad_norm=max_grad_norm,
+        max_grad_norm=norms[0],
+        grad_norm=norms[1],
         nonfinite_count=window_lib.saturating_add(state.nonfinite_count, closed.nonfinite_count),
         skipped_microbatches=window_lib.saturating_add(
             state.skipped_microbatches, closed.skipped_count

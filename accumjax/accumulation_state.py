@@ -46,6 +46,9 @@ class AccumulationState(NamedTuple):
       update_count: inner updates actually applied, int32; what a K schedule is evaluated at.
       inner_tx_state: the inner optimizer's state.
       max_grad_norm: largest global norm of an applied window gradient, float32.
+      grad_norm: global norm of the last applied window's gradient as the inner optimizer
+        saw it (after adaptive gradient clipping, when the train step does that), float32;
+        0 before the first update.
       nonfinite_count: microbatches with a NaN/Inf gradient or an invalid weight so far.
       skipped_microbatches: microbatches left out of their window so far (any reason).
       skipped_windows: windows closed without an update so far.
@@ -61,6 +64,7 @@ class AccumulationState(NamedTuple):
     update_count: jax.Array
     inner_tx_state: Any
     max_grad_norm: jax.Array
+    grad_norm: jax.Array
     nonfinite_count: jax.Array
     skipped_microbatches: jax.Array
     skipped_windows: jax.Array

@@ -138,9 +138,12 @@ def make_train_step(
       The step. ``metrics`` has ``"loss"`` (the window's weighted mean loss over the added
       microbatches in scan mode, NaN if none was added; the microbatch's in stream mode; one
       entry per device with data parallelism), ``"updated"`` (whether an update was applied;
-      then ``state.step`` grows by one), ``"grads_finite"`` and ``"loss_scale"`` with
-      float16, and ``"aux"`` with has_aux. The first call checks the state against its
-      optimizer (a checkpoint made with another K or scaling is refused).
+      then ``state.step`` grows by one), ``"grad_norm"`` (the global norm of the window
+      gradient the inner optimizer saw at this call, after AGC with ``use_agc``; NaN on a
+      call that applied no update), ``"grads_finite"`` and ``"loss_scale"`` with
+      float16, and ``"aux"`` with has_aux. A state the step did not return itself (the
+      first call's, a restored checkpoint) is checked against its optimizer on the host (one
+      made with another K or scaling is refused).
 
     Raises:
       ValueError / TypeError: naming the argument, for invalid arguments here; at trace time

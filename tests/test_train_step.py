@@ -1182,3 +1182,34 @@ def test_mesh_stream_refuses_a_state_restored_mid_window():
         state, _ = step(state, mb)
     assert int(state.opt_state.window.micro_step) == 0
     step(jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), state), micro[0])
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize("use_agc", [False, True])
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_metrics_grad_norm_is_the_norm_the_inner_optimizer_sees(mode, use_agc):
+    window = _windows(*_data())[0]
+    full = jax.grad(loss_fn)(_params(), window)  # the full-batch mean gradient
+    if use_agc:
+        full = accumjax.adaptive_clip_grad(_params(), full, 0.01, 1e-3)
+    expected = float(optax.tree.norm(full))
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    step = make_train_step(loss_fn, mode=mode, use_agc=use_agc)
+    if mode == "scan":
+        state, metrics = step(state, window)
+    else:
+        for mb in _microbatches(window):
+            state, metrics = step(state, mb)
+    assert bool(metrics["updated"])
+    # float32 sums of K microbatch gradients vs one full-batch gradient: ~1e-7 relative.
+    np.testing.assert_allclose(float(metrics["grad_norm"]), expected, rtol=2e-6)
+    assert float(state.opt_state.grad_norm) == float(metrics["grad_norm"])
+
+
+def test_metrics_grad_norm_is_nan_on_a_call_without_update():
+    micro = _microbatches(_windows(*_data())[0])
+    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    _, metrics = make_train_step(loss_fn)(state, micro[0])
+    assert not bool(metrics["updated"]) and bool(jnp.isnan(metrics["grad_norm"]))
