@@ -473,7 +473,7 @@ def test_structure_and_shape_mismatch_raise():
         ({"eps": -1e-3}, ValueError),
         ({"clip_factor": "0.1"}, TypeError),
         ({"clip_factor": True}, TypeError),
-        ({"eps": jnp.asarray(1e-3)}, TypeError),
+        ({"eps": jnp.asarray(1)}, TypeError),  # Arrays are welcome (traced), integers not.
     ],
 )
 def test_bad_hyperparameters(kwargs, error):
@@ -741,3 +741,262 @@ def test_conv3d_model_trains_with_use_agc_in_both_modes():
                 state, _ = step(state, b)
         assert int(state.step) == 10
         assert float(batch_loss(state.params, (x, y))) < before  # it trains, clipped
+
+
+# ---------------------------------------------------------------------------------------------
+# optax's interface: axis=, the clip factor as an array (inject_hyperparams), `clipping=`
+# ---------------------------------------------------------------------------------------------
+
+
+def _np_axis(axis):
+    return tuple(axis) if isinstance(axis, list) else axis
+
+
+def ref_axis_norms(x, axis) -> np.ndarray:
+    """float64 norms over exactly `axis` (optax's meaning), broadcast to x.shape."""
+    x = np.asarray(x, np.float64)
+    return np.broadcast_to(np.sqrt(np.sum(x * x, axis=_np_axis(axis), keepdims=True)), x.shape)
+
+
+def grads_for_axis(params: dict, axis, clip: float, eps: float, seed: int) -> dict:
+    """Random grads whose units (for `axis`) alternate between 3 and 0.3 times the threshold."""
+    rng = np.random.default_rng(seed)
+    grads = {}
+    for name, p in params.items():
+        g = rng.normal(size=np.shape(p))
+        units = np.sum(g * g, axis=_np_axis(axis), keepdims=True)  # one entry per unit
+        ratio = np.where(np.arange(units.size) % 2 == 0, 3.0, 0.3).reshape(units.shape)
+        threshold = clip * np.maximum(ref_axis_norms(p, axis), eps)
+        grads[name] = jnp.asarray(g / ref_axis_norms(g, axis) * threshold * ratio, jnp.float32)
+    return grads
+
+
+def ref_agc_axis(param, grad, clip: float, eps: float, axis) -> np.ndarray:
+    """AGC in float64 with units over exactly `axis`."""
+    p_norm, g_norm = ref_axis_norms(param, axis), ref_axis_norms(grad, axis)
+    max_norm = clip * np.maximum(p_norm, eps)
+    grad = np.asarray(grad, np.float64)
+    return np.where(g_norm < max_norm, grad, grad * max_norm / np.maximum(g_norm, 1e-300))
+
+
+# (axis, leaf shapes): Dense, conv and 3-D kernels next to ranks 6 and 7, which only `axis=`
+# can clip (the rank-based default stops at 5, as optax's does).
+AXIS_CASES = {
+    "0": (0, {"dense": (5, 4), "bias": (4,), "k3": (3, 5, 4), "r6": (2, 3, 2, 2, 1, 3)}),
+    "-1": (-1, {"dense": (5, 4), "conv": (3, 3, 2, 6), "r7": (2, 1, 2, 3, 1, 2, 3)}),
+    "0,1,2": ((0, 1, 2), {"conv": (3, 3, 2, 6), "r6": (2, 3, 2, 2, 2, 3)}),
+    "list": ([0, -1], {"k3": (3, 5, 4), "r6": (2, 3, 2, 2, 2, 3)}),
+    "none_reduced": ((), {"scale": (), "dense": (5, 4)}),
+}
+
+
+def _axis_problem(case: str, clip: float, eps: float):
+    axis, shapes = AXIS_CASES[case]
+    rng = np.random.default_rng(50)
+    params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    return axis, params, grads_for_axis(params, axis, clip, eps, seed=51)
+
+
+def test_unitwise_norm_axis_matches_optax():
+    rng = np.random.default_rng(52)
+    cases = [
+        ((5, 4), 1),
+        ((2, 3, 2, 2, 2, 3), (0, 1, 2, 3, 4)),
+        ((2,) * 7, -1),
+        ((), ()),
+        ((3, 5, 4), [0, 2]),
+        ((4,), 0),
+        ((1, 7), 1),  # The squeeze rule is only the default's: axis=1 is what is reduced.
+    ]
+    xs = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape, _ in cases]
+    axes = [axis for _, axis in cases]
+
+    @jax.jit
+    def norms(xs):
+        ours = [unitwise_norm(x, axis=a) for x, a in zip(xs, axes, strict=True)]
+        upstream = [
+            optax.transforms.unitwise_norm(x, axis=a) for x, a in zip(xs, axes, strict=True)
+        ]
+        return ours, upstream
+
+    ours, upstream = norms(xs)
+    for x, axis, got, want in zip(xs, axes, ours, upstream, strict=True):
+        keep = np.sum(np.zeros(x.shape), axis=_np_axis(axis), keepdims=True).shape
+        assert got.shape == keep and got.dtype == jnp.float32, axis
+        # Same sum of the same float32 squares, then the same sqrt: bit-exact.
+        np.testing.assert_array_equal(np.broadcast_to(got, x.shape), want, err_msg=str(axis))
+        np.testing.assert_allclose(want, ref_axis_norms(x, axis), rtol=F32_RTOL)
+    # bfloat16 is reduced in float32 (optax reduces in bfloat16), to the float64 reference.
+    x16 = jnp.asarray(rng.normal(size=(6, 3)), jnp.bfloat16)
+    got = unitwise_norm(x16, axis=1)
+    assert got.shape == (6, 1) and got.dtype == jnp.float32
+    np.testing.assert_allclose(
+        np.broadcast_to(got, x16.shape), ref_axis_norms(x16, 1), rtol=F32_RTOL
+    )
+
+
+@pytest.mark.parametrize(
+    ("axis", "error", "match"),
+    [
+        (True, TypeError, "axis must be None, an int or a tuple of ints"),
+        (1.0, TypeError, "axis must be None, an int or a tuple of ints"),
+        ((0, "1"), TypeError, "axis must be None, an int or a tuple of ints"),
+        (jnp.asarray(0), TypeError, "static_args"),
+        (2, ValueError, r"axis 2 is out of range for shape \(2, 3\)"),
+        ((0, -3), ValueError, r"axis \(0, -3\) is out of range"),
+        ((0, -2), ValueError, r"axis \(0, -2\) names an axis twice"),
+    ],
+)
+def test_unitwise_norm_axis_errors(axis, error, match):
+    with pytest.raises(error, match=match):
+        unitwise_norm(jnp.ones((2, 3)), axis=axis)
+
+
+@pytest.mark.parametrize("case", list(AXIS_CASES))
+def test_adaptive_clip_axis_matches_optax(case):
+    clip, eps = 0.05, 1e-3
+    axis, params, grads = _axis_problem(case, clip, eps)
+    tx = accumjax.adaptive_clip(clipping=clip, eps=eps, axis=axis)
+    upstream = optax.adaptive_grad_clip(clip, eps, axis=axis)
+    # Op by op both run the same float32 operations on the same values: bit for bit.
+    got, _ = tx.update(grads, tx.init(params), params)
+    want, _ = upstream.update(grads, upstream.init(params), params)
+    by_function = adaptive_clip_grad(params, grads, clip, eps, axis=axis)
+    jitted, jitted_upstream = jax.jit(
+        lambda g, p: (tx.update(g, None, p)[0], upstream.update(g, None, p)[0])
+    )(grads, params)
+    for k in params:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        np.testing.assert_array_equal(by_function[k], got[k], err_msg=k)
+        ref = ref_agc_axis(params[k], grads[k], clip, eps, axis)
+        np.testing.assert_allclose(got[k], ref, rtol=F32_RTOL, err_msg=k)
+        # Under jit, as above: XLA may turn a division into a reciprocal and a multiply in
+        # one graph and not the other (1 ulp on the scale, at most 2 on the product).
+        assert max_ulp_diff(jitted[k], jitted_upstream[k]) <= 2, k
+        assert not (np.asarray(got[k]) == np.asarray(grads[k])).all(), k  # 3x: clipped...
+    kept_any = any((np.asarray(got[k]) == np.asarray(grads[k])).any() for k in params)
+    assert kept_any  # ...and units at 0.3x are not.
+
+
+def test_adaptive_clip_grad_axis_error_names_the_leaf():
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    with pytest.raises(ValueError, match=r"leaf \['b'\]: axis \(0, 1\) is out of range"):
+        adaptive_clip_grad(params, params, axis=(0, 1))
+    # Masked out, the vector passes through; the kernel is clipped as one unit.
+    out = adaptive_clip_grad(params, params, 0.5, axis=(0, 1), mask={"w": True, "b": False})
+    assert out["b"] is params["b"]
+    np.testing.assert_allclose(out["w"], 0.5, rtol=F32_RTOL)  # Whole kernel scaled by 0.5.
+
+
+def test_clip_factor_and_eps_may_be_arrays_and_traced():
+    params = make_params(seed=40, only=("dense", "bias", "conv"))
+    grads = grads_with_ratios(params, RATIOS, 0.05, 1e-2, seed=41)
+    fixed = jax.jit(lambda p, g: adaptive_clip_grad(p, g, 0.05, 1e-2))(params, grads)
+    traced = jax.jit(adaptive_clip_grad)(params, grads, jnp.float32(0.05), jnp.float32(1e-2))
+    # float64 numpy scalars are cast to the norms' dtype (float32), as Python floats are.
+    tx = adaptive_clip(clipping=np.asarray(0.05), eps=np.asarray(1e-2))
+    as_numpy, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    c16 = jnp.asarray(0.05, jnp.bfloat16)  # inject_hyperparams casts to bfloat16 params' dtype
+    in_bf16 = jax.jit(lambda p, g: adaptive_clip_grad(p, g, c16, 1e-2))(params, grads)
+    fixed_bf16 = jax.jit(lambda p, g: adaptive_clip_grad(p, g, float(c16), 1e-2))(params, grads)
+    assert not np.array_equal(fixed["dense"], grads["dense"])  # Clipping is active.
+    for k in params:
+        # The same float32 operations on the same float32 values, one program with constants
+        # and one with arguments.
+        np.testing.assert_array_equal(traced[k], fixed[k], err_msg=k)
+        np.testing.assert_array_equal(as_numpy[k], fixed[k], err_msg=k)
+        np.testing.assert_array_equal(in_bf16[k], fixed_bf16[k], err_msg=k)
+        assert in_bf16[k].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"clip_factor": jnp.asarray(1)},
+        {"clip_factor": jnp.asarray(True)},
+        {"clip_factor": jnp.ones(2)},
+        {"eps": np.asarray([1e-3])},
+        {"clipping": jnp.asarray(1j)},
+    ],
+    ids=["int_array", "bool_array", "vector", "eps_vector", "complex"],
+)
+def test_array_hyperparameters_must_be_floating_scalars(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(TypeError, match=rf"{name} must be a real number or a floating point"):
+        adaptive_clip(**kwargs)
+    if name != "clipping":
+        with pytest.raises(TypeError, match=rf"{name} must be a real number or a floating point"):
+            adaptive_clip_grad({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, **kwargs)
+
+
+def test_clipping_is_optax_name_for_clip_factor():
+    params = make_params(seed=42, only=("dense", "bias"))
+    grads = grads_with_ratios(params, RATIOS, 0.05, 1e-3, seed=43)
+
+    def run(tx):
+        return tx.update(grads, tx.init(params), params)[0]
+
+    want = run(optax.adaptive_grad_clip(clipping=0.05, eps=1e-3))  # The call site users port.
+    for tx in (
+        adaptive_clip(clipping=0.05, eps=1e-3),
+        adaptive_clip(clip_factor=0.05, eps=1e-3),
+        adaptive_clip(0.05, 1e-3),
+    ):
+        got = run(tx)
+        for k in params:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    default, explicit = run(adaptive_clip()), run(adaptive_clip(clipping=0.01))
+    for k in params:
+        np.testing.assert_array_equal(default[k], explicit[k], err_msg=k)
+    with pytest.raises(TypeError, match="either `clip_factor` or `clipping`"):
+        adaptive_clip(0.05, clipping=0.05)
+    with pytest.raises(ValueError, match="clipping must be finite and > 0"):
+        adaptive_clip(clipping=0.0)  # The error names the argument given.
+    # optax's third positional argument is axis; ours is mask: the error says so.
+    with pytest.raises(TypeError, match=r"pass it by name: axis="):
+        adaptive_clip(0.05, 1e-3, (0, 1))
+
+
+def test_inject_hyperparams_schedule_matches_fixed_values_step_by_step():
+    params = make_params(seed=44, only=("dense", "bias", "conv"))
+    # Unit ratios to the threshold for 0.02 (RATIOS) put these units' grad / param norms at
+    # 0.005 to 0.1: the factor falls from 0.07 (clips 2 units) to 0.004 (clips all of them).
+    sched = optax.linear_schedule(0.07, 0.004, transition_steps=4)
+    tx = optax.inject_hyperparams(accumjax.adaptive_clip)(clipping=sched, eps=1e-3)
+    upstream = optax.inject_hyperparams(optax.adaptive_grad_clip)(clipping=sched, eps=1e-3)
+    update, upstream_update = jax.jit(tx.update), jax.jit(upstream.update)
+    state, upstream_state = tx.init(params), upstream.init(params)
+    kept_per_step = []
+    for t in range(6):
+        grads = grads_with_ratios(params, RATIOS, 0.02, 1e-3, seed=46 + t)
+        got, state = update(grads, state, params)
+        by_upstream, upstream_state = upstream_update(grads, upstream_state, params)
+        clip = float(state.hyperparams["clipping"])  # The float32 value this step used.
+        np.testing.assert_allclose(clip, float(sched(t)), rtol=1e-6)
+        fixed = adaptive_clip(clipping=clip, eps=1e-3)
+        want, _ = jax.jit(fixed.update)(grads, fixed.init(params), params)
+        for k in params:
+            # The same float32 operations on the same values (an argument against a constant).
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {t}: {k}")
+            assert max_ulp_diff(got[k], by_upstream[k]) <= 2, (t, k)  # jit: see above.
+        kept_per_step.append(sum(int((got[k] == grads[k]).sum()) for k in params))
+    # The schedule really drives the clipping: fewer units kept as the factor falls.
+    assert kept_per_step[0] > kept_per_step[2] > kept_per_step[4] == kept_per_step[5]
+
+
+def test_inject_hyperparams_by_either_name_and_a_static_axis():
+    axis, params, grads = _axis_problem("0", 0.05, 1e-3)
+    fixed = adaptive_clip(clipping=0.05, axis=axis)
+    want, _ = jax.jit(fixed.update)(grads, fixed.init(params), params)
+    injected = [
+        optax.inject_hyperparams(accumjax.adaptive_clip)(clip_factor=0.05, axis=(0,)),
+        optax.inject_hyperparams(accumjax.adaptive_clip, static_args="axis")(clipping=0.05, axis=0),
+    ]
+    for tx in injected:
+        got, state = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert set(state.hyperparams) == {"eps", "clip_factor" if tx is injected[0] else "clipping"}
+        for k in params:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # An int axis is a number to inject_hyperparams, which would make it an array.
+    with pytest.raises(TypeError, match="static_args"):
+        optax.inject_hyperparams(accumjax.adaptive_clip)(clipping=0.05, axis=0).init(params)
