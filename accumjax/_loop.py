@@ -1,4 +1,4 @@
-"""The train step's window loop (internal): stream and scan mode on one device or one shard.
+"""The train step's window loop (internal): one microbatch, the window's end, stream mode.
 
 `begin` reads K and the policies from the state's optimizer and bundles everything a window
 needs into one `Context` (as optax's microbatching ``Accumulator`` bundles init, update and
@@ -6,9 +6,9 @@ finalize); every function below takes that one value. One microbatch (`microbatc
 its gradient with the loss adapter, adds it to the window (`accumjax.window`) and keeps its
 model state only when it was added. `close_fields` closes a window: one reduction, the
 decision, the update (`accumjax.accumulation.close_and_apply`), BatchNorm windows and the loss
-scale. `stream_step` runs one microbatch per call; `scan_step` runs the K strided
-microbatches of a batch in a ``lax.scan`` (`window_loop`). The parallel wrappers
-(`accumjax._parallel`) run these bodies under ``jit``, ``pmap`` and ``shard_map``.
+scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
+call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
+parallel wrappers (`accumjax._parallel`) run both under ``jit``, ``pmap`` and ``shard_map``.
 """
 
 from __future__ import annotations
@@ -40,21 +40,22 @@ from accumjax.train_state import TrainState, count_update
 __all__ = [
     "Carry",
     "Context",
+    "Fields",
     "Outcome",
     "Setup",
     "Step",
     "begin",
+    "close_fields",
     "close_model_state",
+    "finish",
+    "gradient",
+    "microbatch",
     "pvary",
-    "scan_finish",
-    "scan_step",
+    "start_carry",
     "stream_step",
-    "window_loop",
-    "window_loss",
 ]
 
 Step = Callable[..., tuple[Any, dict[str, Any]]]
-Take = Callable[[jax.Array], tuple[Any, Any]]  # microbatch index -> (params, rows)
 
 
 class Setup(NamedTuple):
@@ -74,6 +75,9 @@ class Setup(NamedTuple):
         (the per-microbatch FSDP gather), or None for the parameters as they are.
       loss_positional: the most positional arguments ``loss_fn`` takes
         (`positional_limit`), or None when unknown; refuses ``rng`` for a loss without a key.
+      batch_axis: scan mode: each batch leaf's batch axis, or None for a leaf every
+        microbatch sees whole (`accumjax._split`).
+      aux_rows: scan mode: per-microbatch aux back in the batch's row order.
     """
 
     grad_fn: GradFn
@@ -87,6 +91,8 @@ class Setup(NamedTuple):
     gather_params: str = "window"
     materialize: Callable[[Any, Any], Any] | None = None
     loss_positional: int | None = None
+    batch_axis: Any = 0
+    aux_rows: bool = False
 
 
 class Context(NamedTuple):
@@ -102,6 +108,8 @@ class Context(NamedTuple):
       rng: the step's PRNG key, or None.
       step_count: ``state.step``, folded into every microbatch key.
       axis_name: the axis whose index is folded into keys (the mapped or sharded batch axis).
+      n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
+        traced; the padded rest is neither computed nor counted), or None for all K.
     """
 
     setup: Setup
@@ -111,6 +119,7 @@ class Context(NamedTuple):
     rng: Any
     step_count: Any
     axis_name: str | None
+    n_real: Any = None
 
     def key(self, index: Any) -> Any:
         """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
@@ -215,7 +224,7 @@ def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | N
     return w.astype(jnp.float32)
 
 
-def _gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
+def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
     """``(loss, new model state, aux, grads, weight)`` of one microbatch."""
     setup = ctx.setup
     key = ctx.key(index)
@@ -240,7 +249,7 @@ def microbatch(
     ``first`` opens the window with it (`accumjax.window.first_microbatch`); ``inspected``
     is the policy's decision about it, taken earlier (`_decisions`), or None to take it here.
     """
-    loss, new_model_state, aux, grads, weight = _gradient(
+    loss, new_model_state, aux, grads, weight = gradient(
         ctx, params, carry.model_state, batch, index
     )
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
@@ -301,9 +310,10 @@ def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None)
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _finish(
+def finish(
     ctx: Context, state: TrainState, fields: Fields, outcome: Outcome
 ) -> tuple[TrainState, dict[str, Any]]:
+    """The new train state and the step's metrics, after the window's end (if any)."""
     updated = fields.opt.updated
     new = state.replace(
         step=count_update(jnp.asarray(state.step), updated),
@@ -326,7 +336,8 @@ def _finish(
 # ----------------------------------------------------------------------------- stream mode
 
 
-def _start(state: TrainState, acc: AccumulationState) -> Carry:
+def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
+    """The loop carry a step starts from: the state's window and model state, no loss yet."""
     zero = jnp.zeros((), jnp.float32)
     return Carry(acc.window, state.model_state, zero, zero)
 
@@ -339,7 +350,7 @@ def stream_step(setup: Setup) -> Step:
         ctx, acc = begin(setup, state, rng)
         params = pvary(state.params, setup.axis_name)
         outcome = microbatch(
-            ctx, _start(state, acc), params, batch, acc.window.micro_step, first=not ctx.owned
+            ctx, start_carry(state, acc), params, batch, acc.window.micro_step, first=not ctx.owned
         )
         opt = acc._replace(
             window=outcome.carry.window, updated=jnp.zeros((), bool), added=outcome.added
@@ -350,157 +361,7 @@ def stream_step(setup: Setup) -> Step:
             fields = window_lib.run_once(window_closes(opt), close, fields)
         else:
             fields = close(fields)
-        return _finish(ctx, state, fields, outcome)
-
-    return step
-
-
-# ----------------------------------------------------------------------------- scan mode
-
-
-def _strided(batch: Any, k: int) -> Any:
-    """``(B, ...) -> (B // k, k, ...)``: microbatch ``i`` is rows ``i, i + k, ...``.
-
-    The leading axis keeps the batch's sharding, so every microbatch is split across the
-    data-parallel devices exactly as the batch is. ``optax.microbatching.reshape_batch_axis``
-    picks the same rows, but through a Fortran-order reshape, which transposes every leaf
-    whole: on a (256, 32, 32, 3) batch at K=8 XLA then holds a 6.0 MiB copy where this
-    reshape (a bitcast) needs 0.38 MiB of temp memory.
-    """
-    shapes = [jnp.shape(x) for x in jax.tree.leaves(batch)]
-    if not shapes or len({shape[:1] for shape in shapes}) != 1 or not shapes[0]:
-        raise ValueError(
-            f"scan mode needs every batch leaf to share one leading batch axis, got {shapes}."
-        )
-    size = shapes[0][0]
-    if size % k:
-        raise ValueError(
-            f"scan mode: the (per-device) batch size {size} is not divisible by K={k}."
-        )
-    return jax.tree.map(lambda x: jnp.reshape(x, (size // k, k, *jnp.shape(x)[1:])), batch)
-
-
-def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
-    """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
-    rows = _strided(batch, ctx.k)
-    whole = ctx.setup.materialize or (lambda p, i: p)
-
-    def take(i: jax.Array) -> tuple[Any, Any]:
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), rows)
-        return whole(params, i), mb
-
-    return take
-
-
-def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> tuple[Carry, Any]:
-    """The window over the K strided microbatches of ``batch``: ``(carry, stacked aux)``.
-
-    Scan mode holds the whole window's data, so when the policy only looks for non-finite
-    values it need not inspect every microbatch: the gradients are added as they come (each
-    leaf's add follows its gradient, with no norm pass and no wait for the other leaves),
-    and only a window whose sum is not finite (a NaN/Inf or overflowed microbatch: any of
-    them makes the sum non-finite) is computed again. The re-run takes the per-microbatch
-    decisions in a first loop (`_decisions`) and adds with them in a second, so it holds no
-    more memory than the blind loop. The result is the same as inspecting every microbatch
-    (short of microbatches whose float32 norms overflow while their values cancel in the sum).
-    """
-    policy = ctx.config.policy
-    take = _microbatches(ctx, params, batch)
-    inspects = policy.skip_fn is not None or policy.max_norm is not None
-    # At K=1 a re-run would compute the whole batch again; the one check costs a norm pass.
-    if not policy.detects or inspects or ctx.k == 1:
-        return _microbatch_loop(ctx, take, start)
-    blind_policy = policy._replace(on_nonfinite="propagate")
-    blind = ctx._replace(config=ctx.config._replace(policy=blind_policy))
-    found = _microbatch_loop(blind, take, start)
-    finite = jnp.isfinite(window_lib.global_norm(found[0].window.grad_sum))
-
-    def inspect_each(_: Any) -> tuple[Carry, Any]:
-        return _microbatch_loop(ctx, take, start, _decisions(ctx, take, start))
-
-    return window_lib.run_once(~finite, inspect_each, found)
-
-
-def _decisions(ctx: Context, take: Take, start: Carry) -> window_lib.Microbatch:
-    """The policy's decision about each of the K microbatches (stacked), nothing added.
-
-    Each gradient only feeds reductions, so one leaf of it is alive at a time; the model state
-    follows the decisions as in `microbatch`.
-    """
-
-    def body(model_state: Any, i: jax.Array) -> tuple[Any, window_lib.Microbatch]:
-        p, mb = take(i)
-        _, new_model_state, _, grads, weight = _gradient(ctx, p, model_state, mb, i)
-        decided = window_lib.inspect_microbatch(ctx.config.policy, grads, weight, p)
-        if model_state is not None:
-            model_state = optax.tree.where(decided.added, new_model_state, model_state)
-        return model_state, decided
-
-    steps = jnp.arange(ctx.k)
-    return jax.lax.scan(body, start.model_state, steps, unroll=ctx.setup.unroll)[1]
-
-
-def _microbatch_loop(
-    ctx: Context, take: Take, start: Carry, decided: window_lib.Microbatch | None = None
-) -> tuple[Carry, Any]:
-    """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
-    ``lax.scan`` adds all K to a zero accumulator (with the ``decided`` decisions, if given:
-    K > 1 only, `window_loop` never re-runs a one-microbatch window).
-
-    Every microbatch runs in the same loop body: computed outside the loop, the first one's
-    activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
-    loop) both microbatches' activations are alive at once.
-    """
-    if ctx.k == 1:
-        p, mb = take(jnp.zeros((), jnp.int32))
-        outcome = microbatch(ctx, start, p, mb, 0, first=True)
-        aux = outcome.aux
-        return outcome.carry, None if aux is None else jax.tree.map(lambda a: a[None], aux)
-
-    def body(carry: Carry, xs: tuple[jax.Array, Any]) -> tuple[Carry, Any]:
-        i, inspected = xs
-        p, mb = take(i)
-        outcome = microbatch(ctx, carry, p, mb, i, inspected=inspected)
-        return outcome.carry, outcome.aux
-
-    start = pvary(start._replace(window=window_lib.empty_like(start.window)), ctx.setup.axis_name)
-    return jax.lax.scan(body, start, (jnp.arange(ctx.k), decided), unroll=ctx.setup.unroll)
-
-
-def window_loss(carry: Carry) -> jax.Array:
-    """The window's weighted mean loss over its added microbatches (NaN if none was)."""
-    return jnp.where(carry.loss_weight > 0, carry.loss_sum / carry.loss_weight, jnp.nan)
-
-
-def scan_finish(
-    ctx: Context,
-    state: TrainState,
-    acc: AccumulationState,
-    outcome: Outcome,
-    closed: window_lib.Closed | None = None,
-) -> tuple[TrainState, dict]:
-    """Closes a scan-mode window (unless ``closed`` already) and builds the new state."""
-    carry = outcome.carry
-    opt = acc._replace(window=carry.window, updated=jnp.zeros((), bool))
-    fields = close_fields(ctx, Fields(state.params, opt, carry.model_state, ctx.loss_scale), closed)
-    # The state's own (stream) window is handed back untouched: its buffer is donated to
-    # the output instead of a fresh zero accumulator being allocated every step.
-    updated = fields.opt.updated
-    fields = fields._replace(opt=fields.opt._replace(window=acc.window, added=updated))
-    if state.model_state is not None:  # a skipped window leaves all model state as it was
-        kept = optax.tree.where(fields.opt.updated, fields.model_state, state.model_state)
-        fields = fields._replace(model_state=kept)
-    return _finish(ctx, state, fields, outcome)
-
-
-def scan_step(setup: Setup) -> Step:
-    """``step(state, batch, rng=None)``: the whole batch per call, K strided microbatches."""
-
-    def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
-        ctx, acc = begin(setup, state, rng)
-        params = pvary(state.params, setup.axis_name)
-        carry, aux = window_loop(ctx, params, _start(state, acc), batch)
-        return scan_finish(ctx, state, acc, Outcome(carry, window_loss(carry), aux))
+        return finish(ctx, state, fields, outcome)
 
     return step
 

@@ -35,9 +35,13 @@ from accumjax._loop import (
     Step,
     begin,
     close_model_state,
+    stream_step,
+)
+from accumjax._scan import (
+    real_microbatches,
     scan_finish,
     scan_step,
-    stream_step,
+    window_k,
     window_loop,
     window_loss,
 )
@@ -57,10 +61,11 @@ class _Local(NamedTuple):
     rng: Any
     step_count: Any
     loss_scale: Any
+    n_real: Any
 
 
 def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
-    """Scan mode under ``jit`` with a sharded batch: ``step(state, batch, rng, layout)``.
+    """Scan mode under ``jit`` with a sharded batch: ``step(state, batch, rng, layout, n)``.
 
     The microbatch loop and the window's one reduction run in a ``shard_map`` built from the
     arrays' shardings (``layout``, static); the update runs in the global view, on parameters
@@ -68,14 +73,24 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
     """
     plain = scan_step(setup)
 
-    def step(state: TrainState, batch: Any, rng: Any, layout: Any) -> tuple[TrainState, dict]:
+    def step(
+        state: TrainState, batch: Any, rng: Any, layout: Any, n: Any = None
+    ) -> tuple[TrainState, dict]:
         if layout is None:
-            return plain(state, batch, rng)
+            return plain(state, batch, rng, n)
+        if setup.batch_axis != 0:
+            raise NotImplementedError(
+                "make_train_step(batch_axis=...) other than 0 with a batch sharded under jit: "
+                "put the batch axis first, or run the step on unsharded arrays."
+            )
         ctx, acc = begin(setup, state, rng)
+        ctx = ctx._replace(n_real=real_microbatches(n, ctx.k))
         data, whole = PartitionSpec(layout.axis), PartitionSpec()
-        specs = _Local(layout.param_specs(), whole, data, whole, whole, whole)
+        specs = _Local(layout.param_specs(), whole, data, whole, whole, whole, whole)
         closed_specs = window_lib.Closed(layout.param_specs(), *(whole,) * 5)  # pyright: ignore[reportArgumentType]
-        local = _Local(state.params, state.model_state, batch, rng, state.step, ctx.loss_scale)
+        local = _Local(
+            state.params, state.model_state, batch, rng, state.step, ctx.loss_scale, ctx.n_real
+        )
         closed, model_state, loss, aux = jax.shard_map(
             partial(_local_window, ctx, layout),
             mesh=layout.mesh,
@@ -112,17 +127,20 @@ def _local_window(
         rng=local.rng,
         step_count=local.step_count,
         axis_name=layout.axis,
+        n_real=local.n_real,
     )
     carry, aux = window_loop(ctx, params, Carry(like, local.model_state, zero, zero), local.batch)
     closed = window_lib.close_window(
-        config.policy, carry.window, config.static_k, layout.axis, layout.scatter()
+        config.policy, carry.window, window_k(ctx), layout.axis, layout.scatter()
     )
     model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
     loss = sharded.expand(window_loss(carry))
     return closed, model_state, loss, None if aux is None else sharded.expand(aux)
 
 
-def _shard_map(step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool) -> Step:
+def _shard_map(
+    step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool, scan: bool
+) -> Step:
     """Batch sharded on ``axis_name``, state replicated, the key replicated.
 
     Stream mode keeps a device-local accumulator in the (nominally replicated) optimizer
@@ -140,8 +158,8 @@ def _shard_map(step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool)
         metric_specs["aux"] = local
     per_device_keys = ("loss", "aux", "grads_finite")
 
-    def per_device(state: Any, batch: Any, rng: Any) -> tuple[Any, dict[str, Any]]:
-        state, metrics = step(state, batch, rng)
+    def per_device(state: Any, batch: Any, rng: Any, *n: Any) -> tuple[Any, dict[str, Any]]:
+        state, metrics = step(state, batch, rng, *n)
         for key in per_device_keys:  # device-local values get a leading device axis
             if key in metrics:
                 metrics[key] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), metrics[key])
@@ -150,7 +168,7 @@ def _shard_map(step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool)
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(PartitionSpec(), local, PartitionSpec()),
+        in_specs=(PartitionSpec(), local, PartitionSpec(), *(PartitionSpec(),) * scan),
         out_specs=(PartitionSpec(), metric_specs),
         check_vma=False,
     )
@@ -241,12 +259,26 @@ def _check_window_boundary(opt: Any) -> None:
         )
 
 
+def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
+    """``num_real_microbatches`` only in scan mode; a Python int within ``[0, K]``."""
+    if n is None:
+        return
+    if not scan:
+        raise ValueError(
+            "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
+            "into K microbatches; a stream-mode call is one microbatch."
+        )
+    k = 1 if config is None else config.static_k
+    real_microbatches(n, k)  # the Python-side checks (a traced value is clipped in the step)
+
+
 def _checked_once(
     jitted: Any,
     pmapped: bool,
     sharded_scan: bool = False,
     place: Callable[[Any, Any], tuple[Any, Any]] | None = None,
     mesh_stream: bool = False,
+    scan: bool = False,
 ) -> Any:
     """``jitted`` that checks a state it did not return itself (the first call's, or one
     restored from a checkpoint) against its optimizer on the host: another K or scaling is
@@ -260,23 +292,26 @@ def _checked_once(
     arrays on different devices (`_devices_apart`; not under ``pmap`` or ``place``)."""
     returned: list[Any] = []  # the optimizer state of the last call's output
 
-    def args(state: Any, batch: Any, rng: Any) -> tuple[Any, ...]:
+    def args(state: Any, batch: Any, rng: Any, n: Any) -> tuple[Any, ...]:
         if place is not None:
             state, batch = place(state, batch)
-        if not sharded_scan:
+        if not scan:
             return state, batch, rng
-        return state, batch, rng, sharded.layout_of(state.params, batch)
+        if not sharded_scan:
+            return state, batch, rng, n
+        return state, batch, rng, sharded.layout_of(state.params, batch), n
 
-    def call(run: Callable[..., Any], state: Any, batch: Any, rng: Any) -> Any:
+    def call(run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any = None) -> Any:
+        _check_real_microbatches(n, scan, config_of(getattr(state, "tx", None)))
         try:
-            return run(*args(state, batch, rng))
+            return run(*args(state, batch, rng, n))
         except Exception as err:
             apart = None if pmapped or place else _devices_apart(state, batch)
             if apart is None:
                 raise
             raise ValueError(apart) from err
 
-    def step(state: Any, batch: Any, rng: Any = None) -> Any:
+    def step(state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None) -> Any:
         _check_alive(state)
         config = config_of(getattr(state, "tx", None))
         if config is not None and not (returned and _made_here(state.opt_state, returned[0])):
@@ -284,11 +319,13 @@ def _checked_once(
             opt = check_state(config, jax.tree.map(lambda x: x[0], opt) if pmapped else opt)
             if mesh_stream:
                 _check_window_boundary(opt)
-        out = call(jitted, state, batch, rng)
+        out = call(jitted, state, batch, rng, num_real_microbatches)
         returned[:] = [getattr(out[0], "opt_state", None)]
         return out
 
-    step.lower = lambda state, batch, rng=None: call(jitted.lower, state, batch, rng)  # pyright: ignore[reportFunctionMemberAccess]
+    step.lower = lambda state, batch, rng=None, num_real_microbatches=None: call(  # pyright: ignore[reportFunctionMemberAccess]
+        jitted.lower, state, batch, rng, num_real_microbatches
+    )
     step.__wrapped__ = jitted  # pyright: ignore[reportFunctionMemberAccess]
     return step
 
@@ -314,16 +351,18 @@ def wrap(setup: Setup, mesh: Mesh | None, has_aux: bool, donate: bool) -> Step:
         jitted = jax.jit(
             sharded_scan_step(setup), static_argnums=(3,), donate_argnums=donate_argnums
         )
-        return _checked_once(jitted, False, sharded_scan=True)
-    step = stream_step(setup) if setup.mode == "stream" else scan_step(setup)
+        return _checked_once(jitted, False, sharded_scan=True, scan=True)
+    scan = setup.mode == "scan"
+    step = scan_step(setup) if scan else stream_step(setup)
     if setup.axis_name is None:
-        return _checked_once(jax.jit(step, donate_argnums=donate_argnums), False)
+        return _checked_once(jax.jit(step, donate_argnums=donate_argnums), False, scan=scan)
     if mesh is None:
+        in_axes = (0, 0, None, None) if scan else (0, 0, None)
         pmapped = jax.pmap(
-            step, axis_name=setup.axis_name, in_axes=(0, 0, None), donate_argnums=donate_argnums
+            step, axis_name=setup.axis_name, in_axes=in_axes, donate_argnums=donate_argnums
         )
-        return _checked_once(pmapped, True)
-    mapped = _shard_map(step, mesh, setup.axis_name, has_aux, setup.f16)
+        return _checked_once(pmapped, True, scan=scan)
+    mapped = _shard_map(step, mesh, setup.axis_name, has_aux, setup.f16, scan)
     place = partial(_place_on_mesh, mesh, setup.axis_name)
     jitted = jax.jit(mapped, donate_argnums=donate_argnums)
-    return _checked_once(jitted, False, place=place, mesh_stream=setup.mode == "stream")
+    return _checked_once(jitted, False, place=place, mesh_stream=not scan, scan=scan)

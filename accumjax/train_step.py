@@ -31,6 +31,7 @@ from accumjax._checks import check_callable, check_choice, check_int, check_real
 from accumjax._loop import Setup, Step
 from accumjax._loss_adapter import make_grad_fn
 from accumjax._parallel import wrap
+from accumjax._split import check_batch_axis
 from accumjax._step_checks import positional_limit
 from accumjax.clipping import Mask, adaptive_clip_grad
 
@@ -53,6 +54,7 @@ def make_train_step(
     clip_factor: float = 0.01,
     agc_eps: float = 1e-3,
     agc_mask: Mask = None,
+    agc_axis: Any = None,
     mixed_precision: str | None = None,
     axis_name: str | None = None,
     mesh: Mesh | None = None,
@@ -60,6 +62,8 @@ def make_train_step(
     weight_fn: Callable[[Any], Any] | None = None,
     unroll: int | bool = 1,
     gather_params: str = "window",
+    batch_axis: Any = 0,
+    aux_rows: bool = False,
 ) -> Step:
     """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` that accumulates.
 
@@ -104,6 +108,8 @@ def make_train_step(
         ``accumjax.adaptive_clip`` first in the inner chain).
       clip_factor, agc_eps: AGC parameters (finite numbers > 0).
       agc_mask: which parameters AGC clips (see :func:`accumjax.adaptive_clip_grad`).
+      agc_axis: the fan-in axes AGC's unit-wise norms reduce, with optax's meaning
+        (``optax.adaptive_grad_clip(..., axis=)``); None for the rank-based default.
       mixed_precision: ``None``; ``"bfloat16"`` (params and float inputs cast to bfloat16
         for the loss; master params, gradients and accumulator keep the params' dtype); or
         ``"float16"``: the same with float16 plus dynamic loss scaling (``state.loss_scale``,
@@ -133,6 +139,21 @@ def make_train_step(
         the whole copy for the window; ``"microbatch"`` (for memory) all-gathers them in
         every microbatch, so the whole copy lives only while a microbatch runs (K gathers a
         window; the gradient is still reduced once).
+      batch_axis: scan mode: the batch axis that is split into microbatches, for every leaf
+        (an int) or per leaf (a pytree prefix of the batch with an int or None at each
+        leaf); a leaf with None is not batched and every microbatch sees it whole (as
+        ``optax.microbatch``'s ``in_axes`` and ``argnums``). Default 0. Under ``jit`` on a
+        sharded batch only 0 is supported.
+      aux_rows: scan mode with ``has_aux``: give ``metrics["aux"]`` in the batch's row order
+        (each aux leaf has one entry per row of its microbatch, and the K microbatches' rows
+        are put back where they came from: shape ``(B, ...)``, as ``optax.microbatch``'s
+        ``CONCAT``) instead of stacked per microbatch (``(K, B // K, ...)``, default).
+
+    The step of scan mode also takes ``num_real_microbatches`` (a keyword, or the fourth
+    argument): how many of the K microbatches are real, an int or an int array (traced: no
+    recompile when it changes). The padded tail ones are neither computed nor counted, and
+    ``"mean"`` divides by the real ones, so the update is the full-batch update over the real
+    microbatches (as ``optax.microbatch(..., num_real_microbatches=...)``).
 
     Returns:
       The step. ``metrics`` has ``"loss"`` (the window's weighted mean loss over the added
@@ -205,12 +226,26 @@ def make_train_step(
         axis_name=_check_mesh(mesh, axis_name),
         weight_fn=check_callable("weight_fn", weight_fn),
         f16=mixed_precision == "float16",
-        transform=_agc(use_agc, clip_factor, agc_eps, agc_mask),
+        transform=_agc(use_agc, clip_factor, agc_eps, agc_mask, agc_axis),
         unroll=_check_unroll(unroll),
         gather_params=check_choice("gather_params", gather_params, _GATHER),
         loss_positional=positional_limit(loss_fn),
+        batch_axis=_check_scan_only("batch_axis", check_batch_axis(batch_axis), 0, mode),
+        aux_rows=_check_scan_only("aux_rows", _check_bool("aux_rows", aux_rows), False, mode),
     )
     return wrap(setup, mesh, has_aux, donate)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def _check_scan_only(name: str, value: Any, default: Any, mode: str) -> Any:
+    if mode != "scan" and value != default:
+        raise ValueError(f"{name} is for mode='scan' (which splits the batch), not mode={mode!r}.")
+    return value
 
 
 def _check_unroll(unroll: Any) -> int | bool:
@@ -230,12 +265,15 @@ def _check_mesh(mesh: Any, axis_name: str | None) -> str | None:
 
 
 def _agc(
-    use_agc: bool, clip_factor: Any, agc_eps: Any, agc_mask: Mask
+    use_agc: bool, clip_factor: Any, agc_eps: Any, agc_mask: Mask, agc_axis: Any
 ) -> Callable[[Any, Any], Any] | None:
     if not use_agc:
-        if agc_mask is not None:
-            raise ValueError("agc_mask is given but use_agc is False.")
+        for name, value in (("agc_mask", agc_mask), ("agc_axis", agc_axis)):
+            if value is not None:
+                raise ValueError(f"{name} is given but use_agc is False.")
         return None
     clip_factor = check_real("clip_factor", clip_factor, low=0.0, low_open=True)
     agc_eps = check_real("agc_eps", agc_eps, low=0.0, low_open=True)
-    return lambda grads, params: adaptive_clip_grad(params, grads, clip_factor, agc_eps, agc_mask)
+    return lambda grads, params: adaptive_clip_grad(
+        params, grads, clip_factor, agc_eps, agc_mask, axis=agc_axis
+    )

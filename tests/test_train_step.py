@@ -1213,3 +1213,113 @@ def test_metrics_grad_norm_is_nan_on_a_call_without_update():
     state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
     _, metrics = make_train_step(loss_fn)(state, micro[0])
     assert not bool(metrics["updated"]) and bool(jnp.isnan(metrics["grad_norm"]))
+
+
+# ----------------------------------------------------------------------------- optax.microbatch
+
+
+def _sgd_state():
+    return TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.5), K))
+
+
+def _sgd_reference(grads):
+    return jax.tree.map(lambda p, g: p - 0.5 * g, _params(), grads)
+
+
+def test_num_real_microbatches_leaves_the_padded_tail_out_without_a_recompile():
+    window = _windows(*_data())[0]
+    window = jax.tree.map(jnp.asarray, window)
+    window["y"] = window["y"].at[3].set(jnp.nan)  # row 3: microbatch 3, padded away below
+    step = make_train_step(loss_fn, mode="scan", donate=False)
+    state = _sgd_state()
+    after, metrics = step(state, window, num_real_microbatches=jnp.int32(3))
+    # optax.microbatch over the 3 real microbatches (its strided split is the same), summed,
+    # divided by the 3 real ones: the full-batch mean gradient over their 24 rows.
+    summed = optax.microbatch(
+        jax.grad(loss_fn),
+        argnums=1,
+        microbatch_size=MICRO,
+        accumulator=optax.microbatching.AccumulationType.SUM,
+        num_real_microbatches=3,
+    )(_params(), window)
+    expected = _sgd_reference(jax.tree.map(lambda g: g / 3, summed))
+    _assert_tree_close(after.params, expected, F32)
+    assert bool(metrics["updated"]) and int(after.opt_state.nonfinite_count) == 0  # not counted
+    again, _ = step(state, window, num_real_microbatches=jnp.int32(2))  # another n: no retrace
+    assert step.__wrapped__._cache_size() == 1
+    rows = window["x"][np.arange(K * MICRO) % K < 2], window["y"][np.arange(K * MICRO) % K < 2]
+    full = jax.grad(loss_fn)(_params(), {"x": rows[0], "y": rows[1]})
+    _assert_tree_close(again.params, _sgd_reference(full), F32)
+
+
+def test_num_real_microbatches_is_checked():
+    step = make_train_step(loss_fn, mode="scan")
+    window = _windows(*_data())[0]
+    with pytest.raises(ValueError, match=r"num_real_microbatches must be in \[0, K=4\]"):
+        step(_sgd_state(), window, num_real_microbatches=5)
+    with pytest.raises(ValueError, match="num_real_microbatches is for make_train_step"):
+        make_train_step(loss_fn)(_sgd_state(), window, num_real_microbatches=2)
+
+
+def test_batch_axis_per_leaf_and_unbatched_inputs_match_optax_microbatch():
+    window = _windows(*_data())[0]
+    scale = jnp.asarray([1.0, 2.0, 0.5])  # not batched: every microbatch sees it whole
+
+    def axis_loss(params, batch):
+        pred = batch["xt"].T @ params["w"] + params["b"]  # xt: (features, rows)
+        return jnp.mean(((pred - batch["y"]) * batch["scale"]) ** 2)
+
+    batch = {"xt": window["x"].T, "y": window["y"], "scale": scale}
+    step = make_train_step(
+        axis_loss, mode="scan", batch_axis={"xt": 1, "y": 0, "scale": None}, donate=False
+    )
+    after, _ = step(_sgd_state(), batch)
+
+    def split_args_grad(params, xt, y, scale):
+        return jax.grad(axis_loss)(params, {"xt": xt, "y": y, "scale": scale})
+
+    grads = optax.microbatch(
+        split_args_grad,
+        argnums=(1, 2),
+        microbatch_size=MICRO,
+        accumulator=optax.microbatching.AccumulationType.MEAN,
+        in_axes=(1, 0),
+    )(_params(), batch["xt"], batch["y"], scale)
+    _assert_tree_close(after.params, _sgd_reference(grads), F32)
+
+
+def test_aux_rows_come_back_in_the_batch_row_order():
+    window = _windows(*_data())[0]
+
+    def aux_loss(params, batch):
+        pred = batch["x"] @ params["w"] + params["b"]
+        return jnp.mean((pred - batch["y"]) ** 2), {"pred": pred}
+
+    step = make_train_step(aux_loss, mode="scan", has_aux=True, aux_rows=True, donate=False)
+    _, metrics = step(_sgd_state(), window)
+    full = window["x"] @ _params()["w"] + _params()["b"]  # each row's prediction, in order
+    np.testing.assert_allclose(metrics["aux"]["pred"], full, rtol=1e-6, atol=1e-6)
+    stacked = make_train_step(aux_loss, mode="scan", has_aux=True, donate=False)
+    assert stacked(_sgd_state(), window)[1]["aux"]["pred"].shape == (K, MICRO, 3)
+
+
+def test_scan_only_options_are_refused_in_stream_mode():
+    with pytest.raises(ValueError, match="batch_axis is for mode='scan'"):
+        make_train_step(loss_fn, batch_axis=1)
+    with pytest.raises(ValueError, match="aux_rows is for mode='scan'"):
+        make_train_step(loss_fn, aux_rows=True)
+    with pytest.raises(TypeError, match="batch_axis"):
+        make_train_step(loss_fn, mode="scan", batch_axis="rows")
+
+
+def test_agc_axis_reaches_adaptive_clip_grad():
+    window = _windows(*_data())[0]
+    full = jax.grad(loss_fn)(_params(), window)
+    clipped = accumjax.adaptive_clip_grad(_params(), full, 0.01, 1e-3, axis=-1)
+    default = accumjax.adaptive_clip_grad(_params(), full, 0.01, 1e-3)
+    assert not np.allclose(clipped["w"], default["w"])  # the axis matters on this problem
+    step = make_train_step(loss_fn, mode="scan", use_agc=True, agc_axis=-1, donate=False)
+    after, _ = step(_sgd_state(), window)
+    _assert_tree_close(after.params, _sgd_reference(clipped), F32)
+    with pytest.raises(ValueError, match="agc_axis is given but use_agc is False"):
+        make_train_step(loss_fn, agc_axis=0)

@@ -1,0 +1,149 @@
+"""How scan mode splits a batch into K microbatches, and puts per-microbatch outputs back
+(internal).
+
+Microbatch ``i`` of a batch of ``B`` rows is rows ``i, i + K, i + 2K, ...`` (strided), as in
+``optax.microbatching.reshape_batch_axis``: the split keeps a sharded batch axis sharded, so
+every microbatch is spread over the data-parallel devices as the batch is. A leaf's batch
+axis need not be the leading one (``batch_axis``, per leaf or for the whole batch), and a leaf
+with ``None`` is not batched: every microbatch sees it whole (optax's ``argnums``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["BatchAxis", "check_batch_axis", "rows_in_order", "split"]
+
+# An int (the batch axis of every leaf), or a pytree prefix of the batch with an int or None
+# (not batched) at each leaf.
+BatchAxis = Any
+
+
+def check_batch_axis(batch_axis: BatchAxis) -> BatchAxis:
+    """``batch_axis`` if every leaf is an int or None, else a ``TypeError`` naming it.
+
+    Example:
+      >>> check_batch_axis({"x": 1, "mask": None})
+      {'x': 1, 'mask': None}
+    """
+    for leaf in jax.tree.leaves(batch_axis, is_leaf=lambda x: x is None):
+        if leaf is not None and (isinstance(leaf, bool) or not isinstance(leaf, int)):
+            raise TypeError(
+                "batch_axis must be an int, or a pytree prefix of the batch with an int (the "
+                f"leaf's batch axis) or None (not batched) at each leaf; got {leaf!r}."
+            )
+    return batch_axis
+
+
+def _axes(batch: Any, batch_axis: BatchAxis) -> list[int | None]:
+    """Each batch leaf's batch axis (or None), in ``jax.tree.leaves(batch)`` order."""
+    try:
+        expanded = jax.tree.map(
+            lambda a, sub: jax.tree.map(lambda _: a, sub),
+            batch_axis,
+            batch,
+            is_leaf=lambda x: x is None,
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"batch_axis {batch_axis!r} is not a pytree prefix of the batch: {err}"
+        ) from err
+    axes = []
+    for a, x in zip(
+        jax.tree.leaves(expanded, is_leaf=lambda x: x is None), jax.tree.leaves(batch), strict=True
+    ):
+        if a is not None and not -jnp.ndim(x) <= a < jnp.ndim(x):
+            raise ValueError(
+                f"scan mode: a batch leaf of shape {jnp.shape(x)} has no axis {a} to split "
+                "into microbatches; give it batch_axis=None if it is not batched."
+            )
+        axes.append(None if a is None else a % jnp.ndim(x))
+    return axes
+
+
+def split(batch: Any, k: int, batch_axis: BatchAxis = 0) -> Callable[[jax.Array], Any]:
+    """``i -> microbatch i`` of ``batch``: rows ``i, i + k, ...`` along each leaf's batch axis.
+
+    Each batched leaf is reshaped ``(..., B, ...) -> (..., B // k, k, ...)`` (a bitcast:
+    ``reshape_batch_axis``'s Fortran-order reshape picks the same rows but transposes every
+    leaf whole, a copy XLA keeps: 6.0 MiB against 0.38 MiB of temp memory on a
+    (256, 32, 32, 3) batch at K=8), and microbatch ``i`` is a dynamic index on the new ``k``
+    axis. Leaves whose ``batch_axis`` is None are passed whole.
+
+    Args:
+      batch: the batch (per device).
+      k: the number of microbatches.
+      batch_axis: see the module docstring.
+
+    Returns:
+      The function from a microbatch index to the microbatch.
+
+    Raises:
+      ValueError: if the batched leaves do not share one batch size, or it is not divisible
+        by ``k``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> take = split({"x": jnp.arange(6), "w": jnp.ones(2)}, 3, {"x": 0, "w": None})
+      >>> take(1)["x"], take(1)["w"]
+      (Array([1, 4], dtype=int32), Array([1., 1.], dtype=float32))
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    axes = _axes(batch, batch_axis)
+    sizes = {jnp.shape(x)[a] for x, a in zip(leaves, axes, strict=True) if a is not None}
+    if len(sizes) != 1:
+        shapes = [jnp.shape(x) for x in leaves]
+        raise ValueError(
+            "scan mode needs every batched leaf to share one batch size on its batch axis "
+            f"(batch_axis={batch_axis!r}); got shapes {shapes}."
+        )
+    size = sizes.pop()
+    if size % k:
+        raise ValueError(
+            f"scan mode: the (per-device) batch size {size} is not divisible by K={k}."
+        )
+
+    def strided(x: jax.Array, a: int | None) -> jax.Array:
+        if a is None:
+            return x
+        shape = jnp.shape(x)
+        return jnp.reshape(x, (*shape[:a], size // k, k, *shape[a + 1 :]))
+
+    rows = [strided(x, a) for x, a in zip(leaves, axes, strict=True)]
+
+    def take(i: jax.Array) -> Any:
+        picked = [
+            x if a is None else jax.lax.dynamic_index_in_dim(x, i, a + 1, False)
+            for x, a in zip(rows, axes, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, picked)
+
+    return take
+
+
+def rows_in_order(stacked: Any) -> Any:
+    """Per-microbatch outputs ``(K, B // K, ...)`` back in the batch's row order ``(B, ...)``.
+
+    Microbatch ``i``'s row ``j`` is the batch's row ``i + K * j``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> rows_in_order(jnp.array([[0, 2, 4], [1, 3, 5]]))  # K=2 microbatches of 3 rows
+      Array([0, 1, 2, 3, 4, 5], dtype=int32)
+    """
+
+    def unstride(a: jax.Array) -> jax.Array:
+        if jnp.ndim(a) < 2:
+            raise ValueError(
+                "aux_rows=True needs every aux leaf to have a leading per-row axis (one entry "
+                f"per row of the microbatch); got a leaf of shape {jnp.shape(a)[1:]} per "
+                "microbatch."
+            )
+        k, m = jnp.shape(a)[:2]
+        return jnp.reshape(jnp.swapaxes(a, 0, 1), (k * m, *jnp.shape(a)[2:]))
+
+    return jax.tree.map(unstride, stacked)
