@@ -60,6 +60,7 @@ __all__ = [
     "Moments",
     "Running",
     "Window",
+    "abs_sq",
     "accumulate",
     "accumulator_dtype",
     "canonical_axes",
@@ -67,6 +68,7 @@ __all__ = [
     "check_config",
     "check_input",
     "close_window",
+    "complex_like",
     "compute_moments",
     "ema",
     "empty_window",
@@ -157,6 +159,32 @@ def stats_dtype(dtype: Dtype | None, x_dtype: Any, force_float32: bool) -> jnp.d
     return jnp.promote_types(chosen, jnp.float32) if force_float32 else chosen
 
 
+def complex_like(dtype: Any, other: Any) -> jnp.dtype:
+    """``dtype``, promoted with ``other`` when ``other`` is complex: the dtype of a mean.
+
+    A complex input's running and pooled means are complex (``BatchNorm``'s running mean
+    turns complex on its first update); its variances, like all counts, stay real.
+
+    Example:
+      >>> complex_like(jnp.float32, jnp.complex64), complex_like(jnp.float32, jnp.float16)
+      (dtype('complex64'), dtype('float32'))
+    """
+    complex_other = jnp.issubdtype(other, jnp.complexfloating)
+    return jnp.promote_types(dtype, other) if complex_other else jnp.dtype(dtype)
+
+
+def abs_sq(x: Array) -> Array:
+    """``|x|**2`` elementwise, real: ``re**2 + im**2`` for a complex ``x`` (as Flax computes it).
+
+    Example:
+      >>> abs_sq(jnp.array([3 + 4j], jnp.complex64))
+      Array([25.], dtype=float32)
+    """
+    if jnp.iscomplexobj(x):
+        return lax.square(lax.real(x)) + lax.square(lax.imag(x))
+    return lax.square(x)
+
+
 def check_config(accum_steps: Any, momentum: Any, epsilon: Any = 0.0) -> None:
     """Validates a layer's ``accum_steps``, ``momentum`` and ``epsilon``.
 
@@ -196,14 +224,16 @@ def canonical_axes(ndim: int, axes: Axes) -> tuple[int, ...]:
 
 
 def check_input(x: Array, mask: Array | None) -> None:
-    """Rejects a non-floating (e.g. complex) ``x`` and a ``mask`` that does not broadcast to it.
+    """Rejects an ``x`` that is not floating point (real or complex) and a bad ``mask``.
 
     Raises:
-      TypeError: if ``x`` is not real floating point.
+      TypeError: if ``x`` is not real or complex floating point (e.g. an integer array).
       ValueError: if ``mask`` does not broadcast to ``x.shape`` (or would enlarge it).
     """
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"AccumBatchNorm needs a real floating-point input, got {x.dtype}.")
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise TypeError(
+            f"x: AccumBatchNorm needs a floating-point (real or complex) input, got {x.dtype}."
+        )
     if mask is None:
         return
     try:
@@ -221,18 +251,20 @@ def check_input(x: Array, mask: Array | None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def empty_window(shape: tuple[int, ...], dtype: Any = None) -> Window:
+def empty_window(shape: tuple[int, ...], dtype: Any = None, mean_dtype: Any = None) -> Window:
     """Zero accumulators (constants, so they are replicated under ``shard_map``).
 
     Args:
       shape: the feature shape.
       dtype: the accumulator dtype (default :func:`accumulator_dtype`).
+      mean_dtype: the mean's dtype (default ``dtype``; complex for a complex input).
 
     Returns:
       A :class:`Window` of zeros, with an int32 scalar ``step``.
     """
     dtype = accumulator_dtype() if dtype is None else dtype
-    count, mean, m2 = (jnp.zeros(shape, dtype) for _ in range(3))  # distinct buffers
+    mean_dtype = dtype if mean_dtype is None else mean_dtype
+    count, mean, m2 = (jnp.zeros(shape, d) for d in (dtype, mean_dtype, dtype))  # distinct
     return Window(count, mean, m2, jnp.zeros((), jnp.int32))
 
 
@@ -248,8 +280,9 @@ def compute_moments(
     """Count, mean and population variance of ``x``, all-reduced over ``axis_name``.
 
     Sums are taken in at least float32 (and at least ``dtype``), counts in the accumulator
-    dtype. One all-reduce of ``(count, sum, sum of squares)`` serves the fast variance
-    ``E[x^2] - E[x]^2`` (clipped at 0, as in Flax); the centred variance needs a second.
+    dtype. One all-reduce of ``(count, sum, sum of |x|^2)`` serves the fast variance
+    ``E[|x|^2] - |E[x]|^2`` (clipped at 0, as in Flax); the centred variance needs a second.
+    A complex ``x`` has a complex mean and a real variance, as in Flax.
 
     Args:
       x: the input.
@@ -258,7 +291,7 @@ def compute_moments(
       dtype: the statistics dtype (see :func:`stats_dtype`).
       axis_name: the ``pmap``/``shard_map`` axis to all-reduce over, or None.
       axis_index_groups: groups of indices within ``axis_name`` to reduce separately.
-      use_fast_variance: one-pass ``E[x^2] - E[x]^2`` if True, else centre first.
+      use_fast_variance: one-pass ``E[|x|^2] - |E[x]|^2`` if True, else centre first.
 
     Returns:
       The per-feature :class:`Moments` (a fully masked feature has count 0, mean 0, var 0).
@@ -275,6 +308,8 @@ def compute_moments(
     if where is None:
         n_local = math.prod(x.shape[i] for i in reduction_axes)
         count = jnp.full(feature_shape, n_local, accumulator_dtype())
+        if axis_name is None:
+            return Moments(count, *_local_mean_var(x, reduction_axes, use_fast_variance))
     else:
         count = jnp.sum(where, reduction_axes, dtype=accumulator_dtype())
 
@@ -286,18 +321,29 @@ def compute_moments(
     def local_sum(values: Array) -> Array:
         return jnp.sum(values, reduction_axes, where=where)
 
+    sums = (local_sum(x), local_sum(abs_sq(x))) if use_fast_variance else (local_sum(x),)
+    count, *sums = all_sum((count, *sums))
+    denom = jnp.maximum(count, 1).astype(jnp.finfo(x.dtype).dtype)  # real for a complex x
+    mean = sums[0] / denom
     if use_fast_variance:
-        count, s1, s2 = all_sum((count, local_sum(x), local_sum(lax.square(x))))
-        denom = jnp.maximum(count, 1).astype(x.dtype)
-        mean = s1 / denom
-        var = jnp.maximum(0.0, s2 / denom - lax.square(mean))
+        return Moments(count, mean, jnp.maximum(0.0, sums[1] / denom - abs_sq(mean)))
+    centred = abs_sq(x - jnp.expand_dims(mean, reduction_axes))
+    return Moments(count, mean, all_sum(local_sum(centred)) / denom)
+
+
+def _local_mean_var(
+    x: Array, reduction_axes: tuple[int, ...], use_fast_variance: bool
+) -> tuple[Array, Array]:
+    """Mean and variance of an unmasked ``x`` on one device, by Flax's ``jnp.mean`` calls:
+    XLA turns their division by the constant count into a multiplication by its reciprocal
+    (in ``jnp.mean``'s own ``jit`` when eager), which rounds unlike a division by an array.
+    """
+    mean = jnp.mean(x, reduction_axes)
+    if use_fast_variance:
+        var = jnp.maximum(0.0, jnp.mean(abs_sq(x), reduction_axes) - abs_sq(mean))
     else:
-        count, s1 = all_sum((count, local_sum(x)))
-        denom = jnp.maximum(count, 1).astype(x.dtype)
-        mean = s1 / denom
-        centred = lax.square(x - jnp.expand_dims(mean, reduction_axes))
-        var = all_sum(local_sum(centred)) / denom
-    return Moments(count, mean, var)
+        var = jnp.mean(abs_sq(x - jnp.expand_dims(mean, reduction_axes)), reduction_axes)
+    return mean, var
 
 
 def normalize(
@@ -349,8 +395,9 @@ def chan_merge(
 ) -> tuple[Array, Array, Array]:
     """Merges two (count, mean, M2) summaries (Chan, Golub & LeVeque 1979).
 
-    ``M2`` is the sum of squared deviations from the mean. The ``delta**2`` term carries
-    the spread between the two means. Empty summaries (count 0) merge to the other one.
+    ``M2`` is the sum of squared deviations ``|x - mean|**2`` from the mean. The
+    ``|delta|**2`` term carries the spread between the two means (complex means too).
+    Empty summaries (count 0) merge to the other one.
 
     Returns:
       The merged ``(count, mean, M2)``.
@@ -364,13 +411,21 @@ def chan_merge(
     n = n_a + n_b
     w_b = n_b / jnp.maximum(n, 1)  # n_b / n, and 0 when both are empty
     delta = mean_b - mean_a
-    return n, mean_a + delta * w_b, m2_a + m2_b + lax.square(delta) * n_a * w_b
+    return n, mean_a + delta * w_b, m2_a + m2_b + abs_sq(delta) * n_a * w_b
 
 
 def ema(old: Array, new: Array, momentum: Any, update: Array) -> Array:
-    """``momentum * old + (1 - momentum) * new`` where ``update``, else ``old`` (in its dtype)."""
-    blended = momentum * old + (1 - momentum) * new.astype(old.dtype)
-    return jnp.where(update, blended.astype(old.dtype), old)
+    """``momentum * old + (1 - momentum) * new`` where ``update``, else ``old``.
+
+    In ``old``'s dtype, complex for a complex ``new`` (:func:`complex_like`). ``update``
+    selects the factors (or ``1, 0``) and a zero for a skipped, maybe NaN, ``new``: a select
+    after the blend made XLA round some results unlike ``BatchNorm``'s update.
+    """
+    dtype = complex_like(old.dtype, new.dtype)
+    keep = jnp.where(update, momentum, 1.0)
+    take = jnp.where(update, 1 - momentum, 0.0)
+    new = jnp.where(update, new.astype(dtype), 0)
+    return (keep * old.astype(dtype) + take * new).astype(dtype)
 
 
 def accumulate(
@@ -385,22 +440,28 @@ def accumulate(
     With an int ``accum_steps`` the window closes on its ``accum_steps``-th call: the
     running averages move towards the pooled (population) statistics, where the window
     holds any element, and the accumulators are reset. With ``None`` only the window
-    changes; :func:`close_window` (via ``close_batch_norm_windows``) closes it.
+    changes; :func:`close_window` (via ``close_batch_norm_windows``) closes it. The running
+    mean of a complex input is complex from this call on (:func:`complex_like`).
 
     Returns:
       The new running averages and window.
     """
     dtype = window.count.dtype
-    n_b, mean_b, var_b = (jnp.asarray(v, dtype) for v in moments)
+    mean_dtype = complex_like(window.mean.dtype, moments.mean.dtype)
+    running = Running(
+        running.mean.astype(complex_like(running.mean.dtype, mean_dtype)), running.var
+    )
+    n_b, var_b = jnp.asarray(moments.count, dtype), jnp.asarray(moments.var, dtype)
+    mean_b = jnp.asarray(moments.mean, mean_dtype)
+    if accum_steps == 1:
+        return _close_one(running, window, Moments(n_b, mean_b, var_b), momentum)
     n, mean, m2 = chan_merge(window.count, window.mean, window.m2, n_b, mean_b, var_b * n_b)
     step = window.step + 1
     if accum_steps is None:
         return running, Window(n, mean, m2, step.astype(jnp.int32))
-    # A window holding one contribution pools to its own variance; taking it directly
-    # avoids the (var * n) / n round trip, so accum_steps=1 matches BatchNorm bit for bit.
-    pooled_var = jnp.where(window.count == 0, var_b, m2 / jnp.maximum(n, 1))
     closes = step >= accum_steps
     update = jnp.logical_and(closes, n > 0)
+    pooled_var = m2 / jnp.maximum(n, 1)
     new_running = Running(
         ema(running.mean, mean, momentum, update), ema(running.var, pooled_var, momentum, update)
     )
@@ -411,6 +472,20 @@ def accumulate(
         jnp.where(closes, 0, step).astype(jnp.int32),
     )
     return new_running, new_window
+
+
+def _close_one(
+    running: Running, window: Window, moments: Moments, momentum: Any
+) -> tuple[Running, Window]:
+    """``accum_steps=1``: the running averages move towards the call's own statistics, and
+    the window, pooling nothing, stays empty. Skipping the merge, XLA sees ``BatchNorm``'s
+    ``momentum * old + (1 - momentum) * mean`` and simplifies it alike (it folds
+    ``1 - momentum`` into an unmasked mean's ``1 / count``): the same bits.
+    """
+    update = moments.count > 0
+    mean, var = (ema(r, new, momentum, update) for r, new in zip(running, moments[1:], strict=True))
+    empty = empty_window(window.count.shape, window.count.dtype, moments.mean.dtype)
+    return Running(mean, var), empty
 
 
 def close_window(
@@ -428,15 +503,15 @@ def close_window(
     new_running = Running(
         ema(running.mean, window.mean, momentum, update), ema(running.var, var, momentum, update)
     )
-    return new_running, empty_window(window.count.shape, window.count.dtype)
+    return new_running, empty_window(window.count.shape, window.count.dtype, window.mean.dtype)
 
 
 def pool_windows(shifts: list[Array], windows: list[Window], axis_name: str) -> list[Window]:
     """Pools every layer's window across ``axis_name`` with a single ``psum``.
 
-    Each window is summarized by shifted sums ``(n, n * (mean - s), M2 + n * (mean - s)^2)``
+    Each window is summarized by shifted sums ``(n, n * (mean - s), M2 + n * |mean - s|^2)``
     with a shift ``s`` equal on every device (the running mean), so they add exactly; all
-    layers' sums travel in one flat array, i.e. one all-reduce.
+    layers' sums travel in one flat array (complex if any mean is), i.e. one all-reduce.
 
     Args:
       shifts: per layer, an array equal on every device (the running mean).
@@ -449,19 +524,21 @@ def pool_windows(shifts: list[Array], windows: list[Window], axis_name: str) -> 
     parts: list[Array] = []
     for shift, window in zip(shifts, windows, strict=True):
         delta = window.mean - shift.astype(window.mean.dtype)
-        parts += [window.count, window.count * delta, window.m2 + window.count * lax.square(delta)]
+        parts += [window.count, window.count * delta, window.m2 + window.count * abs_sq(delta)]
     dtype = jnp.result_type(*parts)
     flat = lax.psum(jnp.concatenate([p.astype(dtype).ravel() for p in parts]), axis_name)
     sums, offset = [], 0
     for part in parts:
-        sums.append(flat[offset : offset + part.size].reshape(part.shape).astype(part.dtype))
+        value = flat[offset : offset + part.size].reshape(part.shape)
+        sums.append((value if jnp.iscomplexobj(part) else jnp.real(value)).astype(part.dtype))
         offset += part.size
     pooled = []
     for i, (shift, window) in enumerate(zip(shifts, windows, strict=True)):
         count, s1, s2 = sums[3 * i : 3 * i + 3]
         offset_mean = s1 / jnp.maximum(count, 1)
         mean = shift.astype(offset_mean.dtype) + offset_mean
-        pooled.append(Window(count, mean, jnp.maximum(s2 - s1 * offset_mean, 0), window.step))
+        m2 = jnp.maximum(s2 - jnp.real(s1 * jnp.conj(offset_mean)), 0)
+        pooled.append(Window(count, mean, m2, window.step))
     return pooled
 
 
@@ -493,7 +570,7 @@ def normalize_and_accumulate(
     collective over ``options.axis_name`` (which may not exist yet) and nothing is merged.
 
     Args:
-      x: the input, a real floating-point array.
+      x: the input, a real or complex floating-point array.
       mask: None, or a boolean array broadcastable to ``x``: only True positions count.
       feature_axes: canonical feature axes of ``x`` (see :func:`canonical_axes`).
       options: the layer's hyperparameters.
@@ -530,7 +607,7 @@ def normalize_and_accumulate(
             options.axis_index_groups,
             options.use_fast_variance,
         )
-        mean, var = moments.mean.astype(dtype), moments.var.astype(dtype)
+        mean, var = moments.mean.astype(dtype), moments.var.astype(jnp.finfo(dtype).dtype)
         if not initializing:
             if window is None:
                 raise ValueError("a training-mode call needs the window accumulators.")

@@ -16,13 +16,16 @@ References:
 """
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.module import first_from
-from flax.typing import Array, Axes, Dtype, Initializer
+from flax.nnx.nn import dtypes
+from flax.typing import Array, Axes, Dtype, Initializer, PromoteDtypeFn
 from jax.nn import initializers
 
 from accumjax._batch_norm_math import (
@@ -120,13 +123,29 @@ class AccumBatchNorm(nnx.Module):
       axis_name: the ``pmap``/``shard_map`` axis name over which to pool each call's
         statistics.
       axis_index_groups: groups of indices within ``axis_name`` to pool separately.
-      use_fast_variance: if True, compute the variance as ``E[x^2] - E[x]^2``.
-      force_float32_reductions: if True (default), statistics are computed and stored
-        in at least float32; if False, the running ``mean``/``var`` use ``param_dtype``
-        (as in the linen layer). Sums and accumulators are at least float32 either way.
+      use_fast_variance: if True, compute the variance as ``E[|x|^2] - |E[x]|^2``.
+      promote_dtype: as in ``nnx.BatchNorm``: called as
+        ``promote_dtype((x, mean, var, scale, bias), dtype=dtype)`` on every call, it
+        returns them promoted (by default all cast to ``dtype``, or to their common
+        dtype when ``dtype`` is None); the statistics are computed from the promoted
+        ``x`` and an evaluation normalizes with the promoted ``mean``/``var``.
+      rngs: the random number generators for the parameter initializers.
+      bias_metadata: metadata of the ``bias`` ``nnx.Param`` (as in ``nnx.BatchNorm``).
+      scale_metadata: metadata of the ``scale`` ``nnx.Param``.
+      force_float32_reductions: if True (default, what ``nnx.BatchNorm`` does),
+        statistics are computed and stored in at least float32; if False, the running
+        ``mean``/``var`` use ``param_dtype`` (as in the linen layer). Sums and
+        accumulators are at least float32 either way.
       accum_steps: None (the train step closes the window) or the number of
         training-mode calls per window (an int >= 1; the layer closes it).
-      rngs: the random number generators for the parameter initializers.
+
+    The arguments up to ``scale_metadata`` are ``nnx.BatchNorm``'s, in its order and with
+    its defaults. With ``accum_steps=1`` (and no ``axis_name``) the outputs and
+    ``mean``/``var`` are ``nnx.BatchNorm``'s bit for bit, eager or under ``nnx.jit``,
+    masked or not, for float32, float16 and bfloat16 inputs with ``dtype`` None or the
+    input's (tested on CPU). A complex input gives ``nnx.BatchNorm``'s training outputs
+    and ``var``; the running ``mean`` and ``acc_mean`` become complex on the first training
+    call, as ``flax.linen.BatchNorm``'s mean does (``nnx.BatchNorm`` keeps its real part).
 
     References:
       Ioffe & Szegedy (2015); Chan, Golub & LeVeque (1979).
@@ -144,14 +163,17 @@ class AccumBatchNorm(nnx.Module):
         param_dtype: Dtype = jnp.float32,
         use_bias: bool = True,
         use_scale: bool = True,
-        bias_init: Initializer = initializers.zeros,
+        bias_init: Initializer = initializers.zeros,  # nnx's zeros_init(), the same function
         scale_init: Initializer = initializers.ones,
         axis_name: str | None = None,
         axis_index_groups: Any = None,
         use_fast_variance: bool = True,
+        promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+        rngs: nnx.Rngs,
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
         force_float32_reductions: bool = True,
         accum_steps: int | None = None,
-        rngs: nnx.Rngs,
     ) -> None:
         """Creates the parameters and batch statistics (see the class docstring)."""
         check_config(accum_steps, momentum, epsilon)
@@ -170,12 +192,14 @@ class AccumBatchNorm(nnx.Module):
             else float(momentum)
         )
         self.scale: nnx.Param | None = (
-            nnx.Param(scale_init(rngs.params(), shape, param_dtype))
+            nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
             if use_scale
             else nnx.data(None)
         )
         self.bias: nnx.Param | None = (
-            nnx.Param(bias_init(rngs.params(), shape, param_dtype)) if use_bias else nnx.data(None)
+            nnx.Param(bias_init(rngs.params(), shape, param_dtype), **bias_metadata)
+            if use_bias
+            else nnx.data(None)
         )
         self.num_features = num_features
         self.use_running_average = use_running_average
@@ -183,9 +207,12 @@ class AccumBatchNorm(nnx.Module):
         self.epsilon = epsilon
         self.dtype = dtype
         self.param_dtype = param_dtype
+        self.use_bias = use_bias
+        self.use_scale = use_scale
         self.axis_name = axis_name
         self.axis_index_groups = axis_index_groups
         self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
         self.force_float32_reductions = force_float32_reductions
         self.accum_steps = accum_steps
 
@@ -232,6 +259,13 @@ class AccumBatchNorm(nnx.Module):
             """The variable's value in the input's feature shape (a no-op when equal)."""
             return variable[...].reshape(shape)
 
+        scale = None if self.scale is None else view(self.scale)
+        bias = None if self.bias is None else view(self.bias)
+        # As nnx.BatchNorm: everything promoted; training updates the stored statistics.
+        x, mean, var, scale, bias = self.promote_dtype(
+            (x, view(self.mean), view(self.var), scale, bias), dtype=self.dtype
+        )
+        running = Running(mean, var) if use_running_average else Running(*map(view, running_vars))
         y, new_running, new_window = normalize_and_accumulate(
             x,
             mask,
@@ -247,12 +281,12 @@ class AccumBatchNorm(nnx.Module):
                 axis_index_groups=self.axis_index_groups,
                 use_fast_variance=self.use_fast_variance,
             ),
-            Running(view(self.mean), view(self.var)),
+            running,
             Window(
                 view(self.acc_count), view(self.acc_mean), view(self.acc_m2), self.acc_step[...]
             ),
-            None if self.scale is None else view(self.scale),
-            None if self.bias is None else view(self.bias),
+            scale,
+            bias,
             use_running_average=bool(use_running_average),
         )
         if use_running_average and self.accum_steps is None:
@@ -263,7 +297,8 @@ class AccumBatchNorm(nnx.Module):
                 (*running_vars, *window_vars), (*new_running, *new_window), strict=True
             ):
                 value = value.reshape(jnp.shape(variable[...]))
-                variable[...] = jax.lax.stop_gradient(value)
+                # set_value, not [...] =, so that a complex input's mean becomes complex.
+                variable.set_value(jax.lax.stop_gradient(value))
         return y
 
     def set_view(self, use_running_average: bool | None = None) -> None:

@@ -465,8 +465,8 @@ def test_rejects_bad_inputs():
             AccumBatchNorm(epsilon=epsilon)
     x = jnp.ones((4, 3))
     bn = AccumBatchNorm(use_running_average=False)
-    with pytest.raises(TypeError, match="floating-point"):
-        bn.init(jax.random.key(0), x.astype(jnp.complex64))
+    with pytest.raises(TypeError, match="floating-point"):  # complex is accepted, ints not
+        bn.init(jax.random.key(0), x.astype(jnp.int32))
     with pytest.raises(ValueError, match="does not broadcast"):
         bn.init(jax.random.key(0), x, mask=jnp.ones((4, 2), bool))
     with pytest.raises(ValueError, match="out of range"):
@@ -859,3 +859,175 @@ def test_sync_batch_norm_refuses_self_closing_layers():
     opt_state = accumjax.accumulate(optax.sgd(0.1), 4).init({"w": jnp.zeros(1)})
     with pytest.raises(ValueError, match=r"accum_steps=K.*accum_steps=None"):
         accumjax.sync_batch_norm(stats, stats, opt_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# accum_steps=1 is BatchNorm bit for bit; complex inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _complex_microbatches(seed: int, steps: int, shape: tuple[int, ...]) -> np.ndarray:
+    """complex64 microbatches whose real and imaginary parts both vary a lot between them."""
+    real, imag = _microbatches(seed, steps, shape), _microbatches(seed + 1, steps, shape)
+    return (real + 1j * imag).astype(np.complex64)
+
+
+def _ours_and_batchnorm(data, masks, *, jit: bool, fast: bool, dtype=None) -> list[list[Any]]:
+    """AccumBatchNorm(accum_steps=1) and BatchNorm trained side by side: per layer, every
+    call's output, mean and var, then an evaluation output."""
+    kwargs = dict(
+        momentum=MOMENTUM,
+        dtype=dtype,
+        use_fast_variance=fast,
+        scale_init=nn.initializers.normal(),
+        bias_init=nn.initializers.normal(),
+    )
+    results = []
+    for module in (AccumBatchNorm(accum_steps=1, **kwargs), nn.BatchNorm(**kwargs)):
+        variables = _init(module, data[0])
+
+        def step(v, x, mask, module=module):
+            return module.apply(v, x, use_running_average=False, mask=mask, mutable=["batch_stats"])
+
+        step = jax.jit(step) if jit else step
+        values = []
+        for x, mask in zip(data, masks, strict=True):
+            y, updates = step(variables, x, mask)
+            variables = {**variables, **updates}
+            values += [y, updates["batch_stats"]["mean"], updates["batch_stats"]["var"]]
+        values.append(module.apply(variables, data[0], use_running_average=True))
+        results.append(values)
+    return results
+
+
+def _assert_bit_for_bit(data, rng, dtype=None):
+    """AccumBatchNorm(accum_steps=1) equals BatchNorm bit for bit: eager and under jit,
+    unmasked and masked, fast and centred variance."""
+    masks = rng.random(data.shape) < 0.7
+    for jit in (False, True):
+        for masked in (False, True):
+            for fast in (True, False):
+                ours, theirs = _ours_and_batchnorm(
+                    data, masks if masked else [None] * len(data), jit=jit, fast=fast, dtype=dtype
+                )
+                for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+                    where = f"jit={jit} masked={masked} fast={fast} value {i}"
+                    assert a.dtype == b.dtype, where
+                    np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "layer_dtype"),
+    [
+        (jnp.float32, None),
+        (jnp.float16, None),
+        (jnp.bfloat16, None),
+        (jnp.float16, jnp.float16),
+        (jnp.bfloat16, jnp.bfloat16),
+    ],
+    ids=["float32", "float16", "bfloat16", "float16_dtype", "bfloat16_dtype"],
+)
+def test_accum_steps_one_is_batchnorm_bit_for_bit(dtype, layer_dtype):
+    # 5 rows of 10 features: before, 14 of BatchNorm's 50 evaluation outputs were one
+    # rounding step away, from two roundings of ours: a division of the sums by an array
+    # count (jnp.mean's constant count becomes a multiplication by 1 / count in XLA) and a
+    # select after the momentum blend (which XLA compiled unlike BatchNorm's blend).
+    data = jnp.asarray(_microbatches(30, 3, (5, 10)), dtype)
+    x = data[0].astype(jnp.float32)
+    assert np.any(jnp.sum(x, 0) / jnp.full(10, 5.0) != jnp.mean(x, 0))  # they differ here
+    _assert_bit_for_bit(data, np.random.default_rng(31), layer_dtype)
+
+
+def test_complex_inputs_with_accum_steps_one_match_batchnorm_bit_for_bit():
+    # BatchNorm normalizes a complex input with its complex mean and the real variance
+    # E|x - mean|^2, and its running mean turns complex64; ours does the same arithmetic.
+    data = _complex_microbatches(32, 3, (5, 10))
+    _assert_bit_for_bit(data, np.random.default_rng(33))
+    accum = AccumBatchNorm(accum_steps=1)
+    stats = _init(accum, data[0])["batch_stats"]
+    # Declared complex from init, so the statistics keep their dtypes in a loop carry.
+    assert stats["mean"].dtype == stats["acc_mean"].dtype == jnp.complex64
+    assert stats["var"].dtype == stats["acc_m2"].dtype == stats["acc_count"].dtype == jnp.float32
+
+
+def _np_complex_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 mean and population variance E|x - mean|^2 over all but the last axis."""
+    x = np.asarray(x, np.complex128).reshape(-1, x.shape[-1])
+    mean = x.mean(0)
+    return mean, (np.abs(x - mean) ** 2).mean(0)
+
+
+@pytest.mark.parametrize("accum_steps", [None, 4], ids=["step_driven", "self_closing"])
+def test_complex_window_equals_batchnorm_on_concatenated_batch(accum_steps):
+    steps, shape = 4, (6, 3)
+    data = _complex_microbatches(34, steps, shape)
+    accum = AccumBatchNorm(accum_steps=accum_steps, momentum=MOMENTUM)
+    _, history = _train(accum, _init(accum, data[0]), data)
+    stats = history[-1]
+    if accum_steps is None:
+        assert int(stats["acc_step"]) == steps and not np.any(stats["mean"])
+        stats = jax.jit(close_batch_norm_windows)(stats, jnp.array(True))
+    assert stats["mean"].dtype == stats["acc_mean"].dtype == jnp.complex64
+    assert stats["var"].dtype == jnp.float32 and not np.any(stats["acc_count"])
+
+    flax_bn = nn.BatchNorm(momentum=MOMENTUM)
+    whole = data.reshape(1, -1, shape[-1])
+    _, flax_history = _train(flax_bn, _init(flax_bn, whole[0]), whole)
+    mean, var = _np_complex_stats(data)
+    for name, ref in (("mean", (1 - MOMENTUM) * mean), ("var", MOMENTUM + (1 - MOMENTUM) * var)):
+        # float32 sums, as in the real tests: RTOL covers their rounding.
+        _assert_close(stats[name], flax_history[0][name])
+        _assert_close(stats[name], ref)
+    # Without |delta|^2 (the spread of the complex microbatch means) the variance is far off.
+    within = np.mean([_np_complex_stats(x)[1] for x in data], axis=0)
+    assert not np.allclose(MOMENTUM + (1 - MOMENTUM) * within, stats["var"], rtol=1e-2)
+
+
+class _ComplexAndRealNorms(nn.Module):
+    """A step-driven norm of a complex input beside one of a real input."""
+
+    @nn.compact
+    def __call__(self, x, use_running_average=False):
+        a = AccumBatchNorm(momentum=MOMENTUM)(x, use_running_average)
+        b = AccumBatchNorm(momentum=MOMENTUM)(jnp.abs(x), use_running_average)
+        return a + b
+
+
+def test_complex_windows_pool_across_devices_with_one_all_reduce():
+    devices, steps = 8, 3
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+    assert len(mesh.devices) == devices
+    data = _complex_microbatches(35, steps, (devices * 2, 3))
+    model = _ComplexAndRealNorms()
+    variables = _init(model, data[0])
+    params = variables["params"]
+
+    def window(stats, xs, axis_name):
+        for x in xs:
+            _, updates = model.apply(
+                {"params": params, "batch_stats": stats}, x, mutable=["batch_stats"]
+            )
+            stats = updates["batch_stats"]
+        return close_batch_norm_windows(stats, True, axis_name=axis_name)
+
+    single = jax.jit(partial(window, axis_name=None))(variables["batch_stats"], data)
+    sharded = jax.jit(
+        jax.shard_map(
+            partial(window, axis_name="data"),
+            mesh=mesh,
+            in_specs=(P(), P(None, "data")),
+            out_specs=P(),
+        )
+    )
+    compiled = sharded.lower(variables["batch_stats"], data).compile()
+    assert count_collectives(compiled)["all-reduce"] == 1  # complex and real, one all-reduce
+    pooled = compiled(variables["batch_stats"], data)
+    for layer in ("AccumBatchNorm_0", "AccumBatchNorm_1"):
+        for name in ("mean", "var"):
+            assert pooled[layer][name].dtype == single[layer][name].dtype
+            # Shifted per-device sums vs one-device sums: float32 rounding only.
+            _assert_close(pooled[layer][name], single[layer][name])
+    assert pooled["AccumBatchNorm_0"]["mean"].dtype == jnp.complex64
+    mean, var = _np_complex_stats(data)
+    _assert_close(pooled["AccumBatchNorm_0"]["mean"], (1 - MOMENTUM) * mean)
+    _assert_close(pooled["AccumBatchNorm_0"]["var"], MOMENTUM + (1 - MOMENTUM) * var)

@@ -4,12 +4,16 @@ References are flax.nnx.BatchNorm (on each microbatch for outputs, once on the c
 window for running statistics) and the linen layer's variable layout.
 """
 
+import inspect
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
 from accumjax.batch_norm import ACCUMULATOR_NAMES, close_batch_norm_windows
 from accumjax.batch_norm import AccumBatchNorm as LinenAccumBatchNorm
@@ -405,3 +409,117 @@ def test_sync_batch_norm_refuses_a_live_view_as_old_stats():
     live = nnx.state(model, nnx.BatchStat)
     with pytest.raises(ValueError, match="live view"):
         accumjax.sync_batch_norm(nnx.state(model, nnx.BatchStat), live, opt_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# nnx.BatchNorm's constructor, dtypes and complex inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_constructor_takes_every_nnx_batchnorm_argument():
+    theirs = inspect.signature(nnx.BatchNorm.__init__).parameters
+    ours = inspect.signature(AccumBatchNorm.__init__).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)  # nnx's order; accumjax's own after
+    for name, param in theirs.items():
+        assert (ours[name].kind, ours[name].default) == (param.kind, param.default), name
+    seen = []
+
+    def promote(args, *, dtype=None):
+        seen.append((tuple(None if a is None else a.dtype for a in args), dtype))
+        return nnx_dtypes.promote_dtype(args, dtype=dtype)
+
+    layer = AccumBatchNorm(
+        FEATURES,
+        dtype=jnp.bfloat16,
+        promote_dtype=promote,
+        bias_metadata={"tag": "bias"},
+        scale_metadata={"tag": "scale"},
+        rngs=nnx.Rngs(0),
+    )
+    assert layer.bias.get_metadata()["tag"] == "bias"
+    assert layer.scale.get_metadata()["tag"] == "scale"
+    assert layer.promote_dtype is promote and layer.use_bias and layer.use_scale
+    y = layer(jnp.ones((2, FEATURES)))
+    # Called as nnx.BatchNorm calls it: (x, mean, var, scale, bias) and the layer's dtype.
+    assert seen == [((jnp.float32,) * 5, jnp.bfloat16)] and y.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("layer_dtype", [None, "input"], ids=["dtype_None", "dtype_input"])
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_accum_steps_one_matches_nnx_batchnorm_bit_for_bit(x_dtype, layer_dtype):
+    # Exactly, as the linen layer matches flax.linen.BatchNorm (test_batch_norm.py's
+    # test_accum_steps_one_is_batchnorm_bit_for_bit): the same promote_dtype, jnp.mean calls
+    # and update expression, so XLA compiles the same arithmetic. Before, the missing
+    # promote_dtype (x, scale and bias, and in evaluation mean and var, cast to dtype first)
+    # put outputs up to 2 half-precision steps away, and statistics up to 64 float32 steps.
+    dtype = x_dtype if layer_dtype == "input" else None
+    data = jnp.asarray(_microbatches(9, 3), x_dtype)
+    masks = np.random.default_rng(10).random(data.shape) < 0.7
+    kwargs = dict(momentum=MOMENTUM, dtype=dtype, scale_init=nnx.initializers.normal())
+    for jit in (False, True):
+        for masked in (False, True):
+            ours = AccumBatchNorm(FEATURES, accum_steps=1, rngs=nnx.Rngs(4), **kwargs)
+            theirs = nnx.BatchNorm(FEATURES, rngs=nnx.Rngs(4), **kwargs)
+            call = lambda layer, x, m: layer(x, mask=m)
+            call = nnx.jit(call) if jit else call
+            for x, mask in zip(data, masks if masked else [None] * len(data), strict=True):
+                pairs = [(call(ours, x, mask), call(theirs, x, mask))]
+                pairs += [(getattr(ours, n)[...], getattr(theirs, n)[...]) for n in ("mean", "var")]
+                ours.eval(), theirs.eval()
+                pairs.append((call(ours, x, None), call(theirs, x, None)))
+                ours.train(), theirs.train()
+                for i, (value, expected) in enumerate(pairs):
+                    where = f"jit={jit} masked={masked} value {i}"
+                    assert value.dtype == expected.dtype, where
+                    np.testing.assert_array_equal(value, expected, err_msg=where)
+
+
+def _complex_microbatches(seed: int, steps: int, rows: int = 8) -> np.ndarray:
+    real, imag = _microbatches(seed, steps, rows), _microbatches(seed + 1, steps, rows)
+    return (real + 1j * imag).astype(np.complex64)
+
+
+def test_complex_inputs_match_nnx_batchnorm_outputs_and_linen_statistics():
+    data = _complex_microbatches(10, 3)
+    kwargs = dict(momentum=MOMENTUM, scale_init=nnx.initializers.normal())
+    ours = AccumBatchNorm(FEATURES, accum_steps=1, rngs=nnx.Rngs(5), **kwargs)
+    theirs = nnx.BatchNorm(FEATURES, rngs=nnx.Rngs(5), **kwargs)
+    linen = nn.BatchNorm(**kwargs)
+    variables = linen.init(jax.random.key(0), data[0], use_running_average=False)
+    variables["params"] = {"scale": ours.scale[...], "bias": ours.bias[...]}
+    for x in data:
+        y = ours(x)
+        with warnings.catch_warnings():  # nnx.BatchNorm drops the running mean's imaginary part
+            warnings.simplefilter("ignore")
+            expected = theirs(x)
+        linen_y, upd = linen.apply(variables, x, use_running_average=False, mutable=["batch_stats"])
+        variables = {**variables, **upd}
+        assert y.dtype == expected.dtype == jnp.complex64
+        np.testing.assert_array_equal(y, expected)  # the same arithmetic: the same bits
+        np.testing.assert_array_equal(y, linen_y)
+        # The running mean is complex, as flax.linen.BatchNorm's; the variance real.
+        assert ours.mean[...].dtype == ours.acc_mean[...].dtype == jnp.complex64
+        np.testing.assert_array_equal(ours.mean[...], variables["batch_stats"]["mean"])
+        np.testing.assert_array_equal(ours.var[...], variables["batch_stats"]["var"])
+        np.testing.assert_array_equal(ours.var[...], theirs.var[...])
+    assert np.any(ours.mean[...].imag)
+
+
+@pytest.mark.parametrize("accum_steps", [None, 3], ids=["step_driven", "self_closing"])
+def test_complex_window_matches_linen(accum_steps):
+    steps = 3
+    data = _complex_microbatches(11, 2 * steps)
+    kwargs = dict(momentum=MOMENTUM, accum_steps=accum_steps)
+    linen = LinenAccumBatchNorm(scale_init=nnx.initializers.normal(), **kwargs)
+    variables = linen.init(jax.random.key(6), data[0], use_running_average=False)
+    layer = AccumBatchNorm(FEATURES, rngs=nnx.Rngs(0), **kwargs)
+    _copy_params(layer, variables)
+
+    close = accum_steps is None
+    windows = list(data.reshape(2, steps, *data.shape[1:])) if close else data
+    expected, linen_stats = _linen_run(linen, variables, windows, close=close)
+    outputs, nnx_stats = _nnx_run(layer, windows, close=close)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(ours, theirs)  # same ops, same order: same bits
+    _assert_equal_stats(nnx_stats, linen_stats)  # complex mean and acc_mean, real var
+    assert nnx_stats["mean"].dtype == jnp.complex64 and np.any(nnx_stats["mean"].imag)
