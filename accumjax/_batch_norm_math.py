@@ -113,10 +113,7 @@ class Window(NamedTuple):
 
 
 class BatchNormOptions(NamedTuple):
-    """The hyperparameters of one layer that :func:`normalize_and_accumulate` reads.
-
-    The fields mean what the layers' attributes of the same names mean.
-    """
+    """The hyperparameters :func:`normalize_and_accumulate` reads, named as the layers' own."""
 
     accum_steps: int | None = None
     momentum: Any = 0.99
@@ -127,6 +124,11 @@ class BatchNormOptions(NamedTuple):
     axis_name: str | None = None
     axis_index_groups: Any = None
     use_fast_variance: bool = True
+
+    @classmethod
+    def of(cls, layer: Any, momentum: Any) -> BatchNormOptions:
+        """``layer``'s options (linen or NNX): its attributes, ``momentum`` as it holds it."""
+        return cls(**{n: momentum if n == "momentum" else getattr(layer, n) for n in cls._fields})
 
 
 # ---------------------------------------------------------------------------------------------

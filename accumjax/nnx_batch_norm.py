@@ -270,17 +270,7 @@ class AccumBatchNorm(nnx.Module):
             x,
             mask,
             feature_axes,
-            BatchNormOptions(
-                accum_steps=self.accum_steps,
-                momentum=variable_value(self.momentum),
-                epsilon=self.epsilon,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                force_float32_reductions=self.force_float32_reductions,
-                axis_name=self.axis_name,
-                axis_index_groups=self.axis_index_groups,
-                use_fast_variance=self.use_fast_variance,
-            ),
+            BatchNormOptions.of(self, variable_value(self.momentum)),
             running,
             Window(
                 view(self.acc_count), view(self.acc_mean), view(self.acc_m2), self.acc_step[...]
