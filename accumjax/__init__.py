@@ -53,7 +53,7 @@ from accumjax.planner import (
     plan_microbatches_for,
     scan_step_for_k,
 )
-from accumjax.train_state import TrainState
+from accumjax.train_state import TrainState, with_mode
 from accumjax.train_step import make_train_step
 
 __version__ = "0.1.0"
@@ -99,4 +99,5 @@ __all__ = [
     "unreplicate",
     "unscale_grads",
     "with_every_k",
+    "with_mode",
 ]

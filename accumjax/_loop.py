@@ -194,6 +194,29 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     return config._replace(axis_name=setup.axis_name), owned
 
 
+def _check_layout(mode: str, acc: AccumulationState) -> AccumulationState:
+    """``acc`` if it is laid out for ``mode`` (an accumulator in stream mode, none in scan
+    mode: `accumjax.TrainState.create`'s ``mode``), else a clear error."""
+    grad_sum = acc.window.grad_sum
+    if mode == "stream" and grad_sum is None:
+        raise ValueError(
+            "make_train_step(mode='stream') was given a state built for scan mode "
+            "(state.opt_state.window.grad_sum is None): stream mode keeps the open window's "
+            "sum between calls. Build the state with TrainState.create(..., mode='stream') "
+            "(the default), or convert it with accumjax.with_mode(state, 'stream')."
+        )
+    if mode == "scan" and grad_sum is not None:
+        size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(grad_sum))
+        raise ValueError(
+            "make_train_step(mode='scan') was given a state that holds a stream-mode "
+            f"accumulator (state.opt_state.window.grad_sum, {size:,} bytes) that scan mode "
+            "never reads. Build the state with TrainState.create(..., mode='scan') "
+            "(nnx_train_state(..., mode='scan') for NNX), or convert one you have (e.g. an "
+            "accumjax 0.2 checkpoint) with accumjax.with_mode(state, 'scan')."
+        )
+    return acc
+
+
 def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationState]:
     """The step's `Context` and its `AccumulationState` (a fresh one for a plain optimizer).
 
@@ -203,7 +226,7 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     config, owned = _config(setup, state)
     check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
     if owned:
-        acc = check_state(config, state.opt_state)
+        acc = _check_layout(setup.mode, check_state(config, state.opt_state))
     else:
         acc = init_state(config, state.params, state.opt_state)
     loss_scale = state.loss_scale if setup.f16 else None
@@ -337,9 +360,16 @@ def finish(
 
 
 def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
-    """The loop carry a step starts from: the state's window and model state, no loss yet."""
+    """The loop carry a step starts from: the state's window and model state, no loss yet.
+
+    A scan-mode state holds no accumulator; the loop's own is made here, inside the step
+    (`accumjax.train_state.opt_state_for`)."""
     zero = jnp.zeros((), jnp.float32)
-    return Carry(acc.window, state.model_state, zero, zero)
+    window = acc.window
+    if window.grad_sum is None:
+        dtype = cast(Config, config_of(state.tx)).policy.accumulator_dtype
+        window = window._replace(grad_sum=window_lib.init_window(state.params, dtype).grad_sum)
+    return Carry(window, state.model_state, zero, zero)
 
 
 def stream_step(setup: Setup) -> Step:

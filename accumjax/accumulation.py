@@ -127,6 +127,14 @@ def _check_params(params: Any) -> None:
 
 
 def _check_grads(grads: Any, acc: Any) -> None:
+    if acc is None:
+        raise ValueError(
+            "this AccumulationState has no accumulator: it was built for "
+            "make_train_step(mode='scan') (TrainState.create(..., mode='scan')), whose window "
+            "opens and closes inside one call. Feeding microbatches one by one needs the "
+            "accumulator: TrainState.create(..., mode='stream') (the default), tx.init(params), "
+            "or accumjax.with_mode(state, 'stream')."
+        )
     expected, got = jax.tree.structure(acc), jax.tree.structure(grads)
     if got != expected:
         raise ValueError(
@@ -318,14 +326,20 @@ def with_every_k(tx: optax.GradientTransformation, every_k: int | Schedule) -> A
     return _transformation(config._replace(every_k=_check_every_k(every_k)))
 
 
-def init_state(config: Config, params: Any, inner_tx_state: Any = None) -> AccumulationState:
+def init_state(
+    config: Config, params: Any, inner_tx_state: Any = None, *, accumulator: bool = True
+) -> AccumulationState:
     """A fresh `AccumulationState` for ``params``: an empty window like the parameters, and
-    ``inner_tx_state`` (by default ``config.inner.init(params)``)."""
+    ``inner_tx_state`` (by default ``config.inner.init(params)``).
+
+    ``accumulator=False`` leaves the window's sum out (``grad_sum=None``): the state of
+    `accumjax.make_train_step`'s scan mode, whose accumulator lives inside the step."""
     update_count = jnp.zeros((), jnp.int32)
     zero_f = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: donatable
     zero_i = lambda: jnp.zeros((), jnp.int32)
+    window = window_lib.init_window(params if accumulator else None, config.policy.accumulator_dtype)
     return AccumulationState(
-        window=window_lib.init_window(params, config.policy.accumulator_dtype),
+        window=window,
         every_k=config.k_at(update_count),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.policy.scaling), jnp.int32),
         update_count=update_count,

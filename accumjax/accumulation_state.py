@@ -85,8 +85,9 @@ class AccumulationStats(NamedTuple):
       num_nonfinite: how many.
       skipped_microbatches: microbatches left out of their window (open window included).
       skipped_windows: windows closed without an update.
-      num_parameters: number of scalars accumulated (a Python int).
-      memory_bytes: bytes held by the accumulator (a Python int).
+      num_parameters: number of scalars the state's accumulator holds (a Python int; 0
+        for a scan-mode state, whose accumulator lives inside the step).
+      memory_bytes: bytes held by the state's accumulator (a Python int; 0 in scan mode).
     """
 
     accumulation_steps: jax.Array
@@ -160,7 +161,8 @@ def accumulated_gradients(state: Any) -> Any:
       state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
 
     Returns:
-      A pytree like the parameters.
+      A pytree like the parameters (``None`` for a scan-mode state, which holds no open
+      window).
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax

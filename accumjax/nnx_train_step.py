@@ -87,6 +87,7 @@ def nnx_train_state(
     tx: optax.GradientTransformation,
     *,
     loss_scale: DynamicLossScale | None = None,
+    mode: str = "stream",
 ) -> NNXTrainState:
     """Splits ``model`` into a train state: ``nnx.split(model, nnx.Param, ...)``.
 
@@ -100,9 +101,11 @@ def nnx_train_state(
       tx: the optimizer of the ``nnx.Param`` variables, usually
         ``accumjax.accumulate(inner, K)`` (K is stated once, here).
       loss_scale: a dynamic loss scale for ``mixed_precision="float16"``.
+      mode: the train step's mode, ``"stream"`` or ``"scan"`` (a scan-mode state holds no
+        accumulator; see :meth:`accumjax.TrainState.create`).
 
     Returns:
-      An :class:`NNXTrainState` with ``step == 0`` and ``opt_state = tx.init(params)``.
+      An :class:`NNXTrainState` with ``step == 0`` and the optimizer state for ``mode``.
 
     Example:
       >>> import optax, accumjax
@@ -123,6 +126,7 @@ def nnx_train_state(
         tx=tx,
         model_state=_copy(model_state),
         loss_scale=loss_scale,
+        mode=mode,
         graphdef=graphdef,
     )
     return cast(NNXTrainState, state)

@@ -48,7 +48,7 @@ import numpy as np
 from accumjax._checks import check_int
 from accumjax.accumulation import accumulate, config_of, with_every_k
 from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
-from accumjax.train_state import TrainState
+from accumjax.train_state import TrainState, opt_state_for
 from accumjax.train_step import make_train_step
 
 __all__ = [
@@ -282,10 +282,9 @@ def scan_step_for_k(
       ``(step, state_k)``: ``step`` is ``make_train_step(loss_fn, mode="scan", ...)`` (or
       ``make_nnx_train_step``), called as ``step(state_k, batch[, rng])`` with the whole
       batch (it splits it into K microbatches); ``state_k`` is ``state`` with the rebuilt
-      ``tx`` and an abstract ``opt_state`` (``jax.ShapeDtypeStruct`` leaves, from
-      ``jax.eval_shape(tx.init, params)``): enough to ``step.lower(state_k, batch[, rng])``;
-      to run the step, initialise it first:
-      ``state_k.replace(opt_state=state_k.tx.init(state_k.params))``.
+      ``tx`` and an abstract scan-mode ``opt_state`` (``jax.ShapeDtypeStruct`` leaves, no
+      accumulator): enough to ``step.lower(state_k, batch[, rng])``; to run the step,
+      build the state for it: ``TrainState.create(..., tx=state_k.tx, mode="scan")``.
 
     Raises:
       TypeError: ``state`` is not a train state, ``k`` is not an integer, or
@@ -302,7 +301,8 @@ def scan_step_for_k(
       >>> step, state_4 = scan_step_for_k(loss_fn, state, 4)
       >>> compiled_memory_bytes(step.lower(state_4, batch).compile()) > 0
       True
-      >>> state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+      >>> state_4 = accumjax.TrainState.create(
+      ...     apply_fn=None, params=params, tx=state_4.tx, mode="scan")
       >>> new_state, metrics = step(state_4, batch)
       >>> int(new_state.step)  # one window of 4 microbatches: one update
       1
@@ -313,7 +313,7 @@ def scan_step_for_k(
         if name in make_train_step_kwargs:
             raise TypeError(f"scan_step_for_k sets {name}; do not pass {name}=.")
     tx = with_every_k(state.tx, k) if config_of(state.tx) else accumulate(state.tx, k)
-    opt_state = jax.eval_shape(tx.init, state.params)
+    opt_state = jax.eval_shape(lambda p: opt_state_for(tx, p, "scan"), state.params)
     build = make_nnx_train_step if isinstance(state, NNXTrainState) else make_train_step
     step = build(loss_fn, mode="scan", **make_train_step_kwargs)
     return step, state.replace(tx=tx, opt_state=opt_state)

@@ -13,14 +13,20 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from flax.training import train_state
 
+from accumjax import window as window_lib
+from accumjax._checks import check_choice
+from accumjax.accumulation import config_of, init_state
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
-__all__ = ["TrainState", "count_update"]
+__all__ = ["MODES", "TrainState", "count_update", "opt_state_for", "with_mode"]
+
+MODES = ("stream", "scan")
 
 
 class TrainState(train_state.TrainState):
@@ -48,9 +54,16 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         model_state: Any = None,
         loss_scale: DynamicLossScale | None = None,
+        mode: str = "stream",
         **kwargs: Any,
     ) -> TrainState:
-        """Creates a state with ``step == 0`` and ``opt_state = tx.init(params)``.
+        """Creates a state with ``step == 0`` and the optimizer state for ``mode``.
+
+        ``mode`` is the train step's (``make_train_step(loss_fn, mode=...)``), which
+        refuses a state made for the other: a stream-mode state keeps the open window's
+        sum between calls (``opt_state = tx.init(params)``, one parameter-sized
+        accumulator); a scan-mode window opens and closes inside one call, so its state
+        holds no accumulator (`opt_state_for`).
 
         Args:
           apply_fn: usually ``model.apply`` (kept for convenience; the step never calls it,
@@ -60,6 +73,7 @@ class TrainState(train_state.TrainState):
             a window of one microbatch).
           model_state: non-trainable collections, e.g. ``{"batch_stats": ...}``.
           loss_scale: a dynamic loss scale for float16 training.
+          mode: ``"stream"`` (the default; also for ``apply_gradients``) or ``"scan"``.
           **kwargs: further fields of a subclass.
 
         Returns:
@@ -82,7 +96,7 @@ class TrainState(train_state.TrainState):
             apply_fn=cast(Callable[..., Any], apply_fn),  # None is fine: the step never calls it
             params=params,
             tx=tx,
-            opt_state=tx.init(params),
+            opt_state=opt_state_for(tx, params, mode),
             model_state=model_state,
             loss_scale=loss_scale,
             **kwargs,
@@ -117,6 +131,77 @@ class TrainState(train_state.TrainState):
             opt_state=opt_state,
             **kwargs,
         )
+
+
+def opt_state_for(tx: optax.GradientTransformation, params: Any, mode: str) -> Any:
+    """``tx.init(params)``, without the accumulator for an `accumjax.accumulate` in scan mode.
+
+    Args:
+      tx: the optimizer.
+      params: the parameters (arrays, or ``jax.ShapeDtypeStruct``s under ``jax.eval_shape``).
+      mode: ``"stream"`` or ``"scan"``.
+
+    Returns:
+      The optimizer state; a scan-mode `accumjax.AccumulationState` has
+      ``window.grad_sum=None``, and no parameter-sized buffer is allocated for it.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4)
+      >>> opt_state_for(tx, {"w": jnp.zeros(3)}, "scan").window.grad_sum is None
+      True
+    """
+    check_choice("mode", mode, MODES)
+    config = config_of(tx)
+    if config is None or mode == "stream":
+        return tx.init(params)
+    return init_state(config, params, accumulator=False)
+
+
+def with_mode(state: TrainState, mode: str) -> TrainState:
+    """``state`` laid out for another mode: the accumulator added (zeros) or dropped.
+
+    Use it for a state built for the other mode, e.g. a checkpoint of accumjax 0.2, whose
+    scan-mode states still held the accumulator: restore it as it was saved, then
+    ``with_mode(state, "scan")``. A window left open cannot move to scan mode (its partial
+    sum would be lost), so a state in the middle of a window is refused (when its
+    ``micro_step`` is concrete).
+
+    Args:
+      state: an `accumjax.TrainState` (or `accumjax.NNXTrainState`).
+      mode: ``"stream"`` or ``"scan"``.
+
+    Returns:
+      The state with ``opt_state.window.grad_sum`` zeros like the parameters (stream) or
+      ``None`` (scan); the same state when it already is so, or its optimizer is not an
+      `accumjax.accumulate`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> state = accumjax.TrainState.create(apply_fn=None, params={"w": jnp.zeros(3)},
+      ...                                    tx=accumjax.accumulate(optax.sgd(0.1), 4))
+      >>> accumjax.with_mode(state, "scan").opt_state.window.grad_sum is None
+      True
+    """
+    check_choice("mode", mode, MODES)
+    config, opt = config_of(state.tx), state.opt_state
+    if config is None or (opt.window.grad_sum is None) == (mode == "scan"):
+        return state
+    if mode == "stream":
+        dtype = config.policy.accumulator_dtype
+        grad_sum = window_lib.init_window(state.params, dtype).grad_sum
+        return state.replace(opt_state=opt._replace(window=opt.window._replace(grad_sum=grad_sum)))
+    try:  # concrete (a pmap-replicated state has one count per device)
+        open_window = bool(np.any(np.asarray(opt.window.micro_step) != 0))
+    except jax.errors.ConcretizationTypeError:
+        open_window = False
+    if open_window:
+        raise ValueError(
+            "with_mode(state, 'scan'): the state is in the middle of a window "
+            f"(opt_state.window.micro_step == {opt.window.micro_step}); its partial sum "
+            "would be lost. Finish the window in stream mode first."
+        )
+    return state.replace(opt_state=opt._replace(window=opt.window._replace(grad_sum=None)))
 
 
 def count_update(counter: jax.Array, applied: Any) -> jax.Array:

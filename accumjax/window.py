@@ -84,7 +84,8 @@ class Window(NamedTuple):
 
     Attributes:
       grad_sum: ``sum_i w_i * c_i * g_i`` over the added microbatches (``c_i`` the clip
-        factor), in the accumulator dtype, shaped and sharded like the parameters.
+        factor), in the accumulator dtype, shaped and sharded like the parameters; ``None``
+        in a scan-mode state, whose window opens and closes inside one call.
       weight_sum: sum of the added microbatches' weights (their count unless weighted),
         float32.
       micro_step: microbatches seen in this window, skipped ones included, int32.
