@@ -179,17 +179,19 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
         ),
         params,
     )
-    return empty_like(Window(grad_sum, *(jnp.zeros(()),) * 4))
+    count = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: donatable
+    return Window(grad_sum, jnp.zeros((), jnp.float32), count(), count(), count())
 
 
 def empty_like(window: Window) -> Window:
-    """``window`` emptied: zero sum (same dtypes and shardings) and counters."""
+    """``window`` emptied: zero sum and counters (same shapes, dtypes and shardings: a
+    per-device window keeps its device axis)."""
     return Window(
         grad_sum=jax.tree.map(jnp.zeros_like, window.grad_sum),
-        weight_sum=jnp.zeros((), jnp.float32),
+        weight_sum=jnp.zeros_like(window.weight_sum, jnp.float32),
         micro_step=jnp.zeros((), jnp.int32),
-        window_nonfinite=jnp.zeros((), jnp.int32),
-        window_skipped=jnp.zeros((), jnp.int32),
+        window_nonfinite=jnp.zeros_like(window.window_nonfinite, jnp.int32),
+        window_skipped=jnp.zeros_like(window.window_skipped, jnp.int32),
     )
 
 
@@ -260,6 +262,7 @@ def add_microbatch(
     weight: Any = None,
     params: Any = None,
     inspected: Microbatch | None = None,
+    reduce: Callable[[Any], Any] | None = None,
 ) -> tuple[Window, Microbatch]:
     """Adds one microbatch gradient to the window when it is usable.
 
@@ -271,6 +274,9 @@ def add_microbatch(
       params: the parameters, passed to ``policy.skip_fn``.
       inspected: the decision already taken by `inspect_microbatch` on this gradient, or
         None to inspect it here.
+      reduce: inside ``shard_map``, maps the microbatch's weighted (zero when skipped)
+        gradient before it is added: a per-microbatch reduce-scatter into the shards the
+        window keeps; None adds the gradient as it is.
 
     Returns:
       ``(window, microbatch)``: the new window and what was decided about the microbatch.
@@ -278,13 +284,23 @@ def add_microbatch(
     m = inspect_microbatch(policy, grads, weight, params) if inspected is None else inspected
     select = policy.detects or policy.skip_fn is not None or policy.scaling == "weighted"
 
-    def add(a: jax.Array, g: jax.Array) -> jax.Array:
+    def part(a: jax.Array, g: jax.Array) -> jax.Array:
         g = g.astype(a.dtype)
-        new = a + (g if m.factor is None else m.factor.astype(a.dtype) * g)
+        return g if m.factor is None else m.factor.astype(a.dtype) * g
+
+    def add(a: jax.Array, g: jax.Array) -> jax.Array:
+        new = a + part(a, g)
         return jnp.where(m.added, new, a) if select else new
 
+    if reduce is None:
+        grad_sum = jax.tree.map(add, window.grad_sum, grads)
+    else:
+        kept = lambda a, g: jnp.where(m.added, part(a, g), 0) if select else part(a, g)
+        grad_sum = jax.tree.map(
+            jnp.add, window.grad_sum, reduce(jax.tree.map(kept, window.grad_sum, grads))
+        )
     window = Window(
-        grad_sum=jax.tree.map(add, window.grad_sum, grads),
+        grad_sum=grad_sum,
         weight_sum=window.weight_sum + m.weight,
         micro_step=_count(window.micro_step, jnp.ones((), bool)),
         window_nonfinite=_count(window.window_nonfinite, m.nonfinite),
@@ -335,6 +351,9 @@ def first_microbatch(
     return window, m
 
 
+REDUCED = -1  # a `close_window` scatter entry: this leaf's sum is a reduced shard already
+
+
 def denominator(
     scaling: scaling_lib.Scaling, every_k: Any, weight_sum: jax.Array, devices: Any = 1
 ) -> jax.Array:
@@ -367,6 +386,7 @@ def _reduce_window(
     leaves, treedef = jax.tree.flatten(grad_sum)
     dims = [None] * len(leaves) if scatter is None else treedef.flatten_up_to(scatter)
     summed = [i for i, d in enumerate(dims) if d is None]
+    scattered = [i for i, d in enumerate(dims) if d is not None and d != REDUCED]
     dtypes = {jnp.dtype(leaves[i].dtype) for i in summed}
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
@@ -375,9 +395,10 @@ def _reduce_window(
     reduced, scalars = jax.lax.psum(([leaves[i] for i in summed], scalars), axis_name)
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
-    for i, d in enumerate(dims):
-        if d is not None:
-            leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=d, tiled=True)
+    for i in scattered:
+        leaves[i] = jax.lax.psum_scatter(
+            leaves[i], axis_name, scatter_dimension=dims[i], tiled=True
+        )
     scalars = scalars.astype(jnp.float32)
     counts = (scalars[1].astype(jnp.int32), scalars[2].astype(jnp.int32))
     return jax.tree.unflatten(treedef, leaves), scalars[0], counts
@@ -411,7 +432,8 @@ def close_window(
         one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
       scatter: with ``axis_name``, a pytree like the sum holding, for each leaf, the
         dimension its parameter is sharded on over ``axis_name`` (that leaf is
-        reduce-scattered: each device keeps its shard) or None (all-reduced); None for all.
+        reduce-scattered: each device keeps its shard), `REDUCED` (a shard reduced
+        already, microbatch by microbatch) or None (all-reduced); None for all.
 
     Returns:
       A `Closed`: ``apply`` is True when the weight sum is > 0, the scaled sum is finite
