@@ -6,6 +6,8 @@
 - one device, or scan mode under ``jit`` on sharded arrays (`sharded_scan_step`: the
   microbatch loop and the window's one reduction run in a ``shard_map`` built from the arrays'
   own shardings, `accumjax.sharded`; the update runs in the global view);
+- stream mode under ``jit`` (`sharded_stream_step`): with a per-device window, each call's
+  gradient goes into each device's own slice in a ``shard_map``, reduced once per window;
 - ``axis_name`` without a mesh: ``jax.pmap`` (the state carries a leading device axis);
 - ``axis_name`` with a mesh: ``jax.jit(jax.shard_map(...))``, batch split, state replicated.
 
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from accumjax import sharded
@@ -30,11 +33,15 @@ from accumjax import window as window_lib
 from accumjax._loop import (
     Carry,
     Context,
+    Fields,
     Outcome,
     Setup,
     Step,
     begin,
+    close_fields,
     close_model_state,
+    finish,
+    gradient,
     stream_step,
 )
 from accumjax._scan import (
@@ -45,11 +52,12 @@ from accumjax._scan import (
     window_loop,
     window_loss,
 )
-from accumjax.accumulation import check_state, config_of
+from accumjax.accumulation import check_state, config_of, window_closes
+from accumjax.accumulation_state import AccumulationState
 from accumjax.distributed import data_sharding
 from accumjax.train_state import TrainState
 
-__all__ = ["sharded_scan_step", "wrap"]
+__all__ = ["sharded_scan_step", "sharded_stream_step", "wrap"]
 
 
 class _Local(NamedTuple):
@@ -138,6 +146,175 @@ def _local_window(
     return closed, model_state, loss, None if aux is None else sharded.expand(aux)
 
 
+# ----------------------------------------------------------------------------- stream, sharded jit
+
+
+class _Call(NamedTuple):
+    """One device's inputs to a per-device stream call (the ``shard_map``'s one argument)."""
+
+    params: Any
+    model_state: Any
+    window: Any
+    batch: Any
+    rng: Any
+    step_count: Any
+    loss_scale: Any
+
+
+def _per_device(state: Any) -> bool:
+    opt = getattr(state, "opt_state", None)
+    return isinstance(opt, AccumulationState) and sharded.is_per_device(opt.window)
+
+
+def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
+    """Stream mode under ``jit``: ``step(state, batch, rng, layout)``.
+
+    A state with a per-device window (`accumjax.sharded.per_device_window`, made from
+    parameters on a mesh) adds each device's gradient of its rows to its own slice inside a
+    ``shard_map``: no collective, except the reduce-scatter of a parameter sharded over the
+    batch axis (gathered for the microbatch, as in any FSDP step); the window is reduced
+    once, when it closes. Any other state runs the plain stream step.
+    """
+    plain = stream_step(setup)
+
+    def step(state: TrainState, batch: Any, rng: Any, layout: Any) -> tuple[TrainState, dict]:
+        if not _per_device(state):
+            return plain(state, batch, rng)
+        layout = _check_per_device(state, layout)
+        ctx, acc = begin(setup, state, rng)
+        whole, data = PartitionSpec(), PartitionSpec(layout.axis)
+        specs = sharded.window_specs(layout)
+        call = _Call(
+            state.params, state.model_state, acc.window, batch, rng, state.step, ctx.loss_scale
+        )
+        in_specs = _Call(layout.param_specs(), whole, specs, data, whole, whole, whole)
+        window, added, loss, aux = jax.shard_map(
+            partial(_local_microbatch, ctx, layout),
+            mesh=layout.mesh,
+            in_specs=(in_specs,),
+            out_specs=(specs, specs.weight_sum, data, data),
+            check_vma=False,
+        )(call)
+        opt = acc._replace(window=window, updated=jnp.zeros((), bool), added=added)
+        fields = Fields(state.params, opt, state.model_state, ctx.loss_scale)
+        close = partial(_close_per_device, ctx, layout)
+        fields = window_lib.run_once(window_closes(opt), close, fields)
+        seen = window._replace(window_nonfinite=jnp.sum(window.window_nonfinite))  # metrics
+        carry = Carry(seen, state.model_state, jnp.zeros(()), jnp.zeros(()))
+        return finish(ctx, state, fields, Outcome(carry, loss, aux))
+
+    return step
+
+
+def _check_per_device(state: TrainState, layout: sharded.Layout | None) -> sharded.Layout:
+    """The batch's layout, when a per-device window can follow it; else a clear error."""
+    if layout is None:
+        raise ValueError(
+            "this state keeps its stream window per device (TrainState.create was given "
+            "parameters on a mesh), but the batch is not split over that mesh: put each "
+            "microbatch on it, e.g. jax.device_put(batch, NamedSharding(mesh, P('data')))."
+        )
+    if jax.tree.leaves(state.model_state):
+        raise ValueError(
+            "a per-device stream window needs model_state=None (its statistics would be "
+            "each device's own); build the state with its model_state in TrainState.create."
+        )
+    for leaf, spec in zip(
+        jax.tree.leaves(cast(Any, state.opt_state).window.grad_sum),
+        layout.treedef.flatten_up_to(layout.param_specs()),
+        strict=True,
+    ):
+        axes = sharded.device_axes(layout.mesh, spec)
+        want = int(np.prod([layout.mesh.shape[a] for a in axes]))
+        if leaf.shape[0] != want:
+            raise ValueError(
+                f"the state's per-device window has {leaf.shape[0]} slices, but the batch's "
+                f"mesh {dict(layout.mesh.shape)} needs {want}: build the state on the mesh the "
+                "batch is on."
+            )
+    return layout
+
+
+def _squeeze(window: window_lib.Window) -> window_lib.Window:
+    """One device's slice of a per-device window (its sums and counts, the shared step)."""
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    return window._replace(
+        grad_sum=first(window.grad_sum),
+        weight_sum=window.weight_sum[0],
+        window_nonfinite=window.window_nonfinite[0],
+        window_skipped=window.window_skipped[0],
+    )
+
+
+def _expand(window: window_lib.Window) -> window_lib.Window:
+    """`_squeeze` undone: each device's values back in its slice."""
+    return window._replace(
+        grad_sum=sharded.expand(window.grad_sum),
+        weight_sum=window.weight_sum[None],
+        window_nonfinite=window.window_nonfinite[None],
+        window_skipped=window.window_skipped[None],
+    )
+
+
+def _scatter(layout: sharded.Layout) -> Callable[[Any], Any] | None:
+    """Reduce-scatters the leaves of parameters sharded over the batch axis (None: none)."""
+    if all(d is None for d in layout.dims):
+        return None
+
+    def reduce(tree: Any) -> Any:
+        leaves = layout.treedef.flatten_up_to(tree)
+        out = [
+            x
+            if d is None
+            else jax.lax.psum_scatter(x, layout.axis, scatter_dimension=d, tiled=True)
+            for x, d in zip(leaves, layout.dims, strict=True)
+        ]
+        return jax.tree.unflatten(layout.treedef, out)
+
+    return reduce
+
+
+def _local_microbatch(ctx: Context, layout: sharded.Layout, call: _Call) -> tuple[Any, ...]:
+    """One device's part of a stream call: its rows' gradient added to its own slice."""
+    ctx = ctx._replace(
+        rng=call.rng,
+        step_count=call.step_count,
+        loss_scale=call.loss_scale,
+        axis_name=layout.axis,
+    )
+    params = sharded.gather(call.params, layout)
+    window = _squeeze(call.window)
+    loss, _, aux, grads, weight = gradient(
+        ctx, params, call.model_state, call.batch, window.micro_step
+    )
+    window, micro = window_lib.add_microbatch(
+        ctx.config.policy, window, grads, weight, params, reduce=_scatter(layout)
+    )
+    aux = None if aux is None else sharded.expand(aux)
+    return _expand(window), micro.added[None], loss[None], aux
+
+
+def _close_per_device(ctx: Context, layout: sharded.Layout, fields: Fields) -> Fields:
+    """The window's end: its one reduction in a ``shard_map`` (the sums of parameters sharded
+    over the batch axis were reduced microbatch by microbatch), then the update."""
+    reduced = [None if d is None else window_lib.REDUCED for d in layout.dims]
+    scatter = jax.tree.unflatten(layout.treedef, reduced)
+    policy = ctx.config.policy
+
+    def local(window: window_lib.Window, every_k: jax.Array) -> window_lib.Closed:
+        return window_lib.close_window(policy, _squeeze(window), every_k, layout.axis, scatter)
+
+    whole = PartitionSpec()
+    closed = jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(sharded.window_specs(layout), whole),
+        out_specs=window_lib.Closed(layout.param_specs(), *(whole,) * 5),  # pyright: ignore[reportArgumentType]
+        check_vma=False,
+    )(fields.opt.window, fields.opt.every_k)
+    return close_fields(ctx, fields, closed)
+
+
 def _shard_map(
     step: Step, mesh: Mesh, axis_name: str, has_aux: bool, f16: bool, scan: bool
 ) -> Step:
@@ -177,6 +354,13 @@ def _shard_map(
 def _place_on_mesh(mesh: Mesh, axis_name: str, state: Any, batch: Any) -> tuple[Any, Any]:
     """The ``shard_map`` step's inputs where its specs say: the state replicated (a state
     sharded over the mesh is refused, not silently replicated), the batch split."""
+    if _per_device(state):
+        raise ValueError(
+            "make_train_step(mesh=..., axis_name=...) replicates the state, but this state "
+            "keeps its stream window per device (TrainState.create was given parameters on a "
+            "mesh). Drop mesh= and axis_name=: under jit, stream mode on this state reduces "
+            "once per window and checkpoints every device's partial sums."
+        )
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         spec = getattr(getattr(leaf, "sharding", None), "spec", ())
         if any(entry is not None for entry in spec):
@@ -275,7 +459,7 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
 def _checked_once(
     jitted: Any,
     pmapped: bool,
-    sharded_scan: bool = False,
+    sharded_jit: bool = False,
     place: Callable[[Any, Any], tuple[Any, Any]] | None = None,
     mesh_stream: bool = False,
     scan: bool = False,
@@ -284,8 +468,9 @@ def _checked_once(
     restored from a checkpoint) against its optimizer on the host: another K or scaling is
     refused before anything runs, and on the ``mesh=`` stream path (``mesh_stream``) so is a
     window left open. A state the step returned last is recognized by identity, at no cost.
-    For scan mode under ``jit`` it passes the arrays' `accumjax.sharded.Layout` (static), and
-    with ``place`` it puts the inputs where a ``shard_map`` step expects them.
+    Under ``jit`` (``sharded_jit``) it passes the arrays' `accumjax.sharded.Layout` (static;
+    in stream mode only for a per-device window), and with ``place`` it puts the inputs
+    where a ``shard_map`` step expects them.
 
     Every call first refuses a state holding an array an earlier call donated (`_check_alive`:
     one ``is_deleted`` per leaf); a call that fails is diagnosed, for free on success, for
@@ -296,8 +481,11 @@ def _checked_once(
         if place is not None:
             state, batch = place(state, batch)
         if not scan:
-            return state, batch, rng
-        if not sharded_scan:
+            if not sharded_jit:
+                return state, batch, rng
+            layout = sharded.layout_of(state.params, batch) if _per_device(state) else None
+            return state, batch, rng, layout
+        if not sharded_jit:
             return state, batch, rng, n
         return state, batch, rng, sharded.layout_of(state.params, batch), n
 
@@ -351,11 +539,14 @@ def wrap(setup: Setup, mesh: Mesh | None, has_aux: bool, donate: bool) -> Step:
         jitted = jax.jit(
             sharded_scan_step(setup), static_argnums=(3,), donate_argnums=donate_argnums
         )
-        return _checked_once(jitted, False, sharded_scan=True, scan=True)
+        return _checked_once(jitted, False, sharded_jit=True, scan=True)
+    if setup.axis_name is None:
+        jitted = jax.jit(
+            sharded_stream_step(setup), static_argnums=(3,), donate_argnums=donate_argnums
+        )
+        return _checked_once(jitted, False, sharded_jit=True)
     scan = setup.mode == "scan"
     step = scan_step(setup) if scan else stream_step(setup)
-    if setup.axis_name is None:
-        return _checked_once(jax.jit(step, donate_argnums=donate_argnums), False, scan=scan)
     if mesh is None:
         in_axes = (0, 0, None, None) if scan else (0, 0, None)
         pmapped = jax.pmap(

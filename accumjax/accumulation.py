@@ -145,6 +145,14 @@ def _check_grads(grads: Any, acc: Any) -> None:
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(acc), strict=True
     ):
         name = jax.tree_util.keystr(path)
+        if a.shape[1:] == g.shape and a.ndim == g.ndim + 1:
+            raise ValueError(
+                f"grads{name} has shape {g.shape}, but this state's window keeps one partial "
+                f"sum per device ({a.shape}): TrainState.create made it from parameters on a "
+                "mesh, for make_train_step's stream mode, which reduces once per window. "
+                "tx.update and apply_gradients take reduced gradients: use "
+                "opt_state=tx.init(params) for them."
+            )
         if not jnp.issubdtype(g.dtype, jnp.inexact):
             raise TypeError(f"grads{name} has dtype {g.dtype}; gradients must be floating point.")
         if g.shape != a.shape:
@@ -337,7 +345,9 @@ def init_state(
     update_count = jnp.zeros((), jnp.int32)
     zero_f = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: donatable
     zero_i = lambda: jnp.zeros((), jnp.int32)
-    window = window_lib.init_window(params if accumulator else None, config.policy.accumulator_dtype)
+    window = window_lib.init_window(
+        params if accumulator else None, config.policy.accumulator_dtype
+    )
     return AccumulationState(
         window=window,
         every_k=config.k_at(update_count),

@@ -87,7 +87,8 @@ class AccumulationStats(NamedTuple):
       skipped_windows: windows closed without an update.
       num_parameters: number of scalars the state's accumulator holds (a Python int; 0
         for a scan-mode state, whose accumulator lives inside the step).
-      memory_bytes: bytes held by the state's accumulator (a Python int; 0 in scan mode).
+      memory_bytes: bytes held by the state's accumulator (a Python int; 0 in scan mode;
+        all devices' slices together for a per-device window).
     """
 
     accumulation_steps: jax.Array
@@ -228,8 +229,10 @@ def stats(state: Any) -> AccumulationStats:
     """
     state = unwrap(state)
     leaves = jax.tree.leaves(state.window.grad_sum)
-    # The closed windows' counts plus the open window's, so a NaN shows at once.
-    nonfinite = window_lib.saturating_add(state.nonfinite_count, state.window.window_nonfinite)
+    # The closed windows' counts plus the open window's (summed over a per-device window's
+    # devices), so a NaN shows at once.
+    window = state.window
+    nonfinite = window_lib.saturating_add(state.nonfinite_count, jnp.sum(window.window_nonfinite))
     return AccumulationStats(
         accumulation_steps=state.every_k,
         current_step=state.window.micro_step,
@@ -238,7 +241,7 @@ def stats(state: Any) -> AccumulationStats:
         overflow_detected=nonfinite > 0,
         num_nonfinite=nonfinite,
         skipped_microbatches=window_lib.saturating_add(
-            state.skipped_microbatches, state.window.window_skipped
+            state.skipped_microbatches, jnp.sum(window.window_skipped)
         ),
         skipped_windows=state.skipped_windows,
         num_parameters=sum(int(x.size) for x in leaves),

@@ -19,13 +19,23 @@ accumulation for the same trade-off).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import math
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Layout", "layout_of"]
+from accumjax import window as window_lib
+
+__all__ = [
+    "Layout",
+    "device_axes",
+    "is_per_device",
+    "layout_of",
+    "per_device_window",
+    "window_specs",
+]
 
 
 class Layout(NamedTuple):
@@ -71,7 +81,8 @@ def _batch_axis(batch: Any) -> tuple[Any, str] | None:
     names = list(_names(spec[0])) if len(spec) else []
     if len(names) > 1:
         raise NotImplementedError(
-            f"scan mode splits the batch over one mesh axis; the batch is sharded over {names}."
+            "under jit, accumjax splits a batch over one mesh axis (a per-device window "
+            f"follows it); the batch is sharded over {names}. Shard it over one axis."
         )
     return (sharding.mesh, names[0]) if names else None
 
@@ -86,8 +97,9 @@ def _sharded_dim(path: str, leaf: Any, axis: str) -> int | None:
         others = [n for n in names if n != axis]
         if others:
             raise NotImplementedError(
-                f"params{path} is sharded over {others}: scan mode under jit supports parameters "
-                f"replicated or sharded over the batch axis {axis!r} only."
+                f"params{path} is sharded over {others}: the sharded steps (scan mode, and "
+                "stream mode with a per-device window) support parameters replicated or "
+                f"sharded over the batch axis {axis!r} only."
             )
         if axis in names:
             found = dim
@@ -141,3 +153,76 @@ def gather(params: Any, layout: Layout) -> Any:
 def expand(tree: Any) -> Any:
     """A leading axis of one, so per-device values concatenate along the batch axis."""
     return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
+
+
+# ----------------------------------------------------------------------------- stream mode
+
+
+def device_axes(mesh: Mesh | AbstractMesh, spec: Any) -> tuple[str, ...]:
+    """The mesh axes (of more than one device) a leaf sharded as ``spec`` is not split over:
+    those its per-device window sums are kept along."""
+    used = {name for entry in spec for name in _names(entry)}
+    return tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+
+
+def _params_mesh(params: Any) -> Mesh | None:
+    """The one multi-device mesh every parameter leaf is sharded on, or None."""
+    meshes = {getattr(getattr(x, "sharding", None), "mesh", None) for x in jax.tree.leaves(params)}
+    if len(meshes) != 1:
+        return None
+    mesh = meshes.pop()
+    return mesh if isinstance(mesh, Mesh) and mesh.size > 1 else None
+
+
+def _zeros(mesh: Mesh, spec: PartitionSpec, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros made where they live (no host or one-device copy of the whole array)."""
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))
+    return make()
+
+
+def per_device_window(params: Any, accumulator_dtype: Any) -> tuple[Any, jax.Array] | None:
+    """A stream-mode window whose sums and counts each device keeps for itself, as honest
+    global arrays, and the per-device ``added`` flags; None off a multi-device mesh.
+
+    Each sum leaf gets a leading axis split over the mesh axes its parameter is replicated
+    over (`device_axes`): one parameter copy per device (a parameter sharded over the batch
+    axis keeps its shard, reduced microbatch by microbatch). The counts and flags have one
+    entry per device. A checkpoint saves every device's partial window.
+    """
+    mesh = _params_mesh(params)
+    if mesh is None:
+        return None
+
+    def sum_leaf(p: Any) -> jax.Array:
+        spec = tuple(p.sharding.spec)
+        axes = device_axes(mesh, spec)
+        n = math.prod(mesh.shape[a] for a in axes)
+        dtype = window_lib.sum_dtype(p.dtype, accumulator_dtype)
+        return _zeros(mesh, PartitionSpec(axes or None, *spec), (n, *p.shape), dtype)
+
+    axes = device_axes(mesh, ())
+    n, spec = math.prod(mesh.shape[a] for a in axes), PartitionSpec(axes)
+    counts = [_zeros(mesh, spec, (n,), dtype) for dtype in (jnp.float32, jnp.int32, jnp.int32)]
+    micro_step = jnp.zeros((), jnp.int32)
+    window = window_lib.Window(jax.tree.map(sum_leaf, params), counts[0], micro_step, *counts[1:])
+    return window, _zeros(mesh, spec, (n,), jnp.bool_)
+
+
+def is_per_device(window: Any) -> bool:
+    """Whether a stream window keeps per-device sums (`per_device_window`)."""
+    return window.grad_sum is not None and jnp.ndim(window.weight_sum) == 1
+
+
+def window_specs(layout: Layout) -> Any:
+    """The ``shard_map`` specs of a per-device window on ``layout``: each device its own
+    slice of the sums and counts (``micro_step`` is shared)."""
+    all_axes = device_axes(layout.mesh, ())
+    specs = [
+        PartitionSpec(device_axes(layout.mesh, spec) or None, *spec)
+        for spec in layout.treedef.flatten_up_to(layout.param_specs())
+    ]
+    count = PartitionSpec(all_axes)
+    return window_lib.Window(
+        jax.tree.unflatten(layout.treedef, specs),
+        *cast(tuple[jax.Array, ...], (count, PartitionSpec(), count, count)),
+    )

@@ -18,9 +18,10 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from accumjax import sharded
 from accumjax import window as window_lib
 from accumjax._checks import check_choice
-from accumjax.accumulation import config_of, init_state
+from accumjax.accumulation import Config, config_of, init_state
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
@@ -96,7 +97,7 @@ class TrainState(train_state.TrainState):
             apply_fn=cast(Callable[..., Any], apply_fn),  # None is fine: the step never calls it
             params=params,
             tx=tx,
-            opt_state=opt_state_for(tx, params, mode),
+            opt_state=opt_state_for(tx, params, mode, model_state),
             model_state=model_state,
             loss_scale=loss_scale,
             **kwargs,
@@ -133,13 +134,22 @@ class TrainState(train_state.TrainState):
         )
 
 
-def opt_state_for(tx: optax.GradientTransformation, params: Any, mode: str) -> Any:
-    """``tx.init(params)``, without the accumulator for an `accumjax.accumulate` in scan mode.
+def opt_state_for(
+    tx: optax.GradientTransformation, params: Any, mode: str, model_state: Any = None
+) -> Any:
+    """``tx.init(params)``, laid out for the train step's mode.
+
+    For an `accumjax.accumulate`: in scan mode, no accumulator; in stream mode with
+    parameters on a multi-device mesh and no model state, a window whose sums and counts
+    each device keeps for itself (`accumjax.sharded.per_device_window`: one parameter copy
+    per device, reduced once, when the window closes, and saved whole by a checkpoint);
+    otherwise ``tx.init(params)``.
 
     Args:
       tx: the optimizer.
       params: the parameters (arrays, or ``jax.ShapeDtypeStruct``s under ``jax.eval_shape``).
       mode: ``"stream"`` or ``"scan"``.
+      model_state: the state's model state (a per-device window needs none).
 
     Returns:
       The optimizer state; a scan-mode `accumjax.AccumulationState` has
@@ -153,9 +163,24 @@ def opt_state_for(tx: optax.GradientTransformation, params: Any, mode: str) -> A
     """
     check_choice("mode", mode, MODES)
     config = config_of(tx)
-    if config is None or mode == "stream":
+    if config is None:
         return tx.init(params)
-    return init_state(config, params, accumulator=False)
+    state = init_state(config, params, accumulator=False)
+    if mode == "scan":
+        return state
+    window, added = _stream_window(config, params, model_state)
+    return state._replace(window=window, added=added)
+
+
+def _stream_window(config: Config, params: Any, model_state: Any) -> tuple[Any, jax.Array]:
+    """A stream-mode window and ``added`` flag: per device on a mesh (`opt_state_for`)."""
+    dtype = config.policy.accumulator_dtype
+    per_device = None
+    if not jax.tree.leaves(model_state):
+        per_device = sharded.per_device_window(params, dtype)
+    if per_device is not None:
+        return per_device
+    return window_lib.init_window(params, dtype), jnp.zeros((), bool)
 
 
 def with_mode(state: TrainState, mode: str) -> TrainState:
@@ -172,9 +197,8 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
       mode: ``"stream"`` or ``"scan"``.
 
     Returns:
-      The state with ``opt_state.window.grad_sum`` zeros like the parameters (stream) or
-      ``None`` (scan); the same state when it already is so, or its optimizer is not an
-      `accumjax.accumulate`.
+      The state with a zero stream window (`opt_state_for`) or none (scan); the same
+      state when it already is so, or when its optimizer is not an `accumjax.accumulate`.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -184,13 +208,12 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
       True
     """
     check_choice("mode", mode, MODES)
-    config, opt = config_of(state.tx), state.opt_state
+    config, opt = config_of(state.tx), cast(Any, state.opt_state)
     if config is None or (opt.window.grad_sum is None) == (mode == "scan"):
         return state
     if mode == "stream":
-        dtype = config.policy.accumulator_dtype
-        grad_sum = window_lib.init_window(state.params, dtype).grad_sum
-        return state.replace(opt_state=opt._replace(window=opt.window._replace(grad_sum=grad_sum)))
+        window, added = _stream_window(config, state.params, state.model_state)
+        return state.replace(opt_state=opt._replace(window=window, added=added))
     try:  # concrete (a pmap-replicated state has one count per device)
         open_window = bool(np.any(np.asarray(opt.window.micro_step) != 0))
     except jax.errors.ConcretizationTypeError:

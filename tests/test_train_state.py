@@ -60,7 +60,9 @@ def test_scan_step_arguments_are_params_inner_state_and_batch(layout):
         assert jax.device_count() >= N
         mesh = jax.make_mesh((N,), ("data",))
         fsdp = layout == "fsdp"
-        specs = {"w1": P("data"), "b1": P(), "w2": P("data")} if fsdp else dict.fromkeys(params, P())
+        specs = (
+            {"w1": P("data"), "b1": P(), "w2": P("data")} if fsdp else dict.fromkeys(params, P())
+        )
         params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     state = _state(params)
@@ -107,18 +109,29 @@ def test_each_mode_refuses_the_other_layout_and_names_the_fix():
         _state(params, mode="window")
 
 
-def test_with_mode_adds_zeros_like_the_params_and_refuses_an_open_window():
+def test_with_mode_adds_the_stream_window_create_makes_and_refuses_an_open_window():
     params, batch = _problem(width=8)
+    on_one = accumjax.with_mode(_state(params), "stream").opt_state.window
+    for key, acc in on_one.grad_sum.items():
+        np.testing.assert_array_equal(acc, np.zeros_like(params[key]))
     mesh = jax.make_mesh((N,), ("data",))
     params = jax.device_put(params, NamedSharding(mesh, P()))
     params["w1"] = jax.device_put(params["w1"], NamedSharding(mesh, P("data")))
     stream = accumjax.with_mode(_state(params), "stream")
-    for key, acc in stream.opt_state.window.grad_sum.items():
-        np.testing.assert_array_equal(acc, np.zeros_like(params[key]))
-        assert acc.sharding == params[key].sharding  # sharded like its parameter
+    made = _state(params, "stream")
+    for a, b in zip(
+        jax.tree.leaves(stream.opt_state), jax.tree.leaves(made.opt_state), strict=True
+    ):
+        assert a.shape == b.shape and a.sharding == b.sharding  # what create makes
+    # On the mesh, each device keeps its own window: a slice per device of a replicated
+    # parameter, the shard of one sharded over the batch axis (one parameter copy each).
+    assert stream.opt_state.window.grad_sum["b1"].shape == (N, 8)
+    assert stream.opt_state.window.grad_sum["w1"].shape == (1, 256, 8)
+    assert _device_bytes(stream.opt_state.window.grad_sum) == _device_bytes(params)
     assert accumjax.with_mode(stream, "stream") is stream
     step = accumjax.make_train_step(_loss, mode="stream", donate=False)
-    opened, _ = step(stream, jax.tree.map(lambda x: x[:4], batch))
+    micro = jax.device_put(jax.tree.map(lambda x: x[:N], batch), NamedSharding(mesh, P("data")))
+    opened, _ = step(stream, micro)
     with pytest.raises(ValueError, match=r"middle of a window.*micro_step == 1"):
         accumjax.with_mode(opened, "scan")
     plain = accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
