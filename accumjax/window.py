@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -397,7 +397,7 @@ def _reduce_window(
         leaves[i] = x
     for i in scattered:
         leaves[i] = jax.lax.psum_scatter(
-            leaves[i], axis_name, scatter_dimension=dims[i], tiled=True
+            leaves[i], axis_name, scatter_dimension=cast(int, dims[i]), tiled=True
         )
     scalars = scalars.astype(jnp.float32)
     counts = (scalars[1].astype(jnp.int32), scalars[2].astype(jnp.int32))
