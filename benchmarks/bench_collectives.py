@@ -1,27 +1,57 @@
 """Collectives per accumulation window, replicated data parallel and FSDP, on 8 devices.
 
-Runs on 8 host CPU devices (set before JAX starts, so run it as its own process). The figures
-come from the compiled HLO (``accumjax.count_collectives``): instructions in the program and
-instructions executed per step (loop bodies times their trip count).
+Runs on 8 host CPU devices by default (``--xla_force_host_platform_device_count=8`` is added
+to ``XLA_FLAGS`` before JAX starts, so run it as its own process)::
+
+    python -m benchmarks.bench_collectives          # from the repository root, CPU
+
+On a machine with 8 accelerators (e.g. 8 GPUs), measure on the real devices: with
+``ACCUMJAX_BENCH_DEVICES=native`` the host-device flag is not added and JAX picks its default
+backend (it must see exactly 8 devices)::
+
+    ACCUMJAX_BENCH_DEVICES=native python -m benchmarks.bench_collectives   # 8 GPUs
+
+The collective counts come from the compiled HLO (``accumjax.count_collectives``):
+instructions in the program and instructions executed per step (loop bodies times their
+trip count).
 
 1. accumjax scan mode with ``mesh=``/``axis_name=`` (``shard_map``) against a naive
    ``shard_map`` whose scan ``pmean``s every microbatch gradient (all-reduces only).
 2. ``sharded``: plain ``jit`` on arrays sharded over a ``jax.make_mesh`` mesh (no
    ``shard_map`` written by the user), parameters replicated (``P()``) or FSDP-sharded
-   (``P("data", None)``), batch ``P("data")``: all-reduce / reduce-scatter / all-gather per
-   window and per-device memory (argument + output + temp, ``memory_analysis``) for accumjax
-   scan mode, ``accumjax.accumulate`` and ``optax.MultiSteps`` in a jitted per-microbatch step
-   (K calls: the per-call counts times K; memory is one call's), and a jitted ``lax.scan``
-   that sums ``jax.grad`` over the microbatches (XLA reduces each microbatch's gradient).
+   (``P("data", None)``), batch ``P("data")``. Side by side, per layout:
+
+   * ``accumjax_scan``: ``make_train_step(mode="scan")``, one call per window (state from
+     ``TrainState.create(..., mode="scan")``); the reference of the time ratios.
+   * ``accumjax_stream``: ``make_train_step(mode="stream")``, K calls per window, on the
+     per-device window ``TrainState.create`` builds for parameters on a mesh (each call adds
+     its device's gradient locally; the closing call all-reduces once).
+   * ``accumjax_stream_jit``: ``accumjax.accumulate`` in a user's jitted per-microbatch step,
+     state ``tx.init(params)`` (the per-call behaviour: XLA reduces every call's gradient).
+   * ``multisteps_jit``: ``optax.MultiSteps`` in the same per-microbatch step.
+   * ``naive_scan``: a jitted ``lax.scan`` that sums ``jax.grad`` over the microbatches
+     (XLA reduces each microbatch's gradient).
+
+   For each: all-reduce / reduce-scatter / all-gather executed per window (a conditional
+   counts its costliest branch). A K-call window is K - 1 calls counted with loops of unknown
+   trip count left out (the at-most-once window close of accumjax stream, and of
+   ``accumjax.accumulate``'s ``update`` in the user's step) plus one closing call counted
+   with them run once; ``optax.MultiSteps`` has no such loop (its per-call count times K).
+   Then per-device memory of one call (argument, output, temp: ``memory_analysis``), and the
+   wall time of a window (K calls, or one scan call; blocked on at its end): fastest, median
+   and slowest of interleaved rounds, and the fastest and median as ratios to
+   ``accumjax_scan``. No step donates its buffers.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# 8 host CPU devices (set before JAX starts), unless told to use the machine's own devices.
+if os.environ.get("ACCUMJAX_BENCH_DEVICES", "host") != "native":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import functools
 from typing import Any
@@ -68,21 +98,38 @@ OPS = ("all-reduce", "reduce-scatter", "all-gather")
 
 
 def _memory(compiled: Any) -> dict[str, float]:
-    """Per-device argument, output and temp memory of a compiled SPMD program, in MiB."""
+    """Per-device argument, output and temp memory of a compiled SPMD program, in MiB (and
+    the argument and temp bytes)."""
     m = compiled.memory_analysis()
     parts = {
         "argument_mib": m.argument_size_in_bytes / common.MiB,
         "output_mib": m.output_size_in_bytes / common.MiB,
         "temp_mib": m.temp_size_in_bytes / common.MiB,
     }
-    return {**parts, "total_mib": sum(parts.values())}
+    return {
+        **parts,
+        "total_mib": sum(parts.values()),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+    }
 
 
-def _counts(compiled: Any, calls: int = 1) -> dict[str, int]:
-    """Collectives executed per window: per call (a conditional's costliest branch, an unknown
-    loop once) times the calls a window takes."""
-    c = accumjax.count_collectives(compiled, per_execution=True, default_trip_count=1)
-    return {op: c[op] * calls for op in OPS}
+def _call_counts(compiled: Any) -> dict[str, dict[str, int]]:
+    """Collectives executed by one call: every call's (a loop of unknown trip count, such as
+    the stream window's close, left out) and a closing call's (such a loop run once)."""
+
+    def count(trips: int) -> dict[str, int]:
+        c = accumjax.count_collectives(compiled, per_execution=True, default_trip_count=trips)
+        return {op: c[op] for op in OPS}
+
+    return {"every_call": count(0), "closing_call": count(1)}
+
+
+def _window_counts(calls: dict[str, dict[str, int]], n_calls: int) -> dict[str, int]:
+    """Collectives per window of ``n_calls`` calls: all but the last skip the window close
+    (a loop of unknown trip count, run once by the closing call). Without such a loop (one
+    scan call, ``optax.MultiSteps``' ``cond``) this is the per-call count times ``n_calls``."""
+    return {op: (n_calls - 1) * calls["every_call"][op] + calls["closing_call"][op] for op in OPS}
 
 
 def _per_microbatch_step(tx: optax.GradientTransformation):
@@ -121,10 +168,41 @@ def _param_spec(x: Any, fsdp: bool) -> PartitionSpec:
     return PartitionSpec()
 
 
-def sharded_table(kind: str = "explicit") -> dict[str, Any]:
-    """Collectives per window and per-device memory under ``jit`` on a mesh (see the module
-    docstring); ``kind`` is the mesh's axis type ("explicit", ``jax.make_mesh``'s default in
-    jax 0.10, or "auto"). Both give the same counts here."""
+def _window_of(step: Any, microbatches: list[Any]) -> Any:
+    """``carry -> carry`` over one window: ``step(carry, mb)`` for each microbatch in turn."""
+
+    def window(carry: Any) -> Any:
+        for mb in microbatches:
+            carry = step(carry, mb)
+        return carry
+
+    return window
+
+
+def _times(spread: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Milliseconds per window (fastest, median, slowest) and the fastest and median as
+    ratios to ``accumjax_scan``'s."""
+    ref = spread["accumjax_scan"]
+    return {
+        name: {
+            "min_ms": t["min_s"] * 1e3,
+            "median_ms": t["median_s"] * 1e3,
+            "max_ms": t["max_s"] * 1e3,
+            "rounds": t["rounds"],
+            "min_vs_scan": t["min_s"] / ref["min_s"],
+            "median_vs_scan": t["median_s"] / ref["median_s"],
+        }
+        for name, t in spread.items()
+    }
+
+
+TIMING_ROUNDS = 41
+
+
+def sharded_table(kind: str = "explicit", rounds: int = TIMING_ROUNDS) -> dict[str, Any]:
+    """Collectives and time per window and per-device memory under ``jit`` on a mesh (see the
+    module docstring); ``kind`` is the mesh's axis type ("explicit", ``jax.make_mesh``'s
+    default in jax 0.10, or "auto"). Both give the same counts here."""
     n = jax.device_count()
     types = (AxisType.Auto,) if kind == "auto" else (AxisType.Explicit,)
     mesh = jax.make_mesh((n,), ("data",), axis_types=types)
@@ -135,7 +213,18 @@ def sharded_table(kind: str = "explicit") -> dict[str, Any]:
     with jax.set_mesh(mesh):
         data = NamedSharding(mesh, PartitionSpec("data"))
         window = jax.device_put({"x": x, "y": y}, data)
-        micro = jax.device_put({"x": x[: n * PER_DEVICE], "y": y[: n * PER_DEVICE]}, data)
+        rows_per_call = n * PER_DEVICE
+        micros = [
+            jax.device_put(
+                {
+                    "x": x[i * rows_per_call : (i + 1) * rows_per_call],
+                    "y": y[i * rows_per_call : (i + 1) * rows_per_call],
+                },
+                data,
+            )
+            for i in range(K)
+        ]
+        micro = micros[0]
         stacked = jax.device_put(
             {"x": x.reshape(K, -1, x.shape[1]), "y": y.reshape(K, -1)},
             NamedSharding(mesh, PartitionSpec(None, "data")),
@@ -146,41 +235,87 @@ def sharded_table(kind: str = "explicit") -> dict[str, Any]:
                 k: jax.device_put(v, NamedSharding(mesh, _param_spec(v, fsdp)))
                 for k, v in host_params.items()
             }
-            state = accumjax.TrainState.create(
-                apply_fn=None,  # type: ignore[arg-type]
-                params=params,
-                tx=accumjax.accumulate(tx, K),
-            )
-            scan = accumjax.make_train_step(_loss, mode="scan", donate=False)
             acc_tx = accumjax.accumulate(tx, K)
             ms_tx = optax.MultiSteps(tx, every_k_schedule=K)
-            compiled = {
-                "accumjax_scan": (scan.lower(state, window).compile(), 1),  # type: ignore[attr-defined]
-                "accumjax_stream_jit": (
-                    _per_microbatch_step(acc_tx)
-                    .lower(params, acc_tx.init(params), micro)
-                    .compile(),
+            scan_state = accumjax.TrainState.create(
+                apply_fn=None,  # type: ignore[arg-type]
+                params=params,
+                tx=acc_tx,
+                mode="scan",
+            )
+            # On mesh parameters (no model state), a per-device stream window.
+            stream_state = accumjax.TrainState.create(
+                apply_fn=None,  # type: ignore[arg-type]
+                params=params,
+                tx=acc_tx,
+            )
+            scan = accumjax.make_train_step(_loss, mode="scan", donate=False)
+            stream = accumjax.make_train_step(_loss, mode="stream", donate=False)
+            acc_step = _per_microbatch_step(acc_tx)
+            ms_step = _per_microbatch_step(ms_tx)
+            naive = _naive_scan(tx)
+            acc_carry = (params, acc_tx.init(params))
+            ms_carry = (params, ms_tx.init(params))
+            naive_carry = (params, tx.init(params))
+            # name: (compiled, calls per window, window function, its first carry)
+            cases = {
+                "accumjax_scan": (
+                    scan.lower(scan_state, window).compile(),  # type: ignore[attr-defined]
+                    1,
+                    lambda s, _scan=scan: _scan(s, window)[0],
+                    scan_state,
+                ),
+                "accumjax_stream": (
+                    stream.lower(stream_state, micro).compile(),  # type: ignore[attr-defined]
                     K,
+                    _window_of(lambda s, mb, _stream=stream: _stream(s, mb)[0], micros),
+                    stream_state,
+                ),
+                "accumjax_stream_jit": (
+                    acc_step.lower(*acc_carry, micro).compile(),
+                    K,
+                    _window_of(lambda c, mb, _f=acc_step: _f(*c, mb), micros),
+                    acc_carry,
                 ),
                 "multisteps_jit": (
-                    _per_microbatch_step(ms_tx).lower(params, ms_tx.init(params), micro).compile(),
+                    ms_step.lower(*ms_carry, micro).compile(),
                     K,
+                    _window_of(lambda c, mb, _f=ms_step: _f(*c, mb), micros),
+                    ms_carry,
                 ),
                 "naive_scan": (
-                    _naive_scan(tx).lower(params, tx.init(params), stacked).compile(),
+                    naive.lower(*naive_carry, stacked).compile(),
                     1,
+                    lambda c, _f=naive: _f(*c, stacked),
+                    naive_carry,
                 ),
             }
-            rows[layout] = {
-                name: {
+            spread = common.time_interleaved_spread(
+                {name: (fn, carry) for name, (_, _, fn, carry) in cases.items()}, rounds=rounds
+            )
+            times = _times(spread)
+            rows[layout] = {}
+            for name, (c, calls, _, _) in cases.items():
+                per_call = _call_counts(c)
+                # Each call of a K-call window but the last skips the at-most-once close.
+                per_window = _window_counts(per_call, calls)
+                rows[layout][name] = {
                     "calls_per_window": calls,
-                    "per_window": _counts(c, calls),
+                    "per_window": per_window,
+                    "per_call_executed": per_call,
                     "per_call_in_program": {op: accumjax.count_collectives(c)[op] for op in OPS},
                     "memory_per_device": _memory(c),
+                    "time_per_window": times[name],
                 }
-                for name, (c, calls) in compiled.items()
-            }
-    return {"mesh_axis_type": kind, "devices": n, "K": K, "dims": list(DIMS), **rows}
+    return {
+        "mesh_axis_type": kind,
+        "devices": n,
+        "backend": jax.default_backend(),
+        "K": K,
+        "dims": list(DIMS),
+        "per_device_rows": PER_DEVICE,
+        **rows,
+    }
 
 
 GATHER_DIMS = (256, 1024, 1024, 64)  # 1.4M parameters, batch 512
@@ -206,6 +341,7 @@ def gather_params_memory() -> dict[str, Any]:
                 apply_fn=None,  # type: ignore[arg-type]
                 params=params,
                 tx=accumjax.accumulate(optax.adam(1e-3), K),
+                mode="scan",
             )
             step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
             compiled = step.lower(state, batch).compile()  # type: ignore[attr-defined]
@@ -218,7 +354,10 @@ def gather_params_memory() -> dict[str, Any]:
 
 
 def run() -> dict[str, Any]:
-    assert jax.device_count() == 8, jax.device_count()
+    assert jax.device_count() == 8, (
+        f"{jax.device_count()} {jax.default_backend()} devices; the benchmark needs 8 "
+        "(without ACCUMJAX_BENCH_DEVICES=native it forces 8 host CPU devices)"
+    )
     mesh = Mesh(jax.devices(), ("data",))
     params = common.mlp_params(DIMS)
     x, y = common.batch(8 * K * PER_DEVICE, DIMS[0], DIMS[-1])
@@ -228,6 +367,7 @@ def run() -> dict[str, Any]:
         apply_fn=None,  # type: ignore[arg-type]
         params=params,
         tx=accumjax.accumulate(tx, K),  # scan mode reads K from the optimizer
+        mode="scan",
     )
     ours = accumjax.make_train_step(_loss, mode="scan", mesh=mesh, axis_name="data", donate=False)
     naive = _naive_step(mesh, tx)

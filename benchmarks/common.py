@@ -83,6 +83,39 @@ def time_interleaved(
     return {name: float(np.min(s)) for name, s in samples.items()}
 
 
+def time_interleaved_spread(
+    cases: dict[str, tuple[Callable[[Any], Any], Any]],
+    *,
+    rounds: int = 15,
+) -> dict[str, dict[str, float]]:
+    """Seconds per ``carry = step(carry)`` call of each case: fastest, median and slowest of
+    ``rounds`` interleaved rounds (one call each, blocked on before the clock stops).
+
+    As `time_interleaved`, with the spread kept: rounds alternate between cases so that
+    machine noise hits them alike. Each case is warmed up with two calls (the second on the
+    first's output, so that a step whose outputs are laid out unlike its first inputs is
+    compiled for both) before any is timed.
+    """
+    carries = {}
+    for name, (step, carry) in cases.items():
+        carries[name] = jax.block_until_ready(step(jax.block_until_ready(step(copy(carry)))))
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (step, _) in cases.items():
+            start = time.perf_counter()
+            carries[name] = jax.block_until_ready(step(carries[name]))
+            samples[name].append(time.perf_counter() - start)
+    return {
+        name: {
+            "min_s": float(np.min(s)),
+            "median_s": float(np.median(s)),
+            "max_s": float(np.max(s)),
+            "rounds": len(s),
+        }
+        for name, s in samples.items()
+    }
+
+
 def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
