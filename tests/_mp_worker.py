@@ -61,10 +61,10 @@ def main(process_id: int, port: int, out: str, layout: str) -> None:
     if layout == "fsdp":
         specs = {"w": PartitionSpec("data", None), "b": PartitionSpec()}
         params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx())
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx(), mode="scan")
         step = accumjax.make_train_step(loss_fn, mode="scan")
     else:
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx())
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx(), mode="scan")
         state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
         step = accumjax.make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh)
     rows = GLOBAL_BATCH // jax.process_count()
@@ -81,7 +81,8 @@ def main(process_id: int, port: int, out: str, layout: str) -> None:
         losses.append(float(np.mean([np.asarray(shard.data) for shard in shards])))
     if layout == "fsdp":  # still sharded over both processes' devices
         assert state.params["w"].sharding.spec[0] == "data", state.params["w"].sharding
-        assert state.opt_state.window.grad_sum["w"].sharding.spec[0] == "data"
+        assert state.opt_state.inner_tx_state[0].trace["w"].sharding.spec[0] == "data"
+        assert state.opt_state.window.grad_sum is None  # scan mode: no accumulator is kept
 
     def whole(a):
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))

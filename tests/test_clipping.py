@@ -731,7 +731,7 @@ def test_conv3d_model_trains_with_use_agc_in_both_modes():
     before = float(batch_loss(params, (x, y)))
     for mode in ("scan", "stream"):
         tx = accumjax.accumulate(optax.sgd(0.5), 2)
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode=mode)
         step = accumjax.make_train_step(
             batch_loss, mode=mode, use_agc=True, clip_factor=0.05, donate=False
         )

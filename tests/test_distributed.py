@@ -124,7 +124,9 @@ def test_scan_step_all_reduces_once_per_window_vs_naive():
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     params, batch = _problem()
     tx = optax.sgd(0.1, momentum=0.9)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=accumjax.accumulate(tx, K))
+    state = accumjax.TrainState.create(
+        apply_fn=None, params=params, tx=accumjax.accumulate(tx, K), mode="scan"
+    )
     step = accumjax.make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh)
     lowered = step.lower(state, batch)
     ours = count_collectives(lowered, per_execution=True)
@@ -178,6 +180,7 @@ def test_scan_step_with_model_state_and_float16_reduces_once_per_window():
         tx=accumjax.accumulate(optax.adam(1e-3), K),
         model_state=model_state,
         loss_scale=accumjax.dynamic_loss_scale(),
+        mode="scan",
     )
     step = accumjax.make_train_step(
         loss_fn, mode="scan", axis_name="data", mesh=mesh, mixed_precision="float16"
@@ -191,7 +194,7 @@ def test_pmap_scan_step_all_reduces_once_per_window():
     params, batch = _problem()
     state = replicate(
         accumjax.TrainState.create(
-            apply_fn=None, params=params, tx=accumjax.accumulate(optax.sgd(0.1), K)
+            apply_fn=None, params=params, tx=accumjax.accumulate(optax.sgd(0.1), K), mode="scan"
         ),
         n,
     )
@@ -267,7 +270,9 @@ def test_two_process_scan_matches_single_process(tmp_path, layout):
 
     # Reference in this process: the same scan-mode steps on one device, whole batch.
     x, y, params = worker.problem()
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=worker.make_tx())
+    state = accumjax.TrainState.create(
+        apply_fn=None, params=params, tx=worker.make_tx(), mode="scan"
+    )
     step = accumjax.make_train_step(worker.loss_fn, mode="scan")
     losses = []
     for _ in range(worker.NUM_STEPS):

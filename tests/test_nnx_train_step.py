@@ -135,7 +135,7 @@ def test_float64_params_equal_nnx_full_batch_reference(mode):
             opt.update(reference, nnx.grad(mse)(reference, window))
 
         tx = accumjax.accumulate(optax.adam(0.05), K)
-        state = nnx_train_state(MLP(nnx.Rngs(0), jnp.float64), tx)
+        state = nnx_train_state(MLP(nnx.Rngs(0), jnp.float64), tx, mode=mode)
         state, metrics = _run(make_nnx_train_step(mse, mode=mode), state, windows, mode)
         assert int(state.step) == WINDOWS and bool(metrics["updated"])
         assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype("float64")}
@@ -147,7 +147,7 @@ def test_batch_norm_stats_after_one_window_equal_batch_norm_on_whole_window(mode
     window = _windows(seed=1, windows=1)[0]
     model = BNNet(nnx.Rngs(0))
     reference = _reference_batch_norm(model, window)  # before training: the initial linear
-    state = nnx_train_state(model, accumjax.accumulate(optax.adam(1e-2), K))
+    state = nnx_train_state(model, accumjax.accumulate(optax.adam(1e-2), K), mode=mode)
     step = make_nnx_train_step(bn_loss, mode=mode)
     state, metrics = _run(step, state, [window], mode, jax.random.key(0))
     assert int(state.step) == 1 and bool(metrics["updated"])
@@ -163,7 +163,7 @@ def test_scan_and_stream_agree_with_batch_norm_and_dropout_keys():
     tx = lambda: accumjax.accumulate(optax.adam(1e-2), K)
     results = {}
     for mode in ("scan", "stream"):
-        state = nnx_train_state(BNNet(nnx.Rngs(0)), tx())
+        state = nnx_train_state(BNNet(nnx.Rngs(0)), tx(), mode=mode)
         step = make_nnx_train_step(bn_loss, mode=mode)
         results[mode], _ = _run(step, state, windows, mode, jax.random.key(3))
     scan, stream = results["scan"], results["stream"]
@@ -211,7 +211,7 @@ def test_data_parallel_pools_batch_norm_over_the_global_window(path):
     window = _windows(seed=5, rows_per_window=N_DEV * K * 2, windows=1)[0]
     model = BNNet(nnx.Rngs(0))
     reference = _reference_batch_norm(model, window)
-    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K))
+    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K), mode="scan")
     if path == "mesh":
         mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
         step = make_nnx_train_step(bn_loss, mode="scan", axis_name="data", mesh=mesh)
@@ -230,7 +230,9 @@ def test_bfloat16_keeps_float32_master_params_and_follows_float32_training():
     windows = _windows(seed=6, windows=1)
     results = {}
     for precision in (None, "bfloat16"):
-        state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K))
+        state = nnx_train_state(
+            MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K), mode="scan"
+        )
         step = make_nnx_train_step(mse, mode="scan", mixed_precision=precision)
         results[precision], metrics = _run(step, state, windows, "scan")
         assert bool(metrics["updated"])
@@ -255,7 +257,7 @@ def test_has_aux_and_model_held_dropout_rngs():
         return jnp.mean((pred - batch["y"]) ** 2), pred == 0  # aux: the dropout mask
 
     window = _windows(seed=7, windows=1)[0]
-    state = nnx_train_state(Held(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K))
+    state = nnx_train_state(Held(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K), mode="scan")
     count = int(state.model_state["dropout"]["rngs"]["count"][...])
     step = make_nnx_train_step(loss, mode="scan", has_aux=True)
     state, metrics = step(state, window)
@@ -267,7 +269,7 @@ def test_has_aux_and_model_held_dropout_rngs():
 
 def test_model_stays_usable_after_nnx_update_and_later_steps():
     model = MLP(nnx.Rngs(0))
-    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K))
+    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K), mode="scan")
     step = make_nnx_train_step(mse, mode="scan")
     windows = _windows(seed=8, windows=2)
     state, _ = step(state, windows[0])
@@ -321,7 +323,7 @@ def test_multisteps_tx_is_refused(where, mode):
 
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 def test_rng_given_to_a_loss_without_key_names_rng(mode):
-    state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K))
+    state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K), mode=mode)
     window = _windows(seed=9, windows=1)[0]
     step = make_nnx_train_step(mse, mode=mode, donate=False)
     with pytest.raises(TypeError, match=r"loss_fn takes no key argument but step.* rng=.*`key`"):

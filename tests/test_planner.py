@@ -17,6 +17,7 @@ from accumjax.planner import (
     plan_microbatches_for,
     scan_step_for_k,
 )
+from accumjax.train_state import opt_state_for
 
 BATCH = 1024
 DIMS = (16, 256, 256, 4)  # activation-heavy: memory falls steadily with K
@@ -49,7 +50,7 @@ def setup():
 def _bytes_of_k(state, batch, k):
     """Computed here from memory_analysis(), independently of the planner."""
     tx = accumjax.accumulate(optax.adam(1e-3), k)
-    state = state.replace(tx=tx, opt_state=tx.init(state.params))
+    state = accumjax.with_mode(state.replace(tx=tx, opt_state=tx.init(state.params)), "scan")
     step = accumjax.make_train_step(_loss, mode="scan")
     m = step.lower(state, batch).compile().memory_analysis()
     total = (
@@ -60,6 +61,11 @@ def _bytes_of_k(state, batch, k):
         + m.generated_code_size_in_bytes
     )
     return total
+
+
+def _runnable(state_k):
+    """A state of `scan_step_for_k` (abstract opt_state) initialised for its scan step."""
+    return state_k.replace(opt_state=opt_state_for(state_k.tx, state_k.params, "scan"))
 
 
 def test_chosen_k_fits_and_next_smaller_does_not(setup):
@@ -171,7 +177,7 @@ def test_scan_step_for_k_is_the_step_the_planner_measures(setup):
     assert accumjax.accumulation.config_of(state_8.tx).every_k == 8
     assert accumjax.accumulation.config_of(state_8.tx).policy.scaling == "sum"
     # Initialised, it runs: one window of 4 microbatches is one optimizer update.
-    state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+    state_4 = _runnable(state_4)
     new_state, metrics = step(state_4, batch)
     assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
 
@@ -299,7 +305,7 @@ def test_model_state_is_planned():
     assert plan.predicted_bytes == _compiled_bytes(loss_fn, state, batch, 4, key)
     # The planned step runs, and closes the BatchNorm window it accumulated.
     step, state_4 = scan_step_for_k(loss_fn, state, 4)
-    state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+    state_4 = _runnable(state_4)
     new_state, _ = step(state_4, batch, key)
     assert int(new_state.step) == 1
 
@@ -347,7 +353,7 @@ def test_nnx_states_are_planned_with_the_nnx_step():
     assert keyed.predicted_bytes == _compiled_bytes(loss_fn, state, batch, 4, key)
     assert keyed.predicted_bytes > plan.predicted_bytes
     # The planned step runs on the real state, and its BatchNorm window is closed.
-    state_4 = state_4.replace(opt_state=state_4.tx.init(state_4.params))
+    state_4 = _runnable(state_4)
     new_state, metrics = step(state_4, batch, key)
     assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
     assert int(new_state.model_state["norm"]["acc_step"][...]) == 0

@@ -54,7 +54,7 @@ def _run(mesh, fsdp, steps=3):
         params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
         tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
         step = accumjax.make_train_step(_loss, mode="scan")
         compiled = step.lower(state, batch).compile()
         for _ in range(steps):
@@ -65,7 +65,7 @@ def _run(mesh, fsdp, steps=3):
 def _reference(steps=3):
     params, batch = _problem()
     tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
     step = accumjax.make_train_step(_loss, mode="scan")
     with jax.default_device(jax.devices()[0]):
         for _ in range(steps):
@@ -108,8 +108,8 @@ def test_fsdp_state_stays_sharded_and_memory_scales_down():
     for key, spec in FSDP.items():
         want = _spec(jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, spec)))
         assert _spec(state.params[key]) == want
-        assert _spec(state.opt_state.window.grad_sum[key]) == want  # accumulator like params
         assert _spec(state.opt_state.inner_tx_state[0].trace[key]) == want  # momentum too
+    assert state.opt_state.window.grad_sum is None  # scan mode: the state holds no accumulator
     _, _, replicated = _run(mesh, fsdp=False, steps=1)
 
     def held(c):
@@ -140,7 +140,7 @@ def test_mesh_path_places_its_inputs_and_refuses_a_sharded_state():
     mesh = _mesh("explicit")
     params, batch = _problem()
     tx = accumjax.accumulate(optax.sgd(0.1), K)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
     step = accumjax.make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh, donate=False)
     after, _ = step(state, batch)
     ref = _reference(steps=1)
@@ -148,7 +148,7 @@ def test_mesh_path_places_its_inputs_and_refuses_a_sharded_state():
         np.testing.assert_allclose(after.params[key], ref.params[key], rtol=2e-5, atol=2e-6)
     with jax.set_mesh(mesh):
         fsdp = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
-        sharded_state = accumjax.TrainState.create(apply_fn=None, params=fsdp, tx=tx)
+        sharded_state = accumjax.TrainState.create(apply_fn=None, params=fsdp, tx=tx, mode="scan")
         with pytest.raises(ValueError, match=r"state\.params\['w1'\] is sharded"):
             step(sharded_state, batch)
 
@@ -162,7 +162,7 @@ def test_fsdp_gather_per_microbatch_trades_gathers_for_memory():
         tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
         results = {}
         for gather in ("window", "microbatch"):
-            state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+            state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
             step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
             compiled = step.lower(state, batch).compile()
             counts = count_collectives(compiled, per_execution=True, default_trip_count=1)
@@ -195,6 +195,7 @@ def test_float16_overflow_on_one_shard_under_fsdp_is_skipped_and_lowers_the_scal
             params=params,
             tx=tx,
             loss_scale=accumjax.dynamic_loss_scale(initial=2.0**15),
+            mode="scan",
         )
         step = accumjax.make_train_step(_loss, mode="scan", mixed_precision="float16")
         before = jax.tree.map(np.asarray, state.params)

@@ -12,7 +12,7 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 import accumjax
-from accumjax import TrainState, accumulate, make_train_step
+from accumjax import TrainState, accumulate, make_train_step, with_mode
 from accumjax.distributed import replicate, unreplicate
 
 K = 4  # microbatches per window
@@ -96,7 +96,9 @@ def test_stream_scan_and_full_batch_agree(name):
     windows = _windows(x, y)
     ref = _full_batch_reference(TXS[name](), _params(), windows)
 
-    scan_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(TXS[name](), K))
+    scan_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(TXS[name](), K), mode="scan"
+    )
     scan = make_train_step(loss_fn, mode="scan")
     for window in windows:
         scan_state, metrics = scan(scan_state, window)
@@ -129,7 +131,9 @@ def test_scan_sgd_matches_numpy_float64():
         resid = 2.0 * (xw @ w + b - yw) / yw.size  # d mean((xw+b-y)^2) / d pred
         w, b = w - lr * xw.T @ resid, b - lr * resid.sum(0)
 
-    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(lr), K))
+    state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(lr), K), mode="scan"
+    )
     step = make_train_step(loss_fn, mode="scan")
     for window in _windows(x, y):
         state, _ = step(state, window)
@@ -144,7 +148,7 @@ def test_scan_unroll_and_single_microbatch_match_full_batch(accum_steps, unroll)
     windows = _windows(x, y)
     ref = _full_batch_reference(optax.adam(0.05), _params(), windows)
     tx = accumulate(optax.adam(0.05), accum_steps)
-    state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=tx, mode="scan")
     step = make_train_step(loss_fn, accum_steps=accum_steps, mode="scan", unroll=unroll)
     for window in windows:
         state, metrics = step(state, window)
@@ -193,14 +197,16 @@ def test_weighted_scan_and_stream_match_full_batch_masked_mean():
     ref = _full_batch_reference(tx(), _params(), windows, loss=_masked_loss)
 
     scan_state = TrainState.create(
-        apply_fn=None, params=_params(), tx=accumulate(tx(), K, scaling="weighted")
+        apply_fn=None, params=_params(), tx=accumulate(tx(), K, scaling="weighted"), mode="scan"
     )
     scan = make_train_step(_masked_loss, mode="scan", weight_fn=_count_valid)
     stream_state = TrainState.create(
         apply_fn=None, params=_params(), tx=accumulate(tx(), K, scaling="weighted")
     )
     stream = make_train_step(_masked_loss, weight_fn=_count_valid)
-    unweighted_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(tx(), K))
+    unweighted_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(tx(), K), mode="scan"
+    )
     unweighted = make_train_step(_masked_loss, mode="scan")
     for window in windows:
         scan_state, metrics = scan(scan_state, window)
@@ -224,7 +230,7 @@ def test_has_aux_scan_stacks_microbatch_aux_and_stream_returns_it():
     x, y = _data()
     window = _windows(x, y)[0]
     scan_state = TrainState.create(
-        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K)
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K), mode="scan"
     )
     scan_state, metrics = make_train_step(aux_loss, mode="scan", has_aux=True)(scan_state, window)
     assert metrics["aux"]["first_y"].shape == (K,)
@@ -302,6 +308,7 @@ def test_model_state_threaded_through_scan_and_stream():
         params=_fresh(params),
         tx=accumulate(tx(), K),
         model_state=_fresh(model_state),
+        mode="scan",
     )
     scan = make_train_step(bn_loss, mode="scan")
     stream_state = TrainState.create(
@@ -339,7 +346,7 @@ def test_scan_agc_clips_the_accumulated_gradient_once():
     clipped = accumjax.adaptive_clip_grad(params, grads, clip_factor, 1e-3)
     ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, clipped)
     state = TrainState.create(
-        apply_fn=None, params=_fresh(params), tx=accumulate(optax.sgd(0.1), K)
+        apply_fn=None, params=_fresh(params), tx=accumulate(optax.sgd(0.1), K), mode="scan"
     )
     step = make_train_step(loss_fn, mode="scan", use_agc=True, clip_factor=clip_factor)
     state, _ = step(state, window)
@@ -361,7 +368,9 @@ def test_bfloat16_computes_in_bf16_with_float32_master_state():
 
     x, y = _data()
     window = _windows(x, y)[0]
-    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.05), K))
+    state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.adam(0.05), K), mode="scan"
+    )
     step = make_train_step(recording_loss, mode="scan", mixed_precision="bfloat16")
     new, metrics = step(state, window)
     assert seen and set(seen) == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16))}
@@ -400,6 +409,7 @@ def test_float16_scan_skips_overflowed_window_and_lowers_scale():
         params=_params(),
         tx=accumulate(optax.adam(0.05), K, on_nonfinite="skip_window"),
         loss_scale=accumjax.dynamic_loss_scale(initial=2.0**10, period=2),
+        mode="scan",
     )
     step = make_train_step(loss_fn, mode="scan", mixed_precision="float16", donate=False)
     bad = _huge(windows[0], rows=slice(K * MICRO - 1, K * MICRO))  # last microbatch only
@@ -433,6 +443,7 @@ def test_float16_loss_scaling_rescues_underflowing_gradients():
             params=_params(),
             tx=accumulate(optax.sgd(1e8), K),
             loss_scale=loss_scale,
+            mode="scan",
         )
         step = make_train_step(tiny_loss, mode="scan", mixed_precision="float16")
         return step(state, window)[0]
@@ -477,6 +488,7 @@ def test_float16_stream_skips_overflowed_microbatch_bit_for_bit():
         params=_params(),
         tx=accumulate(optax.adam(0.05), K),
         loss_scale=accumjax.dynamic_loss_scale(initial=2.0**12),
+        mode="scan",
     )
     scan = make_train_step(loss_fn, mode="scan", mixed_precision="float16")
     scan_state, _ = scan(scan_state, _huge(window, rows=slice(1, 2)))  # row 1: microbatch 1
@@ -501,10 +513,13 @@ def test_data_parallel_scan_mesh_and_pmap_match_full_batch():
     tx = lambda: optax.sgd(0.05, momentum=0.9)  # not Adam: blind to a wrong gradient scale
     ref = _full_batch_reference(tx(), _params(), windows)
 
-    mesh_state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(tx(), K))
+    mesh_state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(tx(), K), mode="scan"
+    )
     mesh_step = make_train_step(loss_fn, mode="scan", axis_name="data", mesh=_mesh())
     pmap_state = replicate(
-        TrainState.create(apply_fn=None, params=_params(), tx=accumulate(tx(), K)), N_DEV
+        TrainState.create(apply_fn=None, params=_params(), tx=accumulate(tx(), K), mode="scan"),
+        N_DEV,
     )
     pmap_step = make_train_step(loss_fn, mode="scan", axis_name="data")
     for window in windows:
@@ -566,6 +581,7 @@ def test_data_parallel_model_state_scan_and_stream_match_reference():
         params=_fresh(params),
         tx=accumulate(tx(), K),
         model_state=_fresh(model_state),
+        mode="scan",
     )
     scan = make_train_step(bn_loss, mode="scan", axis_name="data", mesh=_mesh())
     stream_state = TrainState.create(
@@ -605,6 +621,7 @@ def test_data_parallel_float16_overflow_on_one_device_skips_everywhere():
         params=_params(),
         tx=tx,
         loss_scale=accumjax.dynamic_loss_scale(initial=2.0**8),  # clean data stays finite
+        mode="scan",
     )
     scan = make_train_step(
         loss_fn,
@@ -686,12 +703,14 @@ def test_trace_time_errors():
     with pytest.raises(ValueError, match=r"accum_steps=4.*K is 1"):
         make_train_step(loss_fn, accum_steps=K)(plain, window)
     with pytest.raises(ValueError, match=r"accum_steps=2.*K is 4"):
-        make_train_step(loss_fn, accum_steps=2, mode="scan")(wrapped, window)
-    three = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), 3))
+        make_train_step(loss_fn, accum_steps=2, mode="scan")(with_mode(wrapped, "scan"), window)
+    three = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), 3), mode="scan"
+    )
     with pytest.raises(ValueError, match="not divisible by K=3"):
         make_train_step(loss_fn, mode="scan")(three, window)
     schedule = accumulate(optax.sgd(0.1), lambda n: jnp.int32(2))
-    scheduled = TrainState.create(apply_fn=None, params=_params(), tx=schedule)
+    scheduled = TrainState.create(apply_fn=None, params=_params(), tx=schedule, mode="scan")
     with pytest.raises(TypeError, match="schedule"):
         make_train_step(loss_fn, mode="scan")(scheduled, window)
     other = TrainState.create(
@@ -709,7 +728,9 @@ def test_trace_time_errors():
 def test_resuming_under_another_k_or_scaling_is_refused():
     x, y = _data()
     window = _windows(x, y)[0]
-    saved = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    saved = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K), mode="scan"
+    )
     for tx, match in (
         (accumulate(optax.sgd(0.1), 2), "every_k=4"),
         (accumulate(optax.sgd(0.1), K, scaling="sum"), "scaling='mean'"),
@@ -788,7 +809,7 @@ def _dropout_step(mode, **kwargs):
 def _dropout_run(step, mode, seed, windows):
     """(state, masks): masks[w] stacks window w's K microbatch masks (and devices first)."""
     params = jax.tree.map(lambda a: a.astype(jnp.float32), _params())  # not weakly typed
-    state = TrainState.create(apply_fn=None, params=params, tx=_DROPOUT_TX)
+    state = TrainState.create(apply_fn=None, params=params, tx=_DROPOUT_TX, mode=mode)
     masks = []
     for window in windows:
         batches = [window] if mode == "scan" else _microbatches(window)
@@ -871,7 +892,7 @@ def test_dropout_mlp_on_digits_k4_reaches_the_accuracy_of_k1():
 
     def accuracy(k, epochs=25, batch=128):
         tx = accumulate(optax.adam(3e-3), k)
-        state = TrainState.create(apply_fn=None, params=_fresh(params), tx=tx)
+        state = TrainState.create(apply_fn=None, params=_fresh(params), tx=tx, mode="scan")
         step = make_train_step(loss, mode="scan")  # microbatches of batch // k rows
         order = np.random.default_rng(0)
         for _ in range(epochs):
@@ -942,7 +963,10 @@ def test_scan_temp_memory_at_most_optax_microbatch_and_the_full_batch(on_nonfini
         )
         optax_temp = _temp_bytes(plain(reference), carry, batch)
         state = TrainState.create(
-            apply_fn=None, params=params, tx=accumulate(tx, k, on_nonfinite=on_nonfinite)
+            apply_fn=None,
+            params=params,
+            tx=accumulate(tx, k, on_nonfinite=on_nonfinite),
+            mode="scan",
         )
         temp = _temp_bytes(scan, state, batch)
         assert temp <= optax_temp, (k, temp, optax_temp)
@@ -980,7 +1004,12 @@ def test_multisteps_tx_is_refused_in_every_mode(mode, where):
     state.step counting calls while the parameters never move. It is refused, pointing to
     accumulate."""
     tx = _multisteps_txs()[where]
-    state = TrainState.create(apply_fn=None, params=_fresh(_params()), tx=tx)
+    state = TrainState.create(
+        apply_fn=None,
+        params=_fresh(_params()),
+        tx=tx,
+        mode="stream" if mode == "stream" else "scan",
+    )
     x, y = _data()
     batch = _windows(x, y)[0]  # 32 rows: divisible by K and by the 8 devices
     kwargs = {"mode": "stream" if mode == "stream" else "scan"}
@@ -1024,7 +1053,7 @@ def _bad_rngs():
 def test_rng_that_is_not_one_key_is_refused(kind, mode):
     rng, error = _bad_rngs()[kind]
     state = TrainState.create(
-        apply_fn=None, params=_fresh(_params()), tx=accumulate(optax.sgd(0.1), K)
+        apply_fn=None, params=_fresh(_params()), tx=accumulate(optax.sgd(0.1), K), mode=mode
     )
     x, y = _data()
     batch = _windows(x, y)[0]
@@ -1078,7 +1107,9 @@ def test_params_and_batch_on_different_meshes_is_refused(mode, params_spec):
         "w": jax.device_put(params["w"], _Named(first, params_spec)),
         "b": jax.device_put(params["b"], _Named(first, _P())),
     }
-    state = TrainState.create(apply_fn=None, params=params, tx=accumulate(optax.sgd(0.1), K))
+    state = TrainState.create(
+        apply_fn=None, params=params, tx=accumulate(optax.sgd(0.1), K), mode=mode
+    )
     x, y = _data()
     batch = {"x": x[: K * MICRO, :4], "y": y[: K * MICRO]}
     batch = jax.device_put(batch, _Named(second, _P("data")))
@@ -1096,7 +1127,7 @@ def test_reusing_a_donated_state_says_the_step_donated_it(mode):
     x, y = _data()
     batch = _windows(x, y)[0]
     state = TrainState.create(
-        apply_fn=None, params=_fresh(_params()), tx=accumulate(optax.sgd(0.1), K)
+        apply_fn=None, params=_fresh(_params()), tx=accumulate(optax.sgd(0.1), K), mode=mode
     )
     step = make_train_step(loss_fn, mode=mode)
     new, _ = step(state, batch)
@@ -1124,6 +1155,7 @@ def test_float16_with_propagate_is_refused(mode):
         params=_params(),
         tx=accumulate(optax.sgd(0.1), K, on_nonfinite="propagate"),
         loss_scale=accumjax.dynamic_loss_scale(),
+        mode=mode,
     )
     step = make_train_step(loss_fn, mode=mode, mixed_precision="float16")
     batch = _windows(*_data())[0]
@@ -1195,7 +1227,9 @@ def test_metrics_grad_norm_is_the_norm_the_inner_optimizer_sees(mode, use_agc):
     if use_agc:
         full = accumjax.adaptive_clip_grad(_params(), full, 0.01, 1e-3)
     expected = float(optax.tree.norm(full))
-    state = TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K))
+    state = TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.1), K), mode=mode
+    )
     step = make_train_step(loss_fn, mode=mode, use_agc=use_agc)
     if mode == "scan":
         state, metrics = step(state, window)
@@ -1218,8 +1252,10 @@ def test_metrics_grad_norm_is_nan_on_a_call_without_update():
 # ----------------------------------------------------------------------------- optax.microbatch
 
 
-def _sgd_state():
-    return TrainState.create(apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.5), K))
+def _sgd_state(mode="scan"):
+    return TrainState.create(
+        apply_fn=None, params=_params(), tx=accumulate(optax.sgd(0.5), K), mode=mode
+    )
 
 
 def _sgd_reference(grads):
@@ -1258,7 +1294,7 @@ def test_num_real_microbatches_is_checked():
     with pytest.raises(ValueError, match=r"num_real_microbatches must be in \[0, K=4\]"):
         step(_sgd_state(), window, num_real_microbatches=5)
     with pytest.raises(ValueError, match="num_real_microbatches is for make_train_step"):
-        make_train_step(loss_fn)(_sgd_state(), window, num_real_microbatches=2)
+        make_train_step(loss_fn)(_sgd_state("stream"), window, num_real_microbatches=2)
 
 
 def test_batch_axis_per_leaf_and_unbatched_inputs_match_optax_microbatch():

@@ -34,7 +34,7 @@ class _Net(nn.Module):
         return nn.Dense(3)(nn.relu(x))
 
 
-def _setup(tx, dtype=jnp.float32):
+def _setup(tx, dtype=jnp.float32, mode="stream"):
     model = _Net()
     variables = model.init(jax.random.key(0), jnp.ones((2, 5)))
     params = jax.tree.map(lambda p: p.astype(dtype), variables["params"])
@@ -51,6 +51,7 @@ def _setup(tx, dtype=jnp.float32):
         tx=tx,
         model_state={"batch_stats": variables["batch_stats"]},
         loss_scale=accumjax.dynamic_loss_scale(initial=2.0**8),
+        mode=mode,
     )
     return loss_fn, state
 
@@ -105,7 +106,8 @@ def test_stream_nan_microbatch_changes_nothing_and_is_counted(policy, precision)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("policy", ["skip_microbatch", "skip_window"])
 def test_scan_nan_microbatch(policy, precision):
-    loss_fn, state = _setup(accumulate(optax.adam(1e-2), K, on_nonfinite=policy, scaling="count"))
+    tx = accumulate(optax.adam(1e-2), K, on_nonfinite=policy, scaling="count")
+    loss_fn, state = _setup(tx, mode="scan")
     step = make_train_step(loss_fn, mode="scan", mixed_precision=precision, donate=False)
     batch = _data()
     after, metrics = step(state, _nan_rows(batch, slice(1, 2)))  # row 1: microbatch 1
@@ -159,7 +161,7 @@ def test_scan_zero_weights_never_apply_and_negative_weights_are_skipped():
     params = {"w": jnp.ones((5, 3))}
     batch = _data()
     tx = accumulate(optax.sgd(0.1), K, scaling="weighted")
-    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
     step = make_train_step(_loss, mode="scan", weight_fn=lambda b: 0.0, donate=False)
     after, metrics = step(state, batch)  # a fully padded batch
     assert not bool(metrics["updated"])
@@ -181,15 +183,21 @@ def test_float64_stays_float64_end_to_end():
         ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, grad)
         for mode in ("scan", "stream"):
             tx = accumulate(optax.sgd(0.1), K)
-            state = TrainState.create(apply_fn=None, params=params, tx=tx)
+            state = TrainState.create(apply_fn=None, params=params, tx=tx, mode=mode)
             step = make_train_step(_loss, mode=mode, donate=False)
             calls = [batch] if mode == "scan" else [
                 jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)
             ]  # fmt: skip
+            if mode == "scan":  # the accumulator lives inside the step: read its program
+                program = step.lower(state, batch).as_text()
+                assert "tensor<5x3xf64>" in program and "tensor<5x3xf32>" not in program
             for b in calls:
                 state, _ = step(state, b)
             assert state.params["w"].dtype == jnp.float64
-            assert state.opt_state.window.grad_sum["w"].dtype == jnp.float64
+            if mode == "stream":
+                assert state.opt_state.window.grad_sum["w"].dtype == jnp.float64
+            else:
+                assert state.opt_state.window.grad_sum is None  # a scan-mode state holds none
             # float64 sums in another order: 1e-15 relative, far below float32's 1e-7.
             np.testing.assert_allclose(state.params["w"], ref["w"], rtol=1e-13, atol=1e-14)
 
@@ -325,7 +333,7 @@ def test_shard_map_nan_on_one_device_keeps_replicas_identical():
     params = {"w": jnp.ones((5, 3))}
     batch = _data(rows=8 * K * 2)
     tx = accumulate(optax.adam(0.1), K, scaling="count")
-    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
     step = make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh, donate=False)
     after, metrics = step(state, _nan_rows(batch, slice(len(batch["x"]) - 1, None)))
     assert bool(metrics["updated"])
@@ -368,6 +376,7 @@ def test_data_parallel_batch_norm_window_pools_the_global_batch_exactly():
         params=variables["params"],
         tx=accumulate(optax.sgd(0.0), 2),
         model_state=model_state,
+        mode="scan",
     )
     step = make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh, donate=False)
     after, _ = step(state, jnp.asarray(x))
@@ -413,7 +422,7 @@ def test_every_scaling_matches_a_float64_full_batch_reference(scaling, mode, agc
         assert agc != np.allclose(clipped["w"], grad["w"])  # AGC is active when asked
 
         tx = accumulate(optax.sgd(0.1), K, scaling=scaling)
-        state = TrainState.create(apply_fn=None, params=params, tx=tx)
+        state = TrainState.create(apply_fn=None, params=params, tx=tx, mode=mode)
         weight_fn = (lambda b: jnp.sum(b["m"])) if scaling == "weighted" else None
         step = make_train_step(
             loss, mode=mode, use_agc=agc, clip_factor=0.05, weight_fn=weight_fn, donate=False
