@@ -99,7 +99,8 @@ def make_train_step(
 
     Args:
       loss_fn: the loss, see above.
-      mode: ``"stream"`` or ``"scan"``.
+      mode: ``"stream"`` or ``"scan"``; the state is built for it
+        (``TrainState.create(..., mode=...)``: a scan-mode state holds no accumulator).
       accum_steps: optional; when given it must equal the optimizer's K (K is stated once).
       has_aux: whether ``loss_fn`` also returns auxiliary outputs (``metrics["aux"]``;
         stacked over microbatches in scan mode).
@@ -173,7 +174,8 @@ def make_train_step(
       a ``tx`` that is or contains ``optax.MultiSteps`` (use ``accumulate(inner, K)``); for
       an ``rng`` that is not one key (an int seed, a float array, a batch of keys) or is
       given to a ``loss_fn`` that takes no key; on the call, for a state holding an array
-      that an earlier call donated, or a state and batch on different meshes.
+      that an earlier call donated, or a state and batch on different meshes; at trace time
+      for a state laid out for the other mode (`accumjax.with_mode` converts it).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, accumjax
@@ -184,7 +186,8 @@ def make_train_step(
       ...     pred = model.apply({"params": params}, batch["x"])
       ...     return jnp.mean((pred - batch["y"]) ** 2)
       >>> state = accumjax.TrainState.create(
-      ...     apply_fn=model.apply, params=params, tx=accumjax.accumulate(optax.sgd(0.1), 4))
+      ...     apply_fn=model.apply, params=params, tx=accumjax.accumulate(optax.sgd(0.1), 4),
+      ...     mode="scan")
       >>> step = accumjax.make_train_step(loss_fn, mode="scan")
       >>> state, metrics = step(state, {"x": x, "y": y})
       >>> int(state.step), bool(metrics["updated"])

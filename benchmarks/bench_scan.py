@@ -30,11 +30,13 @@ def _tx():
 
 
 def _state(params, k: int) -> accumjax.TrainState:
-    """A train state whose optimizer accumulates k microbatches (scan mode reads K from it)."""
+    """A scan-mode train state whose optimizer accumulates k microbatches (scan mode reads K
+    from it; the state holds no accumulator)."""
     return accumjax.TrainState.create(
         apply_fn=None,  # type: ignore[arg-type]
         params=params,
         tx=accumjax.accumulate(_tx(), k),
+        mode="scan",
     )
 
 

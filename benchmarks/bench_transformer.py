@@ -44,6 +44,7 @@ from accumjax.planner import (
     compiled_memory_bytes,
     scan_step_for_k,  # the one K -> step builder (API switch there)
 )
+from accumjax.train_state import opt_state_for
 from benchmarks import common
 
 KS = (1, 2, 4, 8, 16)
@@ -167,9 +168,10 @@ def _cases_for_k(size, params, batch, k, full_batch):
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=_tx())  # type: ignore[arg-type]
     for name, fn in (("accumjax_scan", loss), ("accumjax_scan_remat", loss_remat)):
         step, state_k = scan_step_for_k(fn, state, k)
-        state_k = state_k.replace(opt_state=state_k.tx.init(params))  # concrete, to run
+        # concrete, to run: the scan-mode optimizer state (no accumulator)
+        state_k = state_k.replace(opt_state=opt_state_for(state_k.tx, params, "scan"))
         compiled = step.lower(state_k, batch).compile()
-        out[name] = (compiled, lambda s, f=compiled: f(s, batch, None)[0], state_k)
+        out[name] = (compiled, lambda s, f=compiled: f(s, batch, None, None)[0], state_k)
     compiled = (
         common.optax_microbatch_step(loss, _tx(), size["batch"] // k).lower(carry, batch).compile()
     )

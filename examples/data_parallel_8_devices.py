@@ -61,7 +61,7 @@ def new_state(k):
     """A fresh state whose optimizer applies Adam once every k microbatches (k=1: plain Adam)."""
     params = init_params(jax.random.key(0))
     tx = accumjax.accumulate(optax.adam(1e-2), k)
-    return accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    return accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
 
 
 # --- 1. accumjax: 8 devices x 4 accumulated microbatches ----------------------------------------

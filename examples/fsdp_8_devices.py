@@ -1,12 +1,13 @@
 """FSDP over 8 devices with gradient accumulation: plain `jit`, sharded arrays, no shard_map.
 
 The parameters are sharded over the "data" mesh axis on their first dimension (FSDP / ZeRO-3:
-each device stores 1/8 of every kernel), the optimizer state and the accumulator follow them,
-and the batch is split over the same axis. `make_train_step(loss_fn, mode="scan")` takes no mesh
-and no axis name: under `jit` it reads the arrays' shardings, runs the 4 microbatches of each
-device's rows locally and reduces the window's gradient *once*: one reduce-scatter per sharded
-kernel (each device keeps the slice it owns) and one small all-reduce, with the kernels
-all-gathered once per window. The update runs on the sharded optimizer state.
+each device stores 1/8 of every kernel), the optimizer state follows them (a scan-mode state
+holds no accumulator: the step makes its own), and the batch is split over the same axis.
+`make_train_step(loss_fn, mode="scan")` takes no mesh and no axis name: under `jit` it reads the
+arrays' shardings, runs the 4 microbatches of each device's rows locally and reduces the
+window's gradient *once*: one reduce-scatter per sharded kernel (each device keeps the slice it
+owns) and one small all-reduce, with the kernels all-gathered once per window. The update runs
+on the sharded optimizer state.
 
 The result agrees with the same scan step on one device, on the whole batch.
 
@@ -88,7 +89,7 @@ def spec_of(name, value):
 
 def new_state(params):
     tx = accumjax.accumulate(optax.adam(1e-3), ACCUM)  # K = 4, stated once
-    return accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    return accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
 
 
 def short(spec):
@@ -111,7 +112,7 @@ def sharded_run(fsdp):
             for k, v in init_params().items()
         }
         data = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
-        state = new_state(params)  # optimizer state and accumulator sharded like the params
+        state = new_state(params)  # optimizer state sharded like the params
         compiled = step.lower(state, data[0]).compile()
         for batch in data:
             state, metrics = step(state, batch)
@@ -124,9 +125,10 @@ print("parameter shardings after training:")
 for name, value in state.params.items():
     print(f"  {name:3s} {value.shape!s:11s} {short(value.sharding.spec)}")
     assert short(value.sharding.spec) == short(spec_of(name, value))
-grad_sum = state.opt_state.window.grad_sum
-print(f"accumulator (window.grad_sum['w1']) sharding: {short(grad_sum['w1'].sharding.spec)}")
-assert short(grad_sum["w1"].sharding.spec) == P("data")
+mu = state.opt_state.inner_tx_state[0].mu  # Adam's first moment
+print(f"optimizer state (Adam's mu['w1']) sharding: {short(mu['w1'].sharding.spec)}")
+assert short(mu["w1"].sharding.spec) == P("data")
+assert state.opt_state.window.grad_sum is None  # scan mode: the state holds no accumulator
 
 counts = accumjax.count_collectives(compiled, per_execution=True, default_trip_count=1)
 in_program = accumjax.count_collectives(compiled)

@@ -2,10 +2,11 @@
 
 `accumjax.make_nnx_train_step(loss_fn, mode="scan")` trains an `nnx.Module` directly: the loss
 takes the model, `loss_fn(model, batch, key)`, and the state is the model split by
-`accumjax.nnx_train_state(model, tx)` into parameters (`nnx.Param`) and everything else
-(`nnx.BatchStat`, ...). K is stated once, in `tx = accumjax.accumulate(optax.adam(...), K)`.
-With scan mode one call takes the whole batch of 128 and loops over its 4 microbatches
-(rows i, i + 4, i + 8, ...) inside one compiled program; Adam is applied once per call.
+`accumjax.nnx_train_state(model, tx, mode="scan")` into parameters (`nnx.Param`) and
+everything else (`nnx.BatchStat`, ...). K is stated once, in
+`tx = accumjax.accumulate(optax.adam(...), K)`. With scan mode one call takes the whole batch
+of 128 and loops over its 4 microbatches (rows i, i + 4, i + 8, ...) inside one compiled
+program; Adam is applied once per call.
 
 `accumjax.NNXAccumBatchNorm` only pools its microbatches' statistics; the step closes its
 window with the optimizer's, so the running statistics move once per update, with those of all
@@ -84,7 +85,7 @@ def train(k):
     model = MLP(nnx.Rngs(SEED))
     # accumulate(adam, K): K microbatch gradients summed, Adam applied to their mean once per
     # window (K=1: plain Adam). The only place K is stated.
-    state = nnx_train_state(model, accumjax.accumulate(optax.adam(3e-3), k))
+    state = nnx_train_state(model, accumjax.accumulate(optax.adam(3e-3), k), mode="scan")
     step = make_nnx_train_step(loss_fn, mode="scan")  # one call = one batch = one update
     first_stats = None
     for i, batch in enumerate(batches()):
