@@ -1,14 +1,17 @@
-"""Scan mode under ``jit`` with sharded arrays (accumjax.sharded): JAX's default mesh.
+"""The steps under ``jit`` with sharded arrays (accumjax.sharded): JAX's default mesh.
 
-On 8 CPU devices: replicated data parallel and FSDP, Explicit and Auto meshes. References: the
-same step on unsharded arrays (one device's view), and collective counts in the compiled HLO.
+Scan mode, and stream mode with a per-device window. On 8 CPU devices: replicated data
+parallel and FSDP, Explicit and Auto meshes. References: the same step on unsharded arrays
+(one device's view), one-device full-batch optax, and collective counts in the compiled HLO.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -211,15 +214,18 @@ def test_float16_overflow_on_one_shard_under_fsdp_is_skipped_and_lowers_the_scal
         assert bool(metrics["updated"])
 
 
-def test_stream_mode_under_jit_resumes_a_mid_window_orbax_checkpoint_bit_for_bit(tmp_path):
-    # Issue 17: on the plain-jit path the window's sum is a global array, so a checkpoint
-    # saved mid-window (orbax, restored with the live shardings) resumes bit for bit.
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_stream_mode_under_jit_resumes_a_mid_window_orbax_checkpoint_bit_for_bit(tmp_path, fsdp):
+    # Issues 17 and 19: on the plain-jit path each device's partial window sum is its own
+    # slice of a global array, so a checkpoint saved mid-window (orbax, restored with the
+    # live shardings) holds every device's and resumes bit for bit.
     import orbax.checkpoint as ocp
 
     mesh = _mesh("explicit")
     params, batch = _problem()
+    specs = FSDP if fsdp else dict.fromkeys(params, P())
     with jax.set_mesh(mesh):
-        params = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
+        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
         micro = [
             jax.device_put(
                 jax.tree.map(lambda a, i=i: a[i::K], batch), NamedSharding(mesh, P("data"))
@@ -247,3 +253,145 @@ def test_stream_mode_under_jit_resumes_a_mid_window_orbax_checkpoint_bit_for_bit
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding == b.sharding  # nothing replicated behind the user's back
+
+
+# ----------------------------------------------------------------------------- stream mode
+
+
+def _stream_run(mesh, fsdp, tx):
+    """K stream calls per window (N rows each) on ``mesh``, from a state created on it."""
+    params, batch = _problem()
+    specs = FSDP if fsdp else dict.fromkeys(params, P())
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = accumjax.make_train_step(_loss)  # stream mode, plain jit: no mesh, no axis_name
+    data = NamedSharding(mesh, P("data"))
+    micro = [
+        jax.device_put(jax.tree.map(lambda a, j=j: a[j * N : (j + 1) * N], batch), data)
+        for j in range(len(batch["x"]) // N)
+    ]
+    compiled = step.lower(state, micro[0]).compile()
+    for mb in micro:
+        state, metrics = step(state, mb)
+    return state, metrics, compiled
+
+
+def _full_batch_sgd():
+    """One device, plain optax SGD on each window's K * N rows at once (float32)."""
+    params, batch = _problem()
+    tx = optax.sgd(0.5)
+    opt_state = tx.init(params)
+    for w in range(len(batch["x"]) // (K * N)):
+        rows = jax.tree.map(lambda a, w=w: a[w * K * N : (w + 1) * K * N], batch)
+        updates, opt_state = tx.update(jax.grad(_loss)(params, rows), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_stream_under_jit_reduces_once_per_window_and_matches_full_batch(kind, fsdp):
+    # Issue 19: a per-device window (made by TrainState.create from parameters on the mesh)
+    # takes each call's gradient on each device, with no collective (FSDP: the gather of the
+    # sharded parameters and the reduce-scatter of their gradient, per call); one all-reduce
+    # when the window closes. SGD, not adam: adam's scale invariance would hide a window
+    # counted 8 times.
+    state, metrics, compiled = _stream_run(
+        _mesh(kind), fsdp, accumjax.accumulate(optax.sgd(0.5), K)
+    )
+    ref = _full_batch_sgd()
+    # float32: per-device sums reduced once vs one device's sum over the same rows: ulps.
+    for key in ref:
+        np.testing.assert_allclose(state.params[key], ref[key], rtol=1e-5, atol=1e-6)
+    assert int(state.step) == 2 and metrics["loss"].shape == (N,)  # one loss per device
+    # The close runs in a loop of at most one trip whose count XLA does not know: a trip
+    # count of 0 counts what every call runs, 1 what the closing call runs.
+    every = count_collectives(compiled, per_execution=True, default_trip_count=0)
+    closing = count_collectives(compiled, per_execution=True, default_trip_count=1)
+    sharded_leaves = 2 if fsdp else 0
+    assert every == {**every, "all-reduce": 0, "all-gather": sharded_leaves}
+    assert every["reduce-scatter"] == sharded_leaves
+    assert closing == {**every, "all-reduce": 1}
+
+
+def test_stream_window_on_a_2d_mesh_counts_each_row_once():
+    # On a (data=4, model=2) mesh with the batch split over "data", the two devices of a
+    # data group compute the same gradient; the window is reduced over "data" only, so it
+    # equals the same run on a 1-D mesh of 4 devices, bit for bit.
+    tx = accumjax.accumulate(optax.sgd(0.5), K)
+    two_d = jax.make_mesh((4, 2), ("data", "model"))
+    one_d = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    state_2d, _, _ = _stream_run(two_d, False, tx)
+    state_1d, _, _ = _stream_run(one_d, False, tx)
+    for a, b in zip(
+        jax.tree.leaves(state_2d.params), jax.tree.leaves(state_1d.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stream_per_device_window_needs_a_batch_on_its_mesh():
+    mesh = _mesh("explicit")
+    params, batch = _problem()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    tx = accumjax.accumulate(optax.sgd(0.5), K)
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = accumjax.make_train_step(_loss)
+    with pytest.raises(ValueError, match=r"per device.*not split over that mesh.*device_put"):
+        step(state, jax.tree.map(lambda a: a[:N], batch))
+    mesh_step = accumjax.make_train_step(_loss, mesh=mesh, axis_name="data")
+    with pytest.raises(ValueError, match=r"replicates the state.*Drop mesh= and axis_name="):
+        mesh_step(state, jax.tree.map(lambda a: a[:N], batch))
+
+
+class _LinenEmbed(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        return nn.Dense(11)(nn.Embed(11, 8)(ids).mean(axis=1))
+
+
+class _NNXEmbed(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(11, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 11, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.out(self.embed(ids).mean(axis=1))
+
+
+def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
+    # jax.make_mesh's default axes are Explicit, where jit of an embedding lookup with a
+    # sharded batch fails ("Use .at[...].get(out_sharding=)"); the per-device window takes
+    # each device's gradient inside a shard_map, where the lookup is local.
+    mesh = jax.make_mesh((N,), ("data",))
+    assert mesh.axis_types == (AxisType.Explicit,)
+    ids = np.random.default_rng(0).integers(0, 11, size=(2 * K * N, 5)).astype(np.int32)
+    micro = [
+        jax.device_put(ids[i * N : (i + 1) * N], NamedSharding(mesh, P("data")))
+        for i in range(2 * K)
+    ]
+    xent = optax.softmax_cross_entropy_with_integer_labels
+    linen = _LinenEmbed()
+    linen_loss = lambda p, b: xent(linen.apply({"params": p}, b), b[:, 0]).mean()
+    with jax.set_mesh(mesh):
+        params = linen.init(jax.random.key(0), ids[:1])["params"]
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        tx = accumjax.accumulate(optax.sgd(0.5), K)
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+        step = accumjax.make_train_step(linen_loss)
+        for mb in micro:
+            state, _ = step(state, mb)
+        model = _NNXEmbed(nnx.Rngs(0))
+        nnx_state = accumjax.nnx_train_state(model, accumjax.accumulate(optax.sgd(0.5), K))
+        nnx_loss = lambda m, b: xent(m(b), b[:, 0]).mean()
+        nnx_step = accumjax.make_nnx_train_step(nnx_loss)
+        for mb in micro:
+            nnx_state, _ = nnx_step(nnx_state, mb)
+    assert int(state.step) == 2 and int(nnx_state.step) == 2
+    # One device, each window's rows at once: the same SGD steps.
+    ref = jax.device_get(linen.init(jax.random.key(0), ids[:1])["params"])
+    for w in range(2):
+        grads = jax.grad(linen_loss)(ref, ids[w * K * N : (w + 1) * K * N])
+        ref = jax.tree.map(lambda p, g: p - 0.5 * g, ref, grads)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx_state.params))
