@@ -153,3 +153,18 @@ def test_a_checkpoint_with_the_accumulator_converts_for_scan_mode(tmp_path):
     fresh, _ = step(_state(params), batch)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_per_device_window_is_refused_by_tx_update_naming_the_fix():
+    # tx.update takes gradients XLA has already reduced; a per-device window (made for the
+    # train step's stream mode on a mesh) would take them as one device's partial sum.
+    params, _ = _problem(width=8)
+    mesh = jax.make_mesh((N,), ("data",))
+    state = _state(jax.device_put(params, NamedSharding(mesh, P())), "stream")
+    assert state.opt_state.window.weight_sum.shape == (N,)
+    assert accumjax.stats(state.opt_state).memory_bytes == N * _device_bytes(params)
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    with pytest.raises(ValueError, match=r"one partial sum per device.*tx.init\(params\)"):
+        state.apply_gradients(grads=grads)
+    plain = state.replace(opt_state=state.tx.init(state.params))  # the documented fix
+    assert int(plain.apply_gradients(grads=grads).opt_state.window.micro_step) == 1
