@@ -162,7 +162,7 @@ def test_a_per_device_window_is_refused_by_tx_update_naming_the_fix():
     mesh = jax.make_mesh((N,), ("data",))
     state = _state(jax.device_put(params, NamedSharding(mesh, P())), "stream")
     assert state.opt_state.window.weight_sum.shape == (N,)
-    assert accumjax.stats(state.opt_state).memory_bytes == N * _device_bytes(params)
+    assert accumjax.stats(state.opt_state).memory_bytes == N * _device_bytes(state.params)
     grads = jax.tree.map(jnp.ones_like, state.params)
     with pytest.raises(ValueError, match=r"one partial sum per device.*tx.init\(params\)"):
         state.apply_gradients(grads=grads)
