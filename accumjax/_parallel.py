@@ -61,7 +61,8 @@ __all__ = ["sharded_scan_step", "sharded_stream_step", "wrap"]
 
 
 class _Local(NamedTuple):
-    """One device's inputs to a sharded window (the ``shard_map``'s one argument)."""
+    """One device's inputs to a sharded step's ``shard_map`` (its one argument): scan mode's
+    number of real microbatches, or stream mode's per-device window."""
 
     params: Any
     model_state: Any
@@ -69,7 +70,8 @@ class _Local(NamedTuple):
     rng: Any
     step_count: Any
     loss_scale: Any
-    n_real: Any
+    n_real: Any = None
+    window: Any = None
 
 
 def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
@@ -149,18 +151,6 @@ def _local_window(
 # ----------------------------------------------------------------------------- stream, sharded jit
 
 
-class _Call(NamedTuple):
-    """One device's inputs to a per-device stream call (the ``shard_map``'s one argument)."""
-
-    params: Any
-    model_state: Any
-    window: Any
-    batch: Any
-    rng: Any
-    step_count: Any
-    loss_scale: Any
-
-
 def _per_device(state: Any) -> bool:
     opt = getattr(state, "opt_state", None)
     return isinstance(opt, AccumulationState) and sharded.is_per_device(opt.window)
@@ -184,10 +174,9 @@ def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         ctx, acc = begin(setup, state, rng)
         whole, data = PartitionSpec(), PartitionSpec(layout.axis)
         specs = sharded.window_specs(layout)
-        call = _Call(
-            state.params, state.model_state, acc.window, batch, rng, state.step, ctx.loss_scale
-        )
-        in_specs = _Call(layout.param_specs(), whole, specs, data, whole, whole, whole)
+        call = _Local(state.params, state.model_state, batch, rng, state.step, ctx.loss_scale)
+        call = call._replace(window=acc.window)
+        in_specs = _Local(layout.param_specs(), whole, data, whole, whole, whole, whole, specs)
         window, added, loss, aux = jax.shard_map(
             partial(_local_microbatch, ctx, layout),
             mesh=layout.mesh,
@@ -274,7 +263,7 @@ def _scatter(layout: sharded.Layout) -> Callable[[Any], Any] | None:
     return reduce
 
 
-def _local_microbatch(ctx: Context, layout: sharded.Layout, call: _Call) -> tuple[Any, ...]:
+def _local_microbatch(ctx: Context, layout: sharded.Layout, call: _Local) -> tuple[Any, ...]:
     """One device's part of a stream call: its rows' gradient added to its own slice."""
     ctx = ctx._replace(
         rng=call.rng,
