@@ -5,6 +5,8 @@ Variants, for each K (microbatches per update) at one fixed global batch:
 * ``full_batch``: one plain jitted step on the whole batch (K-independent; the reference).
 * ``accumjax_scan``: ``accumjax.make_train_step(mode="scan")``: one call per window.
 * ``accumjax_scan_remat``: the same with ``nn.remat`` around every transformer block.
+* ``accumjax_scan_propagate`` (memory only, not timed): the scan step of
+  ``accumulate(adam, K, on_nonfinite="propagate")``, which has no non-finite re-run path.
 * ``optax_microbatch``: ``optax.microbatch(jax.grad(loss), ..., accumulator=MEAN)`` then Adam.
 * ``accumjax_stream``: K calls of a jitted per-microbatch step with
   ``tx=accumjax.accumulate(adam, K)``; its memory is that step's.
@@ -22,6 +24,16 @@ a step; the accumulator is another parameter-sized float32 buffer). The stream v
 keep their accumulator in the optimizer state (an argument, not temp), so their floor is
 ``floor(K) - param_bytes_f32``. Remat may go below the floor: the floor assumes the
 microbatch's activations are all stored.
+
+Besides temp, every variant's arguments are recorded (``argument_size_in_bytes``, with
+``output_size_in_bytes`` and ``alias_size_in_bytes``, all from the same ``memory_analysis()``)
+with the bytes of what they are made of: the parameters, the optimizer state the variant
+carries and the batch (from the arrays). The whole footprint of a step is arguments + temp:
+every variant donates its state (params and optimizer state, not the batch), so its outputs
+alias the donated arguments (``output - alias`` is a few bytes of metrics). The scan variants
+take a scan-mode state (``TrainState.create(..., mode="scan")``: no accumulator), so their
+arguments are those of the full-batch step; the stream variants carry their accumulator in
+the optimizer state (one float32 parameter copy more) and take one microbatch per call.
 
 Times are the fastest of interleaved rounds, measured side by side per K (see
 ``common.time_interleaved``); ratios between variants at the same K are the figures to read.
@@ -44,7 +56,6 @@ from accumjax.planner import (
     compiled_memory_bytes,
     scan_step_for_k,  # the one K -> step builder (API switch there)
 )
-from accumjax.train_state import opt_state_for
 from benchmarks import common
 
 KS = (1, 2, 4, 8, 16)
@@ -64,6 +75,9 @@ VARIANTS = (
     "accumjax_stream",
     "multisteps_stream",
 )
+# the variants whose footprint (arguments, outputs, optimizer state) is recorded: the timed
+# ones and the propagate scan step (memory only)
+MEMORY_VARIANTS = (*VARIANTS[:3], "accumjax_scan_propagate", *VARIANTS[3:])
 
 
 class Block(nn.Module):
@@ -139,6 +153,18 @@ def _mib(nbytes: float) -> float:
     return nbytes / common.MiB
 
 
+def _tree_bytes(tree: Any) -> int:
+    """Bytes of a pytree's leaves (arrays or ``jax.ShapeDtypeStruct``s; ``None`` holds none)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _scan_state(params, tx):
+    """A concrete scan-mode state (no accumulator), as a user of the scan step builds it."""
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")  # type: ignore[arg-type]
+    assert state.opt_state.window.grad_sum is None, "a scan-mode state holds no accumulator"
+    return state
+
+
 def _split(batch: Any, k: int) -> list[Any]:
     """K microbatches of strided rows (i, i+K, ...), as scan mode takes them."""
     return [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
@@ -159,7 +185,7 @@ def _full_batch_compiled(size, params, batch):
 
 
 def _cases_for_k(size, params, batch, k, full_batch):
-    """``{variant: (compiled_step, timed_fn, carry)}`` at K."""
+    """``{variant: (compiled_step, timed_fn, carry)}`` at K (``carry``: the state argument)."""
     loss, loss_remat = _loss_fn(_model(size)), _loss_fn(_model(size, remat=True))
     carry = (params, _tx().init(params))
     micro = _split(batch, k)
@@ -168,8 +194,7 @@ def _cases_for_k(size, params, batch, k, full_batch):
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=_tx())  # type: ignore[arg-type]
     for name, fn in (("accumjax_scan", loss), ("accumjax_scan_remat", loss_remat)):
         step, state_k = scan_step_for_k(fn, state, k)
-        # concrete, to run: the scan-mode optimizer state (no accumulator)
-        state_k = state_k.replace(opt_state=opt_state_for(state_k.tx, params, "scan"))
+        state_k = _scan_state(params, state_k.tx)  # concrete, to run
         compiled = step.lower(state_k, batch).compile()
         out[name] = (compiled, lambda s, f=compiled: f(s, batch, None, None)[0], state_k)
     compiled = (
@@ -180,19 +205,25 @@ def _cases_for_k(size, params, batch, k, full_batch):
         ("accumjax_stream", accumjax.accumulate(_tx(), k)),
         ("multisteps_stream", optax.MultiSteps(_tx(), k)),
     ):
-        stream_carry = (params, tx.init(params))
+        stream_carry = (params, tx.init(params))  # the accumulator lives here
         compiled = _plain_step(loss, tx).lower(stream_carry, micro[0]).compile()
         out[name] = (compiled, _window(compiled, micro), stream_carry)
     return out
 
 
-def _propagate_temp_bytes(size, params, batch, k) -> int:
-    """Temp of the scan step with ``on_nonfinite="propagate"`` (no non-finite re-run path):
-    memory only, not timed."""
+def _propagate_case(size, params, batch, k):
+    """``(compiled_step, state)`` of the scan step with ``on_nonfinite="propagate"`` (no
+    non-finite re-run path): memory only, not timed."""
     tx = accumjax.accumulate(_tx(), k, on_nonfinite="propagate")
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)  # type: ignore[arg-type]
     step, state = scan_step_for_k(_loss_fn(_model(size)), state, k)
-    return int(step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
+    state = _scan_state(params, state.tx)
+    return step.lower(state, batch).compile(), state
+
+
+def _opt_state(carry: Any) -> Any:
+    """The optimizer state in a variant's state argument (a train state or a tuple)."""
+    return carry.opt_state if isinstance(carry, accumjax.TrainState) else carry[1]
 
 
 def _floor_bytes(size, params, batch, k) -> tuple[int, int]:
@@ -227,6 +258,12 @@ def run(
     batch = {"tokens": tokens}
     params = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
     temp: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    # footprint, per variant (MEMORY_VARIANTS) and K: MiB from memory_analysis() and the
+    # optimizer state's MiB from its arrays
+    mem: dict[str, dict[str, list[float]]] = {
+        f: {v: [] for v in MEMORY_VARIANTS}
+        for f in ("argument_mib", "output_mib", "alias_mib", "temp_mib", "opt_state_mib")
+    }
     total: dict[str, list[float]] = {v: [] for v in VARIANTS}
     ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
     floor, floor_stream, grad_temp, device_memory, propagate = [], [], [], [], []
@@ -237,7 +274,16 @@ def run(
             m = compiled.memory_analysis()
             temp[name].append(_mib(m.temp_size_in_bytes))
             total[name].append(_mib(compiled_memory_bytes(compiled)))
-        propagate.append(_mib(_propagate_temp_bytes(cfg, params, batch, k)))
+        memory_cases = {n: (c, carry) for n, (c, _, carry) in cases.items()}
+        memory_cases["accumjax_scan_propagate"] = _propagate_case(cfg, params, batch, k)
+        for name, (compiled, carry) in memory_cases.items():
+            m = compiled.memory_analysis()
+            mem["argument_mib"][name].append(_mib(m.argument_size_in_bytes))
+            mem["output_mib"][name].append(_mib(m.output_size_in_bytes))
+            mem["alias_mib"][name].append(_mib(m.alias_size_in_bytes))
+            mem["temp_mib"][name].append(_mib(m.temp_size_in_bytes))
+            mem["opt_state_mib"][name].append(_mib(_tree_bytes(_opt_state(carry))))
+        propagate.append(mem["temp_mib"]["accumjax_scan_propagate"][-1])
         g, p = _floor_bytes(cfg, params, batch, k)
         grad_temp.append(_mib(g))
         floor.append(_mib(g + 2 * p))
@@ -249,8 +295,21 @@ def run(
                 ms[name].append(seconds[name] * 1e3)
         device_memory.append(_device_memory())
         del cases
+    del mem["temp_mib"]  # temp_mib (VARIANTS) and scan_propagate_temp_mib hold it
+    micro_rows = [cfg["batch"] // k for k in ks]
     return _summarise(cfg, params, ks, temp, total, ms, floor, floor_stream, grad_temp) | {
         "scan_propagate_temp_mib": propagate,
+        **mem,
+        # measured: XLA aliases outputs to donated arguments (every variant donates its state,
+        # ``donate_argnums=0`` or ``make_train_step``'s ``donate=True``; never the batch)
+        "donates": {v: all(a > 0 for a in mem["alias_mib"][v]) for v in MEMORY_VARIANTS},
+        "footprint_parts_mib": {
+            "params": _mib(_tree_bytes(params)),
+            "adam_state": _mib(_tree_bytes(_tx().init(params))),
+            "batch": _mib(_tree_bytes(batch)),
+            # the stream variants' argument: one microbatch of B/K rows
+            "microbatch": [_mib(_tree_bytes(batch)) * r / cfg["batch"] for r in micro_rows],
+        },
         "device_memory_after_k": device_memory if any(device_memory) else None,
         "size": size,
         "timing": {"calls": calls, "rounds": rounds} if timing else None,
@@ -302,6 +361,13 @@ def table(r: dict[str, Any]) -> str:
 
     for v in VARIANTS:
         row(f"temp MiB: {v}", r["temp_mib"][v])
+    if "argument_mib" in r:  # recorded since the footprint was (older results lack it)
+        for v in MEMORY_VARIANTS:
+            row(f"argument MiB: {v}", r["argument_mib"][v])
+        for v in MEMORY_VARIANTS:
+            row(f"optimizer state MiB: {v}", r["opt_state_mib"][v])
+        parts = r["footprint_parts_mib"]
+        row("microbatch MiB (a stream variant's batch argument)", parts["microbatch"], "{:.3f}")
     if "scan_propagate_temp_mib" in r:
         row('temp MiB: accumjax_scan, on_nonfinite="propagate"', r["scan_propagate_temp_mib"])
     row("floor MiB (accumulator + microbatch grad + activations)", r["floor_mib"])
@@ -319,6 +385,14 @@ def table(r: dict[str, Any]) -> str:
         lines.append(
             f"| target {name} | " + " | ".join("met" if m else "MISSED" for m in met) + " |"
         )
+    if "footprint_parts_mib" in r:
+        parts = r["footprint_parts_mib"]
+        donors = [v for v in MEMORY_VARIANTS if r["donates"].get(v)]
+        lines.append(
+            f"\nparams {parts['params']:.2f} MiB, Adam state {parts['adam_state']:.2f} MiB, "
+            f"batch {parts['batch']:.3f} MiB; footprint = arguments + temp (outputs alias the "
+            f"donated state: {', '.join(donors) or 'none'})"
+        )
     return "\n".join(lines)
 
 
@@ -329,7 +403,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--no-timing", action="store_true", help="memory only (compile, no run)")
+    parser.add_argument(
+        "--ks",
+        type=lambda s: tuple(int(k) for k in s.split(",")),
+        default=KS,
+        help="comma-separated Ks (default: %(default)s)",
+    )
     args = parser.parse_args()
-    result = run(args.size, timing=not args.no_timing)
+    result = run(args.size, ks=args.ks, timing=not args.no_timing)
     print(json.dumps(result, indent=2))
     print(table(result))
