@@ -30,6 +30,10 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_VAR])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A size limit turns on the cache's file lock: without it, a worker can read an entry
+    # another worker is still writing (JAX writes entries in place), and a truncated
+    # executable aborted a worker once. 16 GiB is never reached in one run.
+    jax.config.update("jax_compilation_cache_max_size", 16 * 2**30)
 
 
 def pytest_unconfigure(config):
