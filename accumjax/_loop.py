@@ -194,10 +194,18 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     return config._replace(axis_name=setup.axis_name), owned
 
 
-def _check_layout(mode: str, acc: AccumulationState) -> AccumulationState:
-    """``acc`` if it is laid out for ``mode`` (an accumulator in stream mode, none in scan
-    mode: `accumjax.TrainState.create`'s ``mode``), else a clear error."""
-    grad_sum = acc.window.grad_sum
+def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
+    """``acc`` if it is laid out for the step (an accumulator in stream mode, none in scan
+    mode: `accumjax.TrainState.create`'s ``mode``; a per-device window only under ``jit``
+    without ``axis_name``), else a clear error."""
+    mode, grad_sum = setup.mode, acc.window.grad_sum
+    if setup.axis_name is not None and window_lib.is_per_device(acc.window):
+        raise ValueError(
+            "make_train_step(axis_name=...) was given a state that keeps its stream window "
+            "per device in global arrays (TrainState.create was given parameters on a mesh). "
+            "Drop axis_name (and mesh): under jit, stream mode on this state reduces once per "
+            "window. For pmap, create the state from parameters off the mesh."
+        )
     if mode == "stream" and grad_sum is None:
         raise ValueError(
             "make_train_step(mode='stream') was given a state built for scan mode "
@@ -226,7 +234,7 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     config, owned = _config(setup, state)
     check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
     if owned:
-        acc = _check_layout(setup.mode, check_state(config, state.opt_state))
+        acc = _check_layout(setup, check_state(config, state.opt_state))
     else:
         acc = init_state(config, state.params, state.opt_state)
     loss_scale = state.loss_scale if setup.f16 else None

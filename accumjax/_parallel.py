@@ -153,7 +153,7 @@ def _local_window(
 
 def _per_device(state: Any) -> bool:
     opt = getattr(state, "opt_state", None)
-    return isinstance(opt, AccumulationState) and sharded.is_per_device(opt.window)
+    return isinstance(opt, AccumulationState) and window_lib.is_per_device(opt.window)
 
 
 def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:

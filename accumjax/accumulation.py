@@ -126,7 +126,8 @@ def _check_params(params: Any) -> None:
             )
 
 
-def _check_grads(grads: Any, acc: Any) -> None:
+def _check_grads(grads: Any, window: window_lib.Window) -> None:
+    acc, per_device = window.grad_sum, window_lib.is_per_device(window)
     if acc is None:
         raise ValueError(
             "this AccumulationState has no accumulator: it was built for "
@@ -145,7 +146,7 @@ def _check_grads(grads: Any, acc: Any) -> None:
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(acc), strict=True
     ):
         name = jax.tree_util.keystr(path)
-        if a.shape[1:] == g.shape and a.ndim == g.ndim + 1:
+        if per_device:
             raise ValueError(
                 f"grads{name} has shape {g.shape}, but this state's window keeps one partial "
                 f"sum per device ({a.shape}): TrainState.create made it from parameters on a "
@@ -277,7 +278,7 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
 
     def update_fn(grads, state, params=None, *, weight=None, **extra_args):
         state = check_state(config, state)
-        _check_grads(grads, state.window.grad_sum)
+        _check_grads(grads, state.window)
         window, micro = window_lib.add_microbatch(
             config.policy, state.window, grads, weight, params
         )

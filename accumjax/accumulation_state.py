@@ -163,7 +163,8 @@ def accumulated_gradients(state: Any) -> Any:
 
     Returns:
       A pytree like the parameters (``None`` for a scan-mode state, which holds no open
-      window).
+      window); for a per-device window (stream mode on a mesh), like its sums: each
+      device's slot scaled by its own denominator.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -176,13 +177,21 @@ def accumulated_gradients(state: Any) -> Any:
     """
     state = unwrap(state)
     window = state.window
-    by_scaling = [
-        functools.partial(window_lib.denominator, s, state.every_k, window.weight_sum)
-        for s in scaling_lib.SCALINGS
-    ]
-    denom = jax.lax.switch(state.scaling_code, by_scaling)
+    shape = jnp.shape(window.weight_sum)  # one per device for a per-device window
+
+    def by(scaling: Any) -> jax.Array:
+        d = window_lib.denominator(scaling, state.every_k, window.weight_sum)
+        return d + 0.0 * window.weight_sum  # the counts' shape and sharding
+
+    denom = jax.lax.switch(
+        state.scaling_code, [functools.partial(by, s) for s in scaling_lib.SCALINGS]
+    )
     safe = jnp.where(denom > 0, denom, 1.0)
-    return jax.tree.map(lambda a: a / safe.astype(a.dtype), window.grad_sum)
+
+    def scaled(a: jax.Array) -> jax.Array:
+        return a / safe.reshape(shape + (1,) * (a.ndim - len(shape))).astype(a.dtype)
+
+    return jax.tree.map(scaled, window.grad_sum)
 
 
 def reset(state: AccumulationState) -> AccumulationState:
@@ -232,7 +241,10 @@ def stats(state: Any) -> AccumulationStats:
     # The closed windows' counts plus the open window's (summed over a per-device window's
     # devices), so a NaN shows at once.
     window = state.window
-    nonfinite = window_lib.saturating_add(state.nonfinite_count, jnp.sum(window.window_nonfinite))
+    open_counts = (window.window_nonfinite, window.window_skipped)
+    if window_lib.is_per_device(window):
+        open_counts = tuple(jnp.sum(c) for c in open_counts)
+    nonfinite = window_lib.saturating_add(state.nonfinite_count, open_counts[0])
     return AccumulationStats(
         accumulation_steps=state.every_k,
         current_step=state.window.micro_step,
@@ -240,9 +252,7 @@ def stats(state: Any) -> AccumulationStats:
         max_grad_norm=state.max_grad_norm,
         overflow_detected=nonfinite > 0,
         num_nonfinite=nonfinite,
-        skipped_microbatches=window_lib.saturating_add(
-            state.skipped_microbatches, jnp.sum(window.window_skipped)
-        ),
+        skipped_microbatches=window_lib.saturating_add(state.skipped_microbatches, open_counts[1]),
         skipped_windows=state.skipped_windows,
         num_parameters=sum(int(x.size) for x in leaves),
         memory_bytes=sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in leaves),

@@ -1,4 +1,4 @@
-"""Scan mode under ``jit`` with sharded arrays: one gradient reduction per window.
+"""The steps under ``jit`` with sharded arrays: one gradient reduction per window.
 
 Under ``jit`` a batch sharded over a mesh axis (``P("data")``) makes XLA reduce the gradient
 of every microbatch across devices: the partial sums of a window cannot be kept unreduced
@@ -31,7 +31,6 @@ from accumjax import window as window_lib
 __all__ = [
     "Layout",
     "device_axes",
-    "is_per_device",
     "layout_of",
     "per_device_window",
     "window_specs",
@@ -182,7 +181,8 @@ def _zeros(mesh: Mesh, spec: PartitionSpec, shape: tuple[int, ...], dtype: Any) 
 
 def per_device_window(params: Any, accumulator_dtype: Any) -> tuple[Any, jax.Array] | None:
     """A stream-mode window whose sums and counts each device keeps for itself, as honest
-    global arrays, and the per-device ``added`` flags; None off a multi-device mesh.
+    global arrays, and the per-device ``added`` flags; None unless the parameters lie on a
+    mesh with exactly one axis of more than one device (the batch's).
 
     Each sum leaf gets a leading axis split over the mesh axes its parameter is replicated
     over (`device_axes`): one parameter copy per device (a parameter sharded over the batch
@@ -190,8 +190,8 @@ def per_device_window(params: Any, accumulator_dtype: Any) -> tuple[Any, jax.Arr
     entry per device. A checkpoint saves every device's partial window.
     """
     mesh = _params_mesh(params)
-    if mesh is None:
-        return None
+    if mesh is None or len(device_axes(mesh, ())) != 1:
+        return None  # off a mesh, or several axes: which one the batch is split over is unknown
 
     def sum_leaf(p: Any) -> jax.Array:
         spec = tuple(p.sharding.spec)
@@ -206,11 +206,6 @@ def per_device_window(params: Any, accumulator_dtype: Any) -> tuple[Any, jax.Arr
     micro_step = jnp.zeros((), jnp.int32)
     window = window_lib.Window(jax.tree.map(sum_leaf, params), counts[0], micro_step, *counts[1:])
     return window, _zeros(mesh, spec, (n,), jnp.bool_)
-
-
-def is_per_device(window: Any) -> bool:
-    """Whether a stream window keeps per-device sums (`per_device_window`)."""
-    return window.grad_sum is not None and jnp.ndim(window.weight_sum) == 1
 
 
 def window_specs(layout: Layout) -> Any:

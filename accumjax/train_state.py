@@ -13,7 +13,6 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
 from flax.training import train_state
@@ -140,14 +139,21 @@ def opt_state_for(
     """``tx.init(params)``, laid out for the train step's mode.
 
     For an `accumjax.accumulate`: in scan mode, no accumulator; in stream mode with
-    parameters on a multi-device mesh and no model state, a window whose sums and counts
+    parameters on a mesh with one axis of more than one device (replicated or sharded over
+    it) and no model state, a window whose sums and counts
     each device keeps for itself (`accumjax.sharded.per_device_window`: one parameter copy
     per device, reduced once, when the window closes, and saved whole by a checkpoint);
     otherwise ``tx.init(params)``.
 
+    The mesh is read from the parameters' shardings: under ``jax.eval_shape`` they have
+    none, so the stream layout is parameter-shaped there. For a restore template of a
+    per-device state, take the shapes and shardings of a created state
+    (``jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+    sharding=x.sharding), state)``).
+
     Args:
       tx: the optimizer.
-      params: the parameters (arrays, or ``jax.ShapeDtypeStruct``s under ``jax.eval_shape``).
+      params: the parameters (arrays, or ``jax.ShapeDtypeStruct``s).
       mode: ``"stream"`` or ``"scan"``.
       model_state: the state's model state (a per-device window needs none).
 
@@ -190,7 +196,7 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
     scan-mode states still held the accumulator: restore it as it was saved, then
     ``with_mode(state, "scan")``. A window left open cannot move to scan mode (its partial
     sum would be lost), so a state in the middle of a window is refused (when its
-    ``micro_step`` is concrete).
+    ``micro_step`` is concrete). Convert an unreplicated state (before `accumjax.replicate`).
 
     Args:
       state: an `accumjax.TrainState` (or `accumjax.NNXTrainState`).
@@ -211,20 +217,26 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
     config, opt = config_of(state.tx), cast(Any, state.opt_state)
     if config is None or (opt.window.grad_sum is None) == (mode == "scan"):
         return state
+    if jnp.ndim(opt.window.micro_step) != 0:
+        raise ValueError(
+            "with_mode takes an unreplicated state (its window's micro_step is a scalar); "
+            "convert it before accumjax.replicate."
+        )
     if mode == "stream":
         window, added = _stream_window(config, state.params, state.model_state)
         return state.replace(opt_state=opt._replace(window=window, added=added))
-    try:  # concrete (a pmap-replicated state has one count per device)
-        open_window = bool(np.any(np.asarray(opt.window.micro_step) != 0))
-    except jax.errors.ConcretizationTypeError:
+    try:  # concrete
+        open_window = int(opt.window.micro_step) != 0
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
         open_window = False
     if open_window:
         raise ValueError(
             "with_mode(state, 'scan'): the state is in the middle of a window "
-            f"(opt_state.window.micro_step == {opt.window.micro_step}); its partial sum "
+            f"(opt_state.window.micro_step == {int(opt.window.micro_step)}); its partial sum "
             "would be lost. Finish the window in stream mode first."
         )
-    return state.replace(opt_state=opt._replace(window=opt.window._replace(grad_sum=None)))
+    window = window_lib.init_window(None, config.policy.accumulator_dtype)
+    return state.replace(opt_state=opt._replace(window=window, added=jnp.zeros((), bool)))
 
 
 def count_update(counter: jax.Array, applied: Any) -> jax.Array:

@@ -45,6 +45,7 @@ __all__ = [
     "global_norm",
     "init_window",
     "inspect_microbatch",
+    "is_per_device",
     "run_once",
     "saturating_add",
     "scaled_gradient",
@@ -192,6 +193,17 @@ def empty_like(window: Window) -> Window:
         micro_step=jnp.zeros((), jnp.int32),
         window_nonfinite=jnp.zeros_like(window.window_nonfinite, jnp.int32),
         window_skipped=jnp.zeros_like(window.window_skipped, jnp.int32),
+    )
+
+
+def is_per_device(window: Window) -> bool:
+    """Whether ``window`` keeps one sum and count per device in global arrays
+    (`accumjax.sharded.per_device_window`): per-device counts, one shared ``micro_step``
+    (a ``pmap``-replicated window has one of each per device)."""
+    return (
+        window.grad_sum is not None
+        and jnp.ndim(window.weight_sum) == 1
+        and jnp.ndim(window.micro_step) == 0
     )
 
 

@@ -168,3 +168,32 @@ def test_a_per_device_window_is_refused_by_tx_update_naming_the_fix():
         state.apply_gradients(grads=grads)
     plain = state.replace(opt_state=state.tx.init(state.params))  # the documented fix
     assert int(plain.apply_gradients(grads=grads).opt_state.window.micro_step) == 1
+
+
+def test_per_device_window_reads_and_converts_like_any_window():
+    # accumulated_gradients gives each device's slot over its own denominator; with_mode to
+    # scan gives what create(mode="scan") gives (scalar counts), also under jit.
+    params, batch = _problem(width=8)
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = accumjax.accumulate(optax.sgd(0.1), K, scaling="count")
+    state = accumjax.TrainState.create(
+        apply_fn=None, params=jax.device_put(params, NamedSharding(mesh, P())), tx=tx
+    )
+    step = accumjax.make_train_step(_loss, donate=False)
+    micro = jax.device_put(jax.tree.map(lambda x: x[:N], batch), NamedSharding(mesh, P("data")))
+    opened, _ = step(state, micro)
+    acc = accumjax.accumulated_gradients(opened.opt_state)
+    np.testing.assert_array_equal(acc["w1"], opened.opt_state.window.grad_sum["w1"])  # 1 each
+    closed = state  # a window boundary
+    scan = accumjax.with_mode(closed, "scan")
+    made = accumjax.TrainState.create(apply_fn=None, params=state.params, tx=tx, mode="scan")
+    assert jax.tree.structure(scan.opt_state) == jax.tree.structure(made.opt_state)
+    for a, b in zip(jax.tree.leaves(scan.opt_state), jax.tree.leaves(made.opt_state), strict=True):
+        assert jnp.shape(a) == jnp.shape(b)
+    traced = jax.jit(lambda s: accumjax.with_mode(s, "scan"))(closed)
+    assert traced.opt_state.window.grad_sum is None
+    with pytest.raises(ValueError, match=r"expected \(3, 4\)"):  # not a per-device message
+        tx.update({"w": jnp.ones(4)}, tx.init({"w": jnp.zeros((3, 4))}))
+    with pytest.raises(ValueError, match=r"axis_name.*per device.*Drop axis_name"):
+        pmap_step = accumjax.make_train_step(_loss, axis_name="data")
+        pmap_step(accumjax.replicate(state, N), jax.tree.map(lambda x: x.reshape(N, 1, -1), micro))
