@@ -10,7 +10,8 @@ computed nor counted, without a recompile.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +75,12 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> tuple[Ca
     """The window over the K strided microbatches of ``batch``: ``(carry, stacked aux)``.
 
     Scan mode holds the whole window's data, so when the policy only looks for non-finite
-    values it need not inspect every microbatch: the gradients are added as they come (each
-    leaf's add follows its gradient, with no norm pass and no wait for the other leaves),
-    and only a window whose sum is not finite (a NaN/Inf or overflowed microbatch: any of
-    them makes the sum non-finite) is computed again. The re-run takes the per-microbatch
-    decisions in a first loop (`_decisions`) and adds with them in a second, so it holds no
-    more memory than the blind loop. The result is the same as inspecting every microbatch
-    (short of microbatches whose float32 norms overflow while their values cancel in the sum).
+    values it need not decide about every microbatch before adding it: the gradients are
+    added as they come (each leaf's add follows its gradient, with no wait for the other
+    leaves), and only a window whose sum is not finite (a NaN/Inf or overflowed microbatch:
+    any of them makes the sum non-finite) is computed again (`_passes`). The result is the
+    same as inspecting every microbatch (short of microbatches whose float32 norms overflow
+    while their values cancel in the sum).
     """
     policy = ctx.config.policy
     take = _microbatches(ctx, params, batch)
@@ -88,15 +88,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> tuple[Ca
     # At K=1 a re-run would compute the whole batch again; the one check costs a norm pass.
     if not policy.detects or inspects or ctx.k == 1:
         return _ordered(ctx, _microbatch_loop(ctx, take, start))
-    blind_policy = policy._replace(on_nonfinite="propagate")
-    blind = ctx._replace(config=ctx.config._replace(policy=blind_policy))
-    found = _microbatch_loop(blind, take, start)
-    finite = jnp.isfinite(window_lib.global_norm(found[0].window.grad_sum))
-
-    def inspect_each(_: Any) -> tuple[Carry, Any]:
-        return _microbatch_loop(ctx, take, start, _decisions(ctx, take, start))
-
-    return _ordered(ctx, window_lib.run_once(~finite, inspect_each, found))
+    return _ordered(ctx, _passes(ctx, take, start))
 
 
 def _ordered(ctx: Context, result: tuple[Carry, Any]) -> tuple[Carry, Any]:
@@ -106,22 +98,124 @@ def _ordered(ctx: Context, result: tuple[Carry, Any]) -> tuple[Carry, Any]:
     return carry, aux
 
 
-def _decisions(ctx: Context, take: Take, start: Carry) -> window_lib.Microbatch:
-    """The policy's decision about each of the K microbatches (stacked), nothing added.
+# The passes of `_passes` over a window's microbatches, in order.
+BLIND, INSPECT, ADD, DONE = 0, 1, 2, 3
 
-    Each gradient only feeds reductions, so one leaf of it is alive at a time; the model state
-    follows the decisions as in `accumjax._loop.microbatch`.
+
+class _Passes(NamedTuple):
+    """Where `_passes` stands between two segments of microbatches (its loop carry)."""
+
+    stage: jax.Array  # BLIND, INSPECT, ADD or DONE
+    j: jax.Array  # INSPECT: the microbatch inspected next
+    carry: Carry  # the last segment's
+    ys: Any  # (aux, weight) of every microbatch as last computed, stacked
+    decided: window_lib.Microbatch  # INSPECT's decision about every microbatch, stacked
+
+
+def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
+    """The window in passes that all run one jitted microbatch step (`_microbatch`: the model's
+    gradient is traced and compiled once): ``(carry, stacked aux)``.
+
+    BLIND adds every gradient blindly. Only when the sum is not finite, INSPECT computes each
+    microbatch alone and takes the policy's decision on it (the model state following the
+    decisions), then ADD adds the accepted microbatches blindly (the others are not computed).
+    A ``lax.while_loop`` runs the passes segment by segment (`_segment`), each from an empty
+    window and closed by one norm of it: no pass holds more memory than BLIND, and a finite
+    window costs one loop and one norm. Unrolled, BLIND is a ``lax.scan`` of its own outside
+    any loop (XLA:CPU runs convolutions far slower in a loop), the other passes rolled.
     """
+    axis = ctx.setup.axis_name
+    start = pvary(start._replace(window=window_lib.empty_like(start.window)), axis)
+    zero = pvary(jnp.zeros((), jnp.int32), axis)
+    run = jax.jit(partial(_microbatch, ctx, take))
+    ys = _zeros((ctx.k,), jax.eval_shape(run, zero, zero, start)[1], axis)
+    weight = None if ys[1] is None else jnp.zeros((), jnp.float32)
+    one = jax.eval_shape(
+        partial(window_lib.inspect_microbatch, ctx.config.policy), start.window.grad_sum, weight
+    )
+    at = _Passes(zero, zero, start, ys, _zeros((ctx.k,), one, axis))
+    unroll = ctx.setup.unroll
+    if ctx.n_real is None and (unroll is True or unroll > 1):
+        body = lambda carry, i: run(zero + BLIND, i, carry)
+        carry, ys = jax.lax.scan(body, start, jnp.arange(ctx.k, dtype=jnp.int32), unroll=unroll)
+        finite = jnp.isfinite(window_lib.global_norm(carry.window.grad_sum))
+        stage = jnp.where(finite, DONE, INSPECT).astype(jnp.int32) + zero
+        at = at._replace(stage=stage, carry=carry, ys=ys)
+    at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_segment, ctx, run, start), at)
+    return at.carry, at.ys[0]
 
-    def decide(model_state: Any, i: jax.Array) -> tuple[Any, window_lib.Microbatch]:
-        p, mb = take(i)
-        _, new_model_state, _, grads, weight = gradient(ctx, p, model_state, mb, i)
-        decided = window_lib.inspect_microbatch(ctx.config.policy, grads, weight, p)
-        if model_state is not None:
-            model_state = optax.tree.where(decided.added, new_model_state, model_state)
-        return model_state, decided
 
-    return _loop_over(ctx, decide, start.model_state)[1]
+def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
+    """Device-varying zeros shaped ``lead + shape`` for each of the ``shapes``."""
+    zeros = lambda s: jnp.zeros((*lead, *s.shape), s.dtype)
+    return pvary(jax.tree.map(zeros, shapes), axis_name)
+
+
+def _segment(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _Passes:
+    """One segment of microbatches from an empty window, the norm it leaves, the next stage.
+
+    A segment is the whole of BLIND, one microbatch of INSPECT (decided on the window it
+    leaves) or the accepted microbatches of ADD (the skipped ones only counted).
+    """
+    n = window_k(ctx)
+    inspect, add = at.stage == INSPECT, at.stage == ADD
+    added = at.decided.added
+    accepted = jnp.sum(added, dtype=jnp.int32)
+    order = jnp.where(add, jnp.argsort(~added, stable=True), jnp.arange(ctx.k)).astype(jnp.int32)
+    lo = jnp.where(inspect, at.j, 0).astype(jnp.int32)
+    hi = jnp.where(inspect, at.j + 1, jnp.where(add, accepted, n)).astype(jnp.int32)
+    skipped = jnp.where(add, n - accepted, 0)
+    first = start._replace(
+        window=start.window._replace(
+            micro_step=skipped,
+            window_nonfinite=jnp.where(add, jnp.sum(at.decided.nonfinite, dtype=jnp.int32), 0),
+            window_skipped=skipped,
+        )
+    )
+    if start.model_state is not None:  # INSPECT threads it from one microbatch to the next
+        threaded = optax.tree.where(inspect & (at.j > 0), at.carry.model_state, start.model_state)
+        first = first._replace(model_state=threaded)
+
+    def body(p: jax.Array, c: tuple[Carry, Any]) -> tuple[Carry, Any]:
+        i = order[p]
+        carry, ys = run(at.stage, i, c[0])
+        return carry, jax.tree.map(lambda buf, y: buf.at[i].set(y), c[1], ys)
+
+    carry, ys = jax.lax.fori_loop(lo, hi, body, (first, at.ys))
+    weight = None if ys[1] is None else jnp.where(inspect, ys[1][at.j], 1.0)
+    found = window_lib.inspect_microbatch(ctx.config.policy, carry.window.grad_sum, weight)
+    if carry.model_state is not None:  # INSPECT: the model state follows the decision
+        kept = ~inspect | found.added
+        carry = carry._replace(
+            model_state=optax.tree.where(kept, carry.model_state, first.model_state)
+        )
+    slot = lambda buf, x: buf.at[at.j].set(jnp.where(inspect, x, buf[at.j]))
+    decided = jax.tree.map(slot, at.decided, found)
+    blind = jnp.where(found.nonfinite, INSPECT, DONE)  # BLIND's decision is about the sum
+    stage = jnp.where(inspect, jnp.where(at.j + 1 < n, INSPECT, ADD), jnp.where(add, DONE, blind))
+    j = jnp.where(inspect, at.j + 1, 0)
+    return _Passes(stage.astype(jnp.int32), j.astype(jnp.int32), carry, ys, decided)
+
+
+def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry: Carry) -> Any:
+    """Microbatch ``i`` added blindly (as ``"propagate"`` adds it): ``(carry, (aux, weight))``.
+
+    Its model state is kept as `accumjax._loop.microbatch` keeps it; in pass INSPECT its
+    gradient is added as it is (unweighted), for the decision on it.
+    """
+    p, mb = take(i)
+    loss, new_model_state, aux, grads, weight = gradient(ctx, p, carry.model_state, mb, i)
+    blind = ctx.config.policy._replace(on_nonfinite="propagate")
+    m = window_lib.inspect_microbatch(blind, grads, weight, p)  # reads no gradient
+    if m.factor is not None:
+        m = m._replace(factor=jnp.where(stage == INSPECT, 1.0, m.factor))
+    window, _ = window_lib.add_microbatch(blind, carry.window, grads, weight, p, m)
+    model_state = carry.model_state
+    if model_state is not None:
+        model_state = optax.tree.where(m.added, new_model_state, model_state)
+    w = jnp.where(m.added, 1.0 if weight is None else weight, 0.0)
+    loss_sum = carry.loss_sum + jnp.where(m.added, w * loss.astype(carry.loss_sum.dtype), 0.0)
+    return Carry(window, model_state, loss_sum, carry.loss_weight + w), (aux, weight)
 
 
 def _loop_over(
@@ -141,12 +235,9 @@ def _loop_over(
     return jax.lax.fori_loop(0, ctx.n_real, step, (init, stacked))
 
 
-def _microbatch_loop(
-    ctx: Context, take: Take, start: Carry, decided: window_lib.Microbatch | None = None
-) -> tuple[Carry, Any]:
+def _microbatch_loop(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
-    ``lax.scan`` adds all K to a zero accumulator (with the ``decided`` decisions, if given:
-    K > 1 only, `window_loop` never re-runs a one-microbatch window).
+    ``lax.scan`` adds all K to a zero accumulator.
 
     Every microbatch runs in the same loop body: computed outside the loop, the first one's
     activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
@@ -159,9 +250,8 @@ def _microbatch_loop(
         return outcome.carry, None if aux is None else jax.tree.map(lambda a: a[None], aux)
 
     def body(carry: Carry, i: jax.Array) -> tuple[Carry, Any]:
-        inspected = None if decided is None else jax.tree.map(lambda d: d[i], decided)
         p, mb = take(i)
-        outcome = microbatch(ctx, carry, p, mb, i, inspected=inspected)
+        outcome = microbatch(ctx, carry, p, mb, i)
         return outcome.carry, outcome.aux
 
     start = pvary(start._replace(window=window_lib.empty_like(start.window)), ctx.setup.axis_name)
