@@ -44,6 +44,7 @@ __all__ = [
     "Outcome",
     "Setup",
     "Step",
+    "add_gradient",
     "begin",
     "close_fields",
     "close_model_state",
@@ -266,23 +267,31 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
 
 
 def microbatch(
+    ctx: Context, carry: Carry, params: Any, batch: Any, index: Any, *, first: bool = False
+) -> Outcome:
+    """One microbatch: gradient, add to the window, keep its model state only if added.
+
+    ``first`` opens the window with it (`accumjax.window.first_microbatch`).
+    """
+    computed = gradient(ctx, params, carry.model_state, batch, index)
+    return add_gradient(ctx, carry, params, computed, first=first)
+
+
+def add_gradient(
     ctx: Context,
     carry: Carry,
     params: Any,
-    batch: Any,
-    index: Any,
+    computed: Any,
     *,
     first: bool = False,
     inspected: window_lib.Microbatch | None = None,
 ) -> Outcome:
-    """One microbatch: gradient, add to the window, keep its model state only if added.
+    """Adds a microbatch's `gradient` output (``computed``) to the window of ``carry``.
 
-    ``first`` opens the window with it (`accumjax.window.first_microbatch`); ``inspected``
-    is the policy's decision about it, taken earlier (`_decisions`), or None to take it here.
+    ``inspected`` is the policy's decision about it, taken by the caller, or None to take it
+    here.
     """
-    loss, new_model_state, aux, grads, weight = gradient(
-        ctx, params, carry.model_state, batch, index
-    )
+    loss, new_model_state, aux, grads, weight = computed
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
     window, micro = add(ctx.config.policy, carry.window, grads, weight, params, inspected)
     model_state = carry.model_state

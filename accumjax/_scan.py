@@ -25,6 +25,7 @@ from accumjax._loop import (
     Outcome,
     Setup,
     Step,
+    add_gradient,
     begin,
     close_fields,
     finish,
@@ -81,12 +82,18 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> tuple[Ca
     any of them makes the sum non-finite) is computed again (`_passes`). The result is the
     same as inspecting every microbatch (short of microbatches whose float32 norms overflow
     while their values cancel in the sum).
+
+    A microbatch that gathers its parameters (``gather_params="microbatch"``) runs
+    collectives, so every device must compute the same microbatches: there each one is
+    inspected as it comes, since a re-run decided on one device's rows would leave the other
+    devices waiting in the gather.
     """
     policy = ctx.config.policy
     take = _microbatches(ctx, params, batch)
     inspects = policy.skip_fn is not None or policy.max_norm is not None
+    gathers = ctx.setup.materialize is not None
     # At K=1 a re-run would compute the whole batch again; the one check costs a norm pass.
-    if not policy.detects or inspects or ctx.k == 1:
+    if not policy.detects or inspects or gathers or ctx.k == 1:
         return _ordered(ctx, _microbatch_loop(ctx, take, start))
     return _ordered(ctx, _passes(ctx, take, start))
 
@@ -204,18 +211,19 @@ def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry:
     gradient is added as it is (unweighted), for the decision on it.
     """
     p, mb = take(i)
-    loss, new_model_state, aux, grads, weight = gradient(ctx, p, carry.model_state, mb, i)
-    blind = ctx.config.policy._replace(on_nonfinite="propagate")
-    m = window_lib.inspect_microbatch(blind, grads, weight, p)  # reads no gradient
+    computed = gradient(ctx, p, carry.model_state, mb, i)
+    blind = ctx._replace(config=ctx.config._replace(policy=_blind(ctx.config.policy)))
+    grads, weight = computed[3], computed[4]
+    m = window_lib.inspect_microbatch(blind.config.policy, grads, weight, p)  # reads no gradient
     if m.factor is not None:
         m = m._replace(factor=jnp.where(stage == INSPECT, 1.0, m.factor))
-    window, _ = window_lib.add_microbatch(blind, carry.window, grads, weight, p, m)
-    model_state = carry.model_state
-    if model_state is not None:
-        model_state = optax.tree.where(m.added, new_model_state, model_state)
-    w = jnp.where(m.added, 1.0 if weight is None else weight, 0.0)
-    loss_sum = carry.loss_sum + jnp.where(m.added, w * loss.astype(carry.loss_sum.dtype), 0.0)
-    return Carry(window, model_state, loss_sum, carry.loss_weight + w), (aux, weight)
+    outcome = add_gradient(blind, carry, p, computed, inspected=m)
+    return outcome.carry, (outcome.aux, weight)
+
+
+def _blind(policy: window_lib.Policy) -> window_lib.Policy:
+    """The policy that adds every microbatch as it comes (non-finite ones too)."""
+    return policy._replace(on_nonfinite="propagate")
 
 
 def _loop_over(

@@ -171,15 +171,39 @@ def test_fsdp_gather_per_microbatch_trades_gathers_for_memory():
             counts = count_collectives(compiled, per_execution=True, default_trip_count=1)
             results[gather] = (step(state, batch)[0].params, counts)
     (window_params, window_counts), (micro_params, micro_counts) = results.values()
-    # Per microbatch: two kernels x K, counted three times since the re-run of a non-finite
-    # window (its decision loop and its add loop, inside a loop run at most once,
-    # default_trip_count=1) is counted as if it ran.
-    assert window_counts["all-gather"] == 2 and micro_counts["all-gather"] == 2 * K * 3
+    # Per microbatch: two kernels x K, in one loop of K microbatches (no re-run: every
+    # device must run the same gathers).
+    assert window_counts["all-gather"] == 2 and micro_counts["all-gather"] == 2 * K
     assert window_counts["reduce-scatter"] == micro_counts["reduce-scatter"] == 2  # once
     for key in window_params:  # the same arithmetic, gathered at another time
         np.testing.assert_array_equal(window_params[key], micro_params[key])
     with pytest.raises(ValueError, match="gather_params"):
         accumjax.make_train_step(_loss, mode="scan", gather_params="layer")
+
+
+def test_a_nan_on_one_device_with_a_gather_per_microbatch_is_skipped_on_that_device_only():
+    # A NaN in device 0's rows of microbatch 3. Gathering per microbatch puts collectives in
+    # the loop: a re-run decided on device 0 alone left the others waiting in the gather
+    # (XLA aborted after 40 s). Each device's rows are a microbatch of their own (as on the
+    # mesh= path), so only device 0's are left out, as when gathering once per window.
+    mesh = _mesh("explicit")
+    params, batch = _problem()
+    batch["x"][3] = np.nan
+    with jax.set_mesh(mesh):
+        params = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        tx = accumjax.accumulate(optax.sgd(0.1), K)
+        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
+        out = {}
+        for gather in ("microbatch", "window"):
+            step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
+            out[gather] = step(state, batch)[0]
+    lean, usual = out["microbatch"], out["window"]
+    skipped = [int(s.opt_state.skipped_microbatches) for s in (lean, usual)]
+    assert skipped == [1, 1]
+    for key in params:  # bit for bit, finite
+        np.testing.assert_array_equal(lean.params[key], usual.params[key])
+        assert np.isfinite(np.asarray(lean.params[key])).all()
 
 
 @pytest.mark.parametrize("on_nonfinite", ["skip_microbatch", "skip_window"])
