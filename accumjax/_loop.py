@@ -144,6 +144,7 @@ class Carry(NamedTuple):
     model_state: Any
     loss_sum: jax.Array
     loss_weight: jax.Array
+    sum_norm: jax.Array | None = None  # the window sum's norm, where the loop took it
 
 
 class Outcome(NamedTuple):
@@ -307,15 +308,21 @@ def add_gradient(
 # ----------------------------------------------------------------------------- the window's end
 
 
-def close_fields(ctx: Context, fields: Fields, closed: window_lib.Closed | None = None) -> Fields:
+def close_fields(
+    ctx: Context,
+    fields: Fields,
+    closed: window_lib.Closed | None = None,
+    norm: jax.Array | None = None,
+) -> Fields:
     """Closes the window: one reduction, the decision, the update, model state, loss scale.
 
     With ``closed`` (reduced and decided inside a ``shard_map``, where the model state was
-    closed too) only the update and the loss scale are left.
+    closed too) only the update and the loss scale are left. ``norm`` is the window sum's
+    norm when the loop has taken it (one device).
     """
     before = fields.opt
     params, opt = close_and_apply(
-        ctx.config, before, fields.params, transform=ctx.setup.transform, closed=closed
+        ctx.config, before, fields.params, transform=ctx.setup.transform, closed=closed, norm=norm
     )
     model_state = fields.model_state
     if closed is None:

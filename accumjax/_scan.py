@@ -117,6 +117,7 @@ class _Passes(NamedTuple):
     carry: Carry  # the last segment's
     ys: Any  # (aux, weight) of every microbatch as last computed, stacked
     decided: window_lib.Microbatch  # INSPECT's decision about every microbatch, stacked
+    norm: jax.Array  # the global norm of the last segment's sum
 
 
 def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
@@ -140,16 +141,17 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     one = jax.eval_shape(
         partial(window_lib.inspect_microbatch, ctx.config.policy), start.window.grad_sum, weight
     )
-    at = _Passes(zero, zero, start, ys, _zeros((ctx.k,), one, axis))
+    norm = pvary(jnp.zeros((), jnp.float32), axis)
+    at = _Passes(zero, zero, start, ys, _zeros((ctx.k,), one, axis), norm)
     unroll = ctx.setup.unroll
     if ctx.n_real is None and (unroll is True or unroll > 1):
         body = lambda carry, i: run(zero + BLIND, i, carry)
         carry, ys = jax.lax.scan(body, start, jnp.arange(ctx.k, dtype=jnp.int32), unroll=unroll)
-        finite = jnp.isfinite(window_lib.global_norm(carry.window.grad_sum))
-        stage = jnp.where(finite, DONE, INSPECT).astype(jnp.int32) + zero
-        at = at._replace(stage=stage, carry=carry, ys=ys)
+        norm = window_lib.global_norm(carry.window.grad_sum)
+        stage = jnp.where(jnp.isfinite(norm), DONE, INSPECT).astype(jnp.int32) + zero
+        at = at._replace(stage=stage, carry=carry, ys=ys, norm=norm)
     at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_segment, ctx, run, start), at)
-    return at.carry, at.ys[0]
+    return at.carry._replace(sum_norm=at.norm), at.ys[0]
 
 
 def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
@@ -190,7 +192,9 @@ def _segment(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -
 
     carry, ys = jax.lax.fori_loop(lo, hi, body, (first, at.ys))
     weight = None if ys[1] is None else jnp.where(inspect, ys[1][at.j], 1.0)
-    found = window_lib.inspect_microbatch(ctx.config.policy, carry.window.grad_sum, weight)
+    grad_sum = carry.window.grad_sum
+    norm = window_lib.global_norm(grad_sum)  # the close's norm, if this segment is the last
+    found = window_lib.inspect_microbatch(ctx.config.policy, grad_sum, weight, norm=norm)
     if carry.model_state is not None:  # INSPECT: the model state follows the decision
         kept = ~inspect | found.added
         carry = carry._replace(
@@ -201,7 +205,7 @@ def _segment(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -
     blind = jnp.where(found.nonfinite, INSPECT, DONE)  # BLIND's decision is about the sum
     stage = jnp.where(inspect, jnp.where(at.j + 1 < n, INSPECT, ADD), jnp.where(add, DONE, blind))
     j = jnp.where(inspect, at.j + 1, 0)
-    return _Passes(stage.astype(jnp.int32), j.astype(jnp.int32), carry, ys, decided)
+    return _Passes(stage.astype(jnp.int32), j.astype(jnp.int32), carry, ys, decided, norm)
 
 
 def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry: Carry) -> Any:
@@ -288,7 +292,10 @@ def scan_finish(
     opt = acc._replace(window=carry.window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "mean" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = close_fields(ctx, Fields(state.params, opt, carry.model_state, ctx.loss_scale), closed)
+    # The loop's last norm is the window's own on one device (with an axis, the sum is reduced).
+    norm = carry.sum_norm if ctx.config.axis_name is None else None
+    fields = Fields(state.params, opt, carry.model_state, ctx.loss_scale)
+    fields = close_fields(ctx, fields, closed, norm=norm)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
     updated = fields.opt.updated

@@ -421,6 +421,7 @@ def close_and_apply(
     *,
     transform: Callable[[Any, Any], Any] | None = None,
     closed: window_lib.Closed | None = None,
+    norm: jax.Array | None = None,
 ) -> tuple[Any, AccumulationState]:
     """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
 
@@ -436,13 +437,15 @@ def close_and_apply(
         ``inner`` (e.g. adaptive gradient clipping), or None.
       closed: the window already closed (reduced and decided, e.g. inside a ``shard_map``
         around the microbatch loop), or None to close ``state.window`` here.
+      norm: the global norm of ``state.window.grad_sum``, when the caller has taken it
+        (`accumjax.window.close_window`'s ``norm``).
 
     Returns:
       ``(params, state)``: the new parameters and the state with an empty window.
     """
     if closed is None:
         closed = window_lib.close_window(
-            config.policy, state.window, state.every_k, config.axis_name
+            config.policy, state.window, state.every_k, config.axis_name, norm=norm
         )
     dtypes = jax.tree.map(jnp.result_type, params)
 

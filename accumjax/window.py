@@ -227,7 +227,7 @@ def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
 
 
 def inspect_microbatch(
-    policy: Policy, grads: Any, weight: Any = None, params: Any = None
+    policy: Policy, grads: Any, weight: Any = None, params: Any = None, norm: Any = None
 ) -> Microbatch:
     """The policy's decision about one microbatch gradient, without adding it.
 
@@ -241,6 +241,7 @@ def inspect_microbatch(
       grads: the microbatch gradient.
       weight: the microbatch weight (``scaling="weighted"`` only).
       params: the parameters, passed to ``policy.skip_fn``.
+      norm: the global norm of ``grads`` when the caller has taken it already.
 
     Returns:
       A `Microbatch`.
@@ -255,7 +256,8 @@ def inspect_microbatch(
     w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
     factor = w if policy.scaling == "weighted" else None
     needs_norm = policy.detects or policy.max_norm is not None
-    norm = global_norm(grads) if needs_norm else None
+    if norm is None and needs_norm:
+        norm = global_norm(grads)
     finite = w_ok if norm is None or not policy.detects else w_ok & jnp.isfinite(norm)
     added = finite
     if policy.skip_fn is not None:
@@ -433,6 +435,7 @@ def close_window(
     every_k: Any,
     axis_name: str | None = None,
     scatter: Any = None,
+    norm: jax.Array | None = None,
 ) -> Closed:
     """Reduces the window once across devices, scales it and decides whether it is usable.
 
@@ -446,12 +449,16 @@ def close_window(
         dimension its parameter is sharded on over ``axis_name`` (that leaf is
         reduce-scattered: each device keeps its shard), `REDUCED` (a shard reduced
         already, microbatch by microbatch) or None (all-reduced); None for all.
+      norm: the global norm of ``window.grad_sum`` when the caller has taken it already
+        (one device only: with ``axis_name`` the norm is that of the reduced sum).
 
     Returns:
       A `Closed`: ``apply`` is True when the weight sum is > 0, the scaled sum is finite
       (when the policy detects non-finite values) and no microbatch was non-finite under
       ``"skip_window"``.
     """
+    if norm is not None and axis_name is not None:
+        raise ValueError("close_window: norm= is the local sum's norm; pass it without axis_name.")
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     counts = (window.window_nonfinite, window.window_skipped)
     devices = 1
@@ -463,7 +470,7 @@ def close_window(
     denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
-    norm = _global_norm(grad_sum, axis_name, scatter) / safe
+    norm = (_global_norm(grad_sum, axis_name, scatter) if norm is None else norm) / safe
     apply = weight_sum > 0
     if policy.detects:
         apply = apply & jnp.isfinite(norm)
