@@ -110,14 +110,15 @@ BLIND, INSPECT, ADD, DONE = 0, 1, 2, 3
 
 
 class _Passes(NamedTuple):
-    """Where `_passes` stands between two segments of microbatches (its loop carry)."""
+    """Where `_passes` stands after a microbatch (its loop carry)."""
 
     stage: jax.Array  # BLIND, INSPECT, ADD or DONE
+    t: jax.Array  # microbatches run in this stage's current segment
     j: jax.Array  # INSPECT: the microbatch inspected next
-    carry: Carry  # the last segment's
+    carry: Carry  # the current segment's
     ys: Any  # (aux, weight) of every microbatch as last computed, stacked
     decided: window_lib.Microbatch  # INSPECT's decision about every microbatch, stacked
-    norm: jax.Array  # the global norm of the last segment's sum
+    norm: jax.Array  # the global norm of the last finished segment's sum
 
 
 def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
@@ -127,10 +128,10 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     BLIND adds every gradient blindly. Only when the sum is not finite, INSPECT computes each
     microbatch alone and takes the policy's decision on it (the model state following the
     decisions), then ADD adds the accepted microbatches blindly (the others are not computed).
-    A ``lax.while_loop`` runs the passes segment by segment (`_segment`), each from an empty
-    window and closed by one norm of it: no pass holds more memory than BLIND, and a finite
-    window costs one loop and one norm. Unrolled, BLIND is a ``lax.scan`` of its own outside
-    any loop (XLA:CPU runs convolutions far slower in a loop), the other passes rolled.
+    One ``lax.while_loop`` runs one microbatch per trip (`_trip`); the passes are segments
+    of trips, each from an empty window and closed by one norm of it: no pass holds more
+    memory than BLIND, and a finite window costs its K trips and one norm. Unrolled, BLIND is
+    a ``lax.scan`` of its own (XLA:CPU runs convolutions far slower in a loop).
     """
     axis = ctx.setup.axis_name
     start = pvary(start._replace(window=window_lib.empty_like(start.window)), axis)
@@ -142,7 +143,8 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
         partial(window_lib.inspect_microbatch, ctx.config.policy), start.window.grad_sum, weight
     )
     norm = pvary(jnp.zeros((), jnp.float32), axis)
-    at = _Passes(zero, zero, start, ys, _zeros((ctx.k,), one, axis), norm)
+    stage = jnp.where(window_k(ctx) > 0, BLIND, DONE).astype(jnp.int32) + zero
+    at = _Passes(stage, zero, zero, start, ys, _zeros((ctx.k,), one, axis), norm)
     unroll = ctx.setup.unroll
     if ctx.n_real is None and (unroll is True or unroll > 1):
         body = lambda carry, i: run(zero + BLIND, i, carry)
@@ -150,8 +152,11 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
         norm = window_lib.global_norm(carry.window.grad_sum)
         stage = jnp.where(jnp.isfinite(norm), DONE, INSPECT).astype(jnp.int32) + zero
         at = at._replace(stage=stage, carry=carry, ys=ys, norm=norm)
-    at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_segment, ctx, run, start), at)
-    return at.carry._replace(sum_norm=at.norm), at.ys[0]
+    at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_trip, ctx, run, start), at)
+    # Nothing accepted: ADD never ran, the window is empty but for its counts.
+    none = ~jnp.any(at.decided.added) & jnp.any(at.decided.nonfinite)
+    carry = window_lib.run_once(none, lambda _: _first(ctx, start, at, ADD), at.carry)
+    return carry._replace(sum_norm=jnp.where(none, 0.0, at.norm)), at.ys[0]
 
 
 def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
@@ -160,8 +165,26 @@ def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
     return pvary(jax.tree.map(zeros, shapes), axis_name)
 
 
-def _segment(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _Passes:
-    """One segment of microbatches from an empty window, the norm it leaves, the next stage.
+def _first(ctx: Context, start: Carry, at: _Passes, stage: Any) -> Carry:
+    """The carry a segment of ``stage`` starts from: an empty window (ADD: the skipped
+    microbatches counted) and the model state it runs on (INSPECT: the last one's)."""
+    add = stage == ADD
+    skipped = jnp.where(add, window_k(ctx) - jnp.sum(at.decided.added, dtype=jnp.int32), 0)
+    nonfinite = jnp.where(add, jnp.sum(at.decided.nonfinite, dtype=jnp.int32), 0)
+    window = start.window._replace(
+        micro_step=skipped, window_nonfinite=nonfinite, window_skipped=skipped
+    )
+    first = start._replace(window=window)
+    if start.model_state is not None:  # INSPECT threads it from one microbatch to the next
+        threaded = (stage == INSPECT) & (at.j > 0)
+        first = first._replace(
+            model_state=optax.tree.where(threaded, at.carry.model_state, start.model_state)
+        )
+    return first
+
+
+def _trip(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _Passes:
+    """One microbatch of the current segment; at the segment's end, its norm and the next stage.
 
     A segment is the whole of BLIND, one microbatch of INSPECT (decided on the window it
     leaves) or the accepted microbatches of ADD (the skipped ones only counted).
@@ -170,30 +193,18 @@ def _segment(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -
     inspect, add = at.stage == INSPECT, at.stage == ADD
     added = at.decided.added
     accepted = jnp.sum(added, dtype=jnp.int32)
-    order = jnp.where(add, jnp.argsort(~added, stable=True), jnp.arange(ctx.k)).astype(jnp.int32)
-    lo = jnp.where(inspect, at.j, 0).astype(jnp.int32)
-    hi = jnp.where(inspect, at.j + 1, jnp.where(add, accepted, n)).astype(jnp.int32)
-    skipped = jnp.where(add, n - accepted, 0)
-    first = start._replace(
-        window=start.window._replace(
-            micro_step=skipped,
-            window_nonfinite=jnp.where(add, jnp.sum(at.decided.nonfinite, dtype=jnp.int32), 0),
-            window_skipped=skipped,
-        )
-    )
-    if start.model_state is not None:  # INSPECT threads it from one microbatch to the next
-        threaded = optax.tree.where(inspect & (at.j > 0), at.carry.model_state, start.model_state)
-        first = first._replace(model_state=threaded)
-
-    def body(p: jax.Array, c: tuple[Carry, Any]) -> tuple[Carry, Any]:
-        i = order[p]
-        carry, ys = run(at.stage, i, c[0])
-        return carry, jax.tree.map(lambda buf, y: buf.at[i].set(y), c[1], ys)
-
-    carry, ys = jax.lax.fori_loop(lo, hi, body, (first, at.ys))
-    weight = None if ys[1] is None else jnp.where(inspect, ys[1][at.j], 1.0)
+    accepted_order = jnp.argsort(~added, stable=True).astype(jnp.int32)
+    i = jnp.where(inspect, at.j, jnp.where(add, accepted_order[at.t], at.t))
+    first = _first(ctx, start, at, at.stage)
+    carry = optax.tree.where(at.t == 0, first, at.carry)
+    carry, y = run(at.stage, i, carry)
+    ys = jax.tree.map(lambda buf, x: buf.at[i].set(x), at.ys, y)
+    t = at.t + 1
+    ends = t == jnp.where(inspect, 1, jnp.where(add, accepted, n))
     grad_sum = carry.window.grad_sum
-    norm = window_lib.global_norm(grad_sum)  # the close's norm, if this segment is the last
+    # The close's norm, if this segment is the last; taken only where a segment ends.
+    norm = jax.lax.cond(ends, window_lib.global_norm, lambda _: at.norm, grad_sum)
+    weight = None if ys[1] is None else jnp.where(inspect, ys[1][at.j], 1.0)
     found = window_lib.inspect_microbatch(ctx.config.policy, grad_sum, weight, norm=norm)
     if carry.model_state is not None:  # INSPECT: the model state follows the decision
         kept = ~inspect | found.added
@@ -202,10 +213,14 @@ def _segment(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -
         )
     slot = lambda buf, x: buf.at[at.j].set(jnp.where(inspect, x, buf[at.j]))
     decided = jax.tree.map(slot, at.decided, found)
+    last = at.j + 1 >= n
+    after_inspect = jnp.where(last, jnp.where(jnp.any(decided.added), ADD, DONE), INSPECT)
     blind = jnp.where(found.nonfinite, INSPECT, DONE)  # BLIND's decision is about the sum
-    stage = jnp.where(inspect, jnp.where(at.j + 1 < n, INSPECT, ADD), jnp.where(add, DONE, blind))
+    following = jnp.where(inspect, after_inspect, jnp.where(add, DONE, blind))
+    stage = jnp.where(ends, following, at.stage)
     j = jnp.where(inspect, at.j + 1, 0)
-    return _Passes(stage.astype(jnp.int32), j.astype(jnp.int32), carry, ys, decided, norm)
+    t = jnp.where(ends, 0, t)
+    return _Passes(stage.astype(jnp.int32), t, j.astype(jnp.int32), carry, ys, decided, norm)
 
 
 def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry: Carry) -> Any:

@@ -1,5 +1,5 @@
 """Trace and compile time of the scan step against ``optax.microbatch`` (and its run time and
-XLA memory), at K=8, on a small transformer LM and an MLP.
+XLA memory), at K=8, on two transformer LMs and an MLP.
 
 Variants:
 
@@ -9,13 +9,18 @@ Variants:
 * ``accumjax_scan_propagate``: the same with ``on_nonfinite="propagate"`` (nothing re-run).
 * ``optax_microbatch``: ``optax.microbatch(jax.grad(loss), ..., accumulator=MEAN)`` then Adam.
 
+Models: ``transformer`` (the character-level GPT of issue 18: 2 layers, d=64, 64 tokens),
+``transformer_small`` (the README's transformer benchmark, `bench_transformer`'s "small":
+4 layers, d=256, 256 tokens) and ``mlp`` (256-1024-1024-10, batch 512).
+
 Compile time is ``step.lower(...)`` (trace and lower to StableHLO) plus ``.compile()`` (XLA),
 wall clock, of a freshly built ``jax.jit`` after ``jax.clear_caches()`` with the persistent
 compilation cache off, measured in interleaved rounds (one warm-up round is not counted);
 each variant's ratio to ``optax_microbatch`` is taken per round (the rounds pair them), and
-the median and the spread (min, max) are reported. Run time per step is the fastest of
-interleaved rounds (``common.time_interleaved``); memory is XLA's compile-time figure
-(``compiled.memory_analysis()``), deterministic.
+the median and the spread (min, max) are reported. Run time per step is measured the same
+way: one call per variant per interleaved round (``common.interleaved_samples``), ratios
+paired by round. Memory is XLA's compile-time figure (``compiled.memory_analysis()``),
+deterministic.
 """
 
 from __future__ import annotations
@@ -31,13 +36,13 @@ import optax
 
 import accumjax
 from benchmarks import common
-from benchmarks.bench_transformer import LM
+from benchmarks.bench_transformer import LM, SIZES
 
 K = 8
 VARIANTS = ("accumjax_scan", "accumjax_scan_propagate", "optax_microbatch")
+MODELS = ("transformer", "transformer_small", "mlp")
 # A character-level GPT: 2 layers, d=64, 64 tokens (4 rows per microbatch at K=8).
-LM_SIZE = dict(vocab=65, d=64, layers=2, heads=4, mlp=256, seq=64)
-LM_BATCH = 32
+LM_SIZE = dict(vocab=65, d=64, layers=2, heads=4, mlp=256, seq=64, batch=32)
 MLP_DIMS = (256, 1024, 1024, 10)
 MLP_BATCH = 512
 
@@ -46,12 +51,12 @@ def _tx() -> optax.GradientTransformation:
     return optax.adam(1e-3)
 
 
-def _lm() -> tuple[Callable[[Any, Any], jax.Array], Any, Any]:
-    """``(loss, params, batch)`` of the transformer LM."""
-    model = LM(**LM_SIZE)
+def _lm(size: dict[str, int]) -> tuple[Callable[[Any, Any], jax.Array], Any, Any]:
+    """``(loss, params, batch)`` of a transformer LM of ``size``."""
+    model = LM(**{k: v for k, v in size.items() if k != "batch"})
     rng = np.random.default_rng(0)
-    shape = (LM_BATCH, LM_SIZE["seq"] + 1)
-    tokens = jnp.asarray(rng.integers(0, LM_SIZE["vocab"], shape), jnp.int32)
+    shape = (size["batch"], size["seq"] + 1)
+    tokens = jnp.asarray(rng.integers(0, size["vocab"], shape), jnp.int32)
     params = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
 
     def loss(params: Any, batch: Any) -> jax.Array:
@@ -118,20 +123,31 @@ def _compile_times(variants: dict[str, Variant], batch: Any, rounds: int) -> dic
                 total[name].append(lower_s + compile_s)
     ref = np.asarray(total["optax_microbatch"])
     ratios = {v: np.asarray(s) / ref for v, s in total.items()}
-
-    def spread(values: Any) -> dict[str, float]:
-        return {
-            k: float(f(values))
-            for k, f in (("median", np.median), ("min", np.min), ("max", np.max))
-        }
-
     memory = {v: c.memory_analysis() for v, c in compiled.items()}
     return {
-        "compile_s": {v: spread(s) for v, s in total.items()},
-        "trace_and_lower_s": {v: spread(s) for v, s in lower.items()},
-        "compile_vs_optax_microbatch": {v: spread(r) for v, r in ratios.items()},
+        "compile_s": {v: _spread(s) for v, s in total.items()},
+        "trace_and_lower_s": {v: _spread(s) for v, s in lower.items()},
+        "compile_vs_optax_microbatch": {v: _spread(r) for v, r in ratios.items()},
         "temp_bytes": {v: int(m.temp_size_in_bytes) for v, m in memory.items()},
         "argument_bytes": {v: int(m.argument_size_in_bytes) for v, m in memory.items()},
+    }
+
+
+def _spread(values: Any) -> dict[str, float]:
+    stats = (("median", np.median), ("min", np.min), ("max", np.max))
+    return {k: float(f(values)) for k, f in stats}
+
+
+def _run_times(variants: dict[str, Variant], batch: Any, rounds: int) -> dict[str, Any]:
+    """Milliseconds per step over interleaved rounds, and ratios to optax.microbatch paired by
+    round: median (min, max)."""
+    cases = {name: (_runner(v, batch), v.carry) for name, v in variants.items()}
+    seconds = common.interleaved_samples(cases, rounds=rounds)
+    samples = {k: np.asarray(s) for k, s in seconds.items()}
+    ref = samples["optax_microbatch"]
+    return {
+        "ms_per_step": {v: _spread(s * 1e3) for v, s in samples.items()},
+        "time_vs_optax_microbatch": {v: _spread(s / ref) for v, s in samples.items()},
     }
 
 
@@ -143,58 +159,61 @@ def _runner(variant: Variant, batch: Any) -> Callable[[Any], Any]:
     return lambda carry: step(carry, batch)
 
 
-def _run_model(model: str, rounds: int, calls: int, time_rounds: int) -> dict[str, Any]:
+def _model(model: str) -> tuple[Callable[[Any, Any], jax.Array], Any, Any]:
+    if model == "mlp":
+        return _mlp()
+    return _lm(LM_SIZE if model == "transformer" else SIZES["small"])
+
+
+def _run_model(model: str, rounds: int, time_rounds: int) -> dict[str, Any]:
     """Compile times, run time and memory of every variant on ``model``."""
-    loss, params, batch = (_lm if model == "transformer" else _mlp)()
+    loss, params, batch = _model(model)
     variants = _variants(loss, params, batch)
-    out = _compile_times(variants, batch, rounds)
-    cases = {name: (_runner(v, batch), v.carry) for name, v in variants.items()}
-    seconds = common.time_interleaved(cases, calls=calls, rounds=time_rounds)
-    ref = seconds["optax_microbatch"]
+    out = _compile_times(variants, batch, rounds) | _run_times(variants, batch, time_rounds)
     temp, args = out["temp_bytes"], out["argument_bytes"]
     return out | {
         "params": common.n_params(params),
-        "ms_per_step": {v: s * 1e3 for v, s in seconds.items()},
-        "time_vs_optax_microbatch": {v: s / ref for v, s in seconds.items()},
         "temp_vs_optax_microbatch": {v: b / temp["optax_microbatch"] for v, b in temp.items()},
         "argument_vs_optax_microbatch": {v: b / args["optax_microbatch"] for v, b in args.items()},
     }
 
 
-def run(rounds: int = 5, calls: int = 3, time_rounds: int = 5) -> dict[str, Any]:
-    """Compile time, run time and XLA memory of every variant on both models."""
+def run(rounds: int = 5, time_rounds: int = 15) -> dict[str, Any]:
+    """Compile time, run time and XLA memory of every variant on every model."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        models = {m: _run_model(m, rounds, calls, time_rounds) for m in ("transformer", "mlp")}
+        models = {m: _run_model(m, rounds, time_rounds) for m in MODELS}
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
     return {
         "K": K,
         "models": models,
-        "transformer": {**LM_SIZE, "batch": LM_BATCH},
+        "transformer": LM_SIZE,
+        "transformer_small": SIZES["small"],
         "mlp": {"dims": MLP_DIMS, "batch": MLP_BATCH},
         "rounds": rounds,
-        "timing": {"calls": calls, "rounds": time_rounds},
+        "time_rounds": time_rounds,
     }
 
 
 def table(r: dict[str, Any]) -> str:
-    """A markdown table: per model and variant, compile time and ratios, run time, memory."""
+    """A markdown table: per model and variant, compile time and its ratio, run time and its
+    ratio (median, min-max), XLA temp and argument memory."""
     lines = [
-        "| model | variant | trace+compile s, median (min-max) | / optax.microbatch, median "
-        "(min-max) | ms/step | / optax | XLA temp MiB | / optax | argument MiB |",
-        "|---" * 9 + "|",
+        "| model | variant | trace+compile s | / `optax.microbatch` | ms/step | "
+        "/ `optax.microbatch` | XLA temp MiB | argument MiB |",
+        "|---" * 8 + "|",
     ]
+    fmt = lambda d, f: f"{d['median']:{f}} ({d['min']:{f}}-{d['max']:{f}})"
     for model, m in r["models"].items():
         for v in VARIANTS:
-            c, q = m["compile_s"][v], m["compile_vs_optax_microbatch"][v]
             lines.append(
-                f"| {model} | {v} | {c['median']:.2f} ({c['min']:.2f}-{c['max']:.2f}) "
-                f"| {q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f}) "
-                f"| {m['ms_per_step'][v]:.1f} | {m['time_vs_optax_microbatch'][v]:.2f} "
-                f"| {m['temp_bytes'][v] / common.MiB:.3f} "
-                f"| {m['temp_vs_optax_microbatch'][v]:.3f} "
+                f"| {model} | {v} | {fmt(m['compile_s'][v], '.2f')} "
+                f"| {fmt(m['compile_vs_optax_microbatch'][v], '.2f')} "
+                f"| {fmt(m['ms_per_step'][v], '.1f')} "
+                f"| {fmt(m['time_vs_optax_microbatch'][v], '.2f')} "
+                f"| {m['temp_bytes'][v] / common.MiB:.2f} "
                 f"| {m['argument_bytes'][v] / common.MiB:.2f} |"
             )
     return "\n".join(lines)

@@ -83,18 +83,15 @@ def time_interleaved(
     return {name: float(np.min(s)) for name, s in samples.items()}
 
 
-def time_interleaved_spread(
-    cases: dict[str, tuple[Callable[[Any], Any], Any]],
-    *,
-    rounds: int = 15,
-) -> dict[str, dict[str, float]]:
-    """Seconds per ``carry = step(carry)`` call of each case: fastest, median and slowest of
-    ``rounds`` interleaved rounds (one call each, blocked on before the clock stops).
+def interleaved_samples(
+    cases: dict[str, tuple[Callable[[Any], Any], Any]], *, rounds: int = 15
+) -> dict[str, list[float]]:
+    """Seconds of each ``carry = step(carry)`` call of each case, one per interleaved round
+    (blocked on before the clock stops): round ``r`` of every case ran side by side.
 
-    As `time_interleaved`, with the spread kept: rounds alternate between cases so that
-    machine noise hits them alike. Each case is warmed up with two calls (the second on the
-    first's output, so that a step whose outputs are laid out unlike its first inputs is
-    compiled for both) before any is timed.
+    Each case is warmed up with two calls (the second on the first's output, so that a step
+    whose outputs are laid out unlike its first inputs is compiled for both) before any is
+    timed.
     """
     carries = {}
     for name, (step, carry) in cases.items():
@@ -105,6 +102,21 @@ def time_interleaved_spread(
             start = time.perf_counter()
             carries[name] = jax.block_until_ready(step(carries[name]))
             samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def time_interleaved_spread(
+    cases: dict[str, tuple[Callable[[Any], Any], Any]],
+    *,
+    rounds: int = 15,
+) -> dict[str, dict[str, float]]:
+    """Seconds per ``carry = step(carry)`` call of each case: fastest, median and slowest of
+    ``rounds`` interleaved rounds (`interleaved_samples`).
+
+    As `time_interleaved`, with the spread kept: rounds alternate between cases so that
+    machine noise hits them alike.
+    """
+    samples = interleaved_samples(cases, rounds=rounds)
     return {
         name: {
             "min_s": float(np.min(s)),

@@ -112,3 +112,8 @@ if __name__ == "__main__":
 
         print()
         print(transformer_table(results["transformer"]))
+    if "compile" in results:
+        from benchmarks.bench_compile import table as compile_table
+
+        print()
+        print(compile_table(results["compile"]))

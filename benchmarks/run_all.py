@@ -30,7 +30,14 @@ matplotlib.use("Agg")
 import jax
 import matplotlib.pyplot as plt
 
-from benchmarks import bench_accumulate, bench_accuracy, bench_scan, bench_transformer, common
+from benchmarks import (
+    bench_accumulate,
+    bench_accuracy,
+    bench_compile,
+    bench_scan,
+    bench_transformer,
+    common,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -160,6 +167,37 @@ def plot_transformer(result: dict[str, Any]) -> Path:
     return path
 
 
+def plot_compile(result: dict[str, Any]) -> Path:
+    """Scan-mode trace+compile time and run time against optax.microbatch, per model: bars at
+    the median ratio, whiskers from the fastest to the slowest round."""
+    models = list(result["models"])
+    variants = bench_compile.VARIANTS
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    panels = (
+        ("compile_vs_optax_microbatch", "Trace + compile time / optax.microbatch"),
+        ("time_vs_optax_microbatch", "Run time per step / optax.microbatch"),
+    )
+    width = 0.8 / len(variants)
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for j, v in enumerate(variants):
+            ratios = [result["models"][m][key][v] for m in models]
+            med = [r["median"] for r in ratios]
+            below = [r["median"] - r["min"] for r in ratios]
+            err = [below, [r["max"] - r["median"] for r in ratios]]
+            xs = [i + (j - 1) * width for i in range(len(models))]
+            ax.bar(xs, med, width, yerr=err, capsize=3, label=v)
+        ax.axhline(1.0, color="gray", ls=":")
+        ax.set_xticks(range(len(models)), models)
+        ax.set(title=f"{title}, K={result['K']}", ylabel="ratio (median, min-max)")
+        ax.legend(fontsize=8)
+    axes[0].axhline(1.3, color="red", ls="--", lw=0.8)
+    fig.tight_layout()
+    path = RESULTS / "compile_time.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def _select_device(device: str) -> None:
     """Picks the backend before JAX initialises one."""
     if device == "cpu":
@@ -181,7 +219,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--only",
-        choices=["all", "accumulate", "scan", "accuracy", "collectives", "transformer"],
+        choices=["all", "accumulate", "scan", "accuracy", "collectives", "transformer", "compile"],
         default="all",
         help="run one benchmark and merge it into an existing results.json",
     )
@@ -202,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         "accuracy": bench_accuracy.run,
         "collectives": _collectives,
         "transformer": lambda: bench_transformer.run(size, rounds=2 if args.quick else 6),
+        "compile": lambda: bench_compile.run(
+            rounds=2 if args.quick else 5, time_rounds=3 if args.quick else 15
+        ),
     }
     path = RESULTS / "results.json"
     results: dict[str, Any] = {}
@@ -224,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     if "transformer" in results:
         paths.append(plot_transformer(results["transformer"]))
         print(bench_transformer.table(results["transformer"]))
-    skip = ("accuracy", "transformer")
+    if "compile" in results:
+        paths.append(plot_compile(results["compile"]))
+        print(bench_compile.table(results["compile"]))
+    skip = ("accuracy", "transformer", "compile")
     print(json.dumps({k: v for k, v in results.items() if k not in skip}, indent=2))
     print("wrote", path, *paths)
 

@@ -447,3 +447,35 @@ def test_a_norm_taken_already_is_used_as_it_is_and_only_on_one_device():
         window.close_window(window.Policy(), win, 1, axis_name="data", norm=jnp.float32(5.0))
     m = window.inspect_microbatch(window.Policy(), grads, norm=jnp.float32(jnp.inf))
     assert not bool(m.added) and bool(m.nonfinite)
+
+
+@pytest.mark.parametrize(
+    "case", ["first", "two", "all", "padded", "unrolled", "weighted", "float16"]
+)
+def test_scan_rerun_of_a_nonfinite_window_equals_inspecting_every_microbatch(case):
+    # Scan mode adds blindly and re-runs only a non-finite window (BLIND, then INSPECT and ADD
+    # in the same loop). The reference inspects every microbatch before adding it: a skip_fn
+    # that never skips puts the step on that path, with the same decisions.
+    rows = {"first": [0], "two": [1, 3], "all": [0, 1, 2, 3]}.get(case, [2])
+    scaling = "weighted" if case == "weighted" else "count"
+    step_kwargs: dict = {"donate": False, "unroll": case == "unrolled"}
+    if case == "weighted":
+        step_kwargs["weight_fn"] = lambda mb: jnp.sum(mb["y"] > 0).astype(jnp.float32)
+    if case == "float16":
+        step_kwargs["mixed_precision"] = "float16"
+    call = {"num_real_microbatches": 3} if case == "padded" else {}
+    batch = _nan_rows(_data(), rows)
+    out = []
+    for skip_fn in (None, lambda grads, params: jnp.asarray(False)):
+        tx = accumulate(optax.adam(1e-2), K, scaling=scaling, skip_fn=skip_fn)
+        loss_fn, state = _setup(tx, mode="scan")
+        step = make_train_step(loss_fn, mode="scan", **step_kwargs)
+        out.append(step(state, batch, **call))
+    (passes, metrics), (inspected, reference) = out
+    for tree in ("params", "model_state", "opt_state", "loss_scale"):
+        _equal(getattr(passes, tree), getattr(inspected, tree))
+    assert int(passes.opt_state.skipped_microbatches) == len(rows)
+    assert bool(metrics["updated"]) == (case != "all")
+    np.testing.assert_array_equal(metrics["grad_norm"], reference["grad_norm"])
+    # The loss metric sums the same per-microbatch losses; XLA may order that sum otherwise.
+    np.testing.assert_allclose(metrics["loss"], reference["loss"], rtol=1e-6)
