@@ -117,7 +117,8 @@ class _Passes(NamedTuple):
     j: jax.Array  # INSPECT: the microbatch inspected next
     carry: Carry  # the current segment's
     ys: Any  # (aux, weight) of every microbatch as last computed, stacked
-    decided: window_lib.Microbatch  # INSPECT's decision about every microbatch, stacked
+    added: jax.Array  # INSPECT's decision about every microbatch: bool[K]
+    nonfinite: jax.Array  # how many microbatches INSPECT found non-finite
     norm: jax.Array  # the global norm of the last finished segment's sum
 
 
@@ -138,13 +139,10 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     zero = pvary(jnp.zeros((), jnp.int32), axis)
     run = jax.jit(partial(_microbatch, ctx, take))
     ys = _zeros((ctx.k,), jax.eval_shape(run, zero, zero, start)[1], axis)
-    weight = None if ys[1] is None else jnp.zeros((), jnp.float32)
-    one = jax.eval_shape(
-        partial(window_lib.inspect_microbatch, ctx.config.policy), start.window.grad_sum, weight
-    )
     norm = pvary(jnp.zeros((), jnp.float32), axis)
     stage = jnp.where(window_k(ctx) > 0, BLIND, DONE).astype(jnp.int32) + zero
-    at = _Passes(stage, zero, zero, start, ys, _zeros((ctx.k,), one, axis), norm)
+    added = pvary(jnp.zeros((ctx.k,), bool), axis)
+    at = _Passes(stage, zero, zero, start, ys, added, zero, norm)
     unroll = ctx.setup.unroll
     if ctx.n_real is None and (unroll is True or unroll > 1):
         body = lambda carry, i: run(zero + BLIND, i, carry)
@@ -154,7 +152,7 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
         at = at._replace(stage=stage, carry=carry, ys=ys, norm=norm)
     at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_trip, ctx, run, start), at)
     # Nothing accepted: ADD never ran, the window is empty but for its counts.
-    none = ~jnp.any(at.decided.added) & jnp.any(at.decided.nonfinite)
+    none = ~jnp.any(at.added) & (at.nonfinite > 0)
     carry = window_lib.run_once(none, lambda _: _first(ctx, start, at, ADD), at.carry)
     return carry._replace(sum_norm=jnp.where(none, 0.0, at.norm)), at.ys[0]
 
@@ -169,8 +167,8 @@ def _first(ctx: Context, start: Carry, at: _Passes, stage: Any) -> Carry:
     """The carry a segment of ``stage`` starts from: an empty window (ADD: the skipped
     microbatches counted) and the model state it runs on (INSPECT: the last one's)."""
     add = stage == ADD
-    skipped = jnp.where(add, window_k(ctx) - jnp.sum(at.decided.added, dtype=jnp.int32), 0)
-    nonfinite = jnp.where(add, jnp.sum(at.decided.nonfinite, dtype=jnp.int32), 0)
+    skipped = jnp.where(add, window_k(ctx) - jnp.sum(at.added, dtype=jnp.int32), 0)
+    nonfinite = jnp.where(add, at.nonfinite, 0)
     window = start.window._replace(
         micro_step=skipped, window_nonfinite=nonfinite, window_skipped=skipped
     )
@@ -191,10 +189,10 @@ def _trip(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _
     """
     n = window_k(ctx)
     inspect, add = at.stage == INSPECT, at.stage == ADD
-    added = at.decided.added
-    accepted = jnp.sum(added, dtype=jnp.int32)
-    accepted_order = jnp.argsort(~added, stable=True).astype(jnp.int32)
-    i = jnp.where(inspect, at.j, jnp.where(add, accepted_order[at.t], at.t))
+    accepted = jnp.sum(at.added, dtype=jnp.int32)
+    # ADD's t-th microbatch: the first whose count of accepted ones up to it exceeds t.
+    nth_accepted = jnp.argmax(jnp.cumsum(at.added, dtype=jnp.int32) > at.t).astype(jnp.int32)
+    i = jnp.where(inspect, at.j, jnp.where(add, nth_accepted, at.t))
     first = _first(ctx, start, at, at.stage)
     carry = optax.tree.where(at.t == 0, first, at.carry)
     carry, y = run(at.stage, i, carry)
@@ -211,16 +209,17 @@ def _trip(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _
         carry = carry._replace(
             model_state=optax.tree.where(kept, carry.model_state, first.model_state)
         )
-    slot = lambda buf, x: buf.at[at.j].set(jnp.where(inspect, x, buf[at.j]))
-    decided = jax.tree.map(slot, at.decided, found)
+    added = at.added.at[at.j].set(jnp.where(inspect, found.added, at.added[at.j]))
+    nonfinite = at.nonfinite + (inspect & found.nonfinite).astype(jnp.int32)
     last = at.j + 1 >= n
-    after_inspect = jnp.where(last, jnp.where(jnp.any(decided.added), ADD, DONE), INSPECT)
+    after_inspect = jnp.where(last, jnp.where(jnp.any(added), ADD, DONE), INSPECT)
     blind = jnp.where(found.nonfinite, INSPECT, DONE)  # BLIND's decision is about the sum
     following = jnp.where(inspect, after_inspect, jnp.where(add, DONE, blind))
     stage = jnp.where(ends, following, at.stage)
     j = jnp.where(inspect, at.j + 1, 0)
     t = jnp.where(ends, 0, t)
-    return _Passes(stage.astype(jnp.int32), t, j.astype(jnp.int32), carry, ys, decided, norm)
+    stage, j = stage.astype(jnp.int32), j.astype(jnp.int32)
+    return _Passes(stage, t, j, carry, ys, added, nonfinite, norm)
 
 
 def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry: Carry) -> Any:
