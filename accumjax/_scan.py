@@ -116,7 +116,7 @@ class _Passes(NamedTuple):
     t: jax.Array  # microbatches run in this stage's current segment
     j: jax.Array  # INSPECT: the microbatch inspected next
     carry: Carry  # the current segment's
-    ys: Any  # (aux, weight) of every microbatch as last computed, stacked
+    ys: Any  # the aux of every microbatch as last computed, stacked
     added: jax.Array  # INSPECT's decision about every microbatch: bool[K]
     nonfinite: jax.Array  # how many microbatches INSPECT found non-finite
     norm: jax.Array  # the global norm of the last finished segment's sum
@@ -138,14 +138,14 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     start = pvary(start._replace(window=window_lib.empty_like(start.window)), axis)
     zero = pvary(jnp.zeros((), jnp.int32), axis)
     run = jax.jit(partial(_microbatch, ctx, take))
-    ys = _zeros((ctx.k,), jax.eval_shape(run, zero, zero, start)[1], axis)
+    ys = _zeros((ctx.k,), jax.eval_shape(run, zero, zero, start)[1], axis)  # the aux
     norm = pvary(jnp.zeros((), jnp.float32), axis)
     stage = jnp.where(window_k(ctx) > 0, BLIND, DONE).astype(jnp.int32) + zero
     added = pvary(jnp.zeros((ctx.k,), bool), axis)
     at = _Passes(stage, zero, zero, start, ys, added, zero, norm)
     unroll = ctx.setup.unroll
     if ctx.n_real is None and (unroll is True or unroll > 1):
-        body = lambda carry, i: run(zero + BLIND, i, carry)
+        body = lambda carry, i: run(zero + BLIND, i, carry)[:2]
         carry, ys = jax.lax.scan(body, start, jnp.arange(ctx.k, dtype=jnp.int32), unroll=unroll)
         norm = window_lib.global_norm(carry.window.grad_sum)
         stage = jnp.where(jnp.isfinite(norm), DONE, INSPECT).astype(jnp.int32) + zero
@@ -154,7 +154,7 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     # Nothing accepted: ADD never ran, the window is empty but for its counts.
     none = ~jnp.any(at.added) & (at.nonfinite > 0)
     carry = window_lib.run_once(none, lambda _: _first(ctx, start, at, ADD), at.carry)
-    return carry._replace(sum_norm=jnp.where(none, 0.0, at.norm)), at.ys[0]
+    return carry._replace(sum_norm=jnp.where(none, 0.0, at.norm)), at.ys
 
 
 def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
@@ -195,14 +195,14 @@ def _trip(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _
     i = jnp.where(inspect, at.j, jnp.where(add, nth_accepted, at.t))
     first = _first(ctx, start, at, at.stage)
     carry = optax.tree.where(at.t == 0, first, at.carry)
-    carry, y = run(at.stage, i, carry)
-    ys = jax.tree.map(lambda buf, x: buf.at[i].set(x), at.ys, y)
+    carry, aux, weight = run(at.stage, i, carry)
+    ys = jax.tree.map(lambda buf, x: buf.at[i].set(x), at.ys, aux)
     t = at.t + 1
     ends = t == jnp.where(inspect, 1, jnp.where(add, accepted, n))
     grad_sum = carry.window.grad_sum
     # The close's norm, if this segment is the last; taken only where a segment ends.
     norm = jax.lax.cond(ends, window_lib.global_norm, lambda _: at.norm, grad_sum)
-    weight = None if ys[1] is None else jnp.where(inspect, ys[1][at.j], 1.0)
+    weight = None if weight is None else jnp.where(inspect, weight, 1.0)  # INSPECT: i is j
     found = window_lib.inspect_microbatch(ctx.config.policy, grad_sum, weight, norm=norm)
     if carry.model_state is not None:  # INSPECT: the model state follows the decision
         kept = ~inspect | found.added
@@ -223,7 +223,7 @@ def _trip(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _
 
 
 def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry: Carry) -> Any:
-    """Microbatch ``i`` added blindly (as ``"propagate"`` adds it): ``(carry, (aux, weight))``.
+    """Microbatch ``i`` added blindly (as ``"propagate"`` adds it): ``(carry, aux, weight)``.
 
     Its model state is kept as `accumjax._loop.microbatch` keeps it; in pass INSPECT its
     gradient is added as it is (unweighted), for the decision on it.
@@ -236,7 +236,7 @@ def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry:
     if m.factor is not None:
         m = m._replace(factor=jnp.where(stage == INSPECT, 1.0, m.factor))
     outcome = add_gradient(blind, carry, p, computed, inspected=m)
-    return outcome.carry, (outcome.aux, weight)
+    return outcome.carry, outcome.aux, weight
 
 
 def _blind(policy: window_lib.Policy) -> window_lib.Policy:
