@@ -56,7 +56,7 @@ from accumjax.planner import (
 from accumjax.train_state import TrainState, with_mode
 from accumjax.train_step import make_train_step
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AccumBatchNorm",

@@ -75,8 +75,10 @@ __all__ = [
     "normalize",
     "normalize_and_accumulate",
     "pool_windows",
+    "pooled_windows",
     "running_dtype",
     "stats_dtype",
+    "window_sums",
 ]
 
 #: Names of the accumulator entries that ``AccumBatchNorm`` keeps in ``batch_stats`` next to
@@ -523,17 +525,28 @@ def pool_windows(shifts: list[Array], windows: list[Window], axis_name: str) -> 
     Returns:
       The pooled windows, in the same order (``step`` kept from each device).
     """
+    return pooled_windows(lax.psum(window_sums(shifts, windows), axis_name), shifts, windows)
+
+
+def window_sums(shifts: list[Array], windows: list[Window]) -> Array:
+    """The shifted sums of `pool_windows`, every layer's in one flat array: what a caller
+    sums across devices (in a ``psum`` of its own) before `pooled_windows`."""
     parts: list[Array] = []
     for shift, window in zip(shifts, windows, strict=True):
         delta = window.mean - shift.astype(window.mean.dtype)
         parts += [window.count, window.count * delta, window.m2 + window.count * abs_sq(delta)]
-    dtype = jnp.result_type(*parts)
-    flat = lax.psum(jnp.concatenate([p.astype(dtype).ravel() for p in parts]), axis_name)
+    dtype = jnp.result_type(*parts) if parts else jnp.float32
+    return jnp.concatenate([p.astype(dtype).ravel() for p in parts] or [jnp.zeros(0, dtype)])
+
+
+def pooled_windows(flat: Array, shifts: list[Array], windows: list[Window]) -> list[Window]:
+    """The windows whose `window_sums` summed across devices are ``flat``."""
     sums, offset = [], 0
-    for part in parts:
-        value = flat[offset : offset + part.size].reshape(part.shape)
-        sums.append((value if jnp.iscomplexobj(part) else jnp.real(value)).astype(part.dtype))
-        offset += part.size
+    for window in windows:
+        for part in (window.count, window.mean, window.m2):
+            value = flat[offset : offset + part.size].reshape(part.shape)
+            sums.append((value if jnp.iscomplexobj(part) else jnp.real(value)).astype(part.dtype))
+            offset += part.size
     pooled = []
     for i, (shift, window) in enumerate(zip(shifts, windows, strict=True)):
         count, s1, s2 = sums[3 * i : 3 * i + 3]

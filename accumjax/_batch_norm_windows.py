@@ -19,9 +19,21 @@ import jax
 import jax.numpy as jnp
 from flax.typing import Array
 
+from accumjax import _batch_norm_math as bnm
 from accumjax._batch_norm_math import ACCUMULATOR_NAMES, MOMENTUM_NAME, STEP_DRIVEN_NAMES
+from accumjax._variables import is_variable, variable_value
 
-__all__ = ["check_no_self_closing", "is_step_driven", "self_closing_paths", "warn_if_open"]
+__all__ = [
+    "array_of",
+    "call_sums",
+    "check_no_self_closing",
+    "emptied",
+    "is_step_driven",
+    "merge_pooled",
+    "replace_leaves",
+    "self_closing_paths",
+    "warn_if_open",
+]
 
 
 def is_step_driven(node: Any) -> bool:
@@ -102,3 +114,82 @@ def warn_if_open(step: Array) -> None:
     """
     step = jnp.asarray(step)
     jax.lax.cond(step > 0, lambda: jax.debug.callback(_warn_open, step), lambda: None)
+
+
+def array_of(value: Any) -> Array:
+    """The array held by a leaf (an array, or an ``nnx.Variable`` in an ``nnx.State``)."""
+    return jnp.asarray(variable_value(value))
+
+
+def replace_leaves(node: Mapping[str, Any], values: Mapping[str, Array]) -> Any:
+    """A copy of ``node`` (same mapping type, ``nnx.Variable`` leaves kept) with ``values``."""
+    new = {
+        key: node[key].replace(value) if is_variable(node[key]) else value
+        for key, value in values.items()
+    }
+    mapping_type: Any = type(node)  # dict, FrozenDict or nnx.State
+    return mapping_type({**node, **new})
+
+
+# A stream-mode step on a mesh pools each call's BatchNorm statistics across devices in the
+# call's one small all-reduce (with its loss and counts): every device runs the call from
+# empty windows (`emptied`), the windows it leaves are this device's statistics of the call
+# (`call_sums`, shifted by the running mean, equal everywhere), and their sum across devices
+# is merged into the state's windows (`merge_pooled`), as one device would merge the whole
+# microbatch's. The windows then need no per-device copy between calls.
+
+
+def _nodes(tree: Any) -> tuple[list[Any], Any, list[int]]:
+    nodes, treedef = jax.tree.flatten(tree, is_leaf=is_step_driven)
+    return nodes, treedef, [i for i, node in enumerate(nodes) if is_step_driven(node)]
+
+
+def _window(node: Any) -> bnm.Window:
+    return bnm.Window(*(array_of(node[k]) for k in ACCUMULATOR_NAMES))
+
+
+def emptied(tree: Any) -> Any:
+    """``tree`` with every step-driven layer's window empty (its running statistics kept).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> node = {name: jnp.ones(()) for name in STEP_DRIVEN_NAMES}
+      >>> float(emptied({"bn": node})["bn"]["acc_count"])
+      0.0
+    """
+    nodes, treedef, where = _nodes(tree)
+    for i in where:
+        w = _window(nodes[i])
+        empty = bnm.Window(
+            jnp.zeros_like(w.count), jnp.zeros_like(w.mean), jnp.zeros_like(w.m2), w.step * 0
+        )
+        nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, empty, strict=True)))
+    return jax.tree.unflatten(treedef, nodes)
+
+
+def call_sums(tree: Any) -> Array:
+    """The statistics one call left in the (emptied) windows of ``tree``, as one flat array
+    to sum across devices: the shifted sums of `accumjax._batch_norm_math.window_sums` and
+    each layer's count of calls."""
+    nodes, _, where = _nodes(tree)
+    shifts = [array_of(nodes[i]["mean"]) for i in where]
+    sums = bnm.window_sums(shifts, [_window(nodes[i]) for i in where])
+    steps = jnp.stack([_window(nodes[i]).step for i in where] or [jnp.zeros((), jnp.int32)])
+    return jnp.concatenate([sums, steps.astype(sums.dtype)])
+
+
+def merge_pooled(before: Any, flat: Array) -> Any:
+    """``before`` with each step-driven window merged with one call's statistics pooled over
+    the devices (``flat``: `call_sums` summed across devices; Chan et al.'s parallel update);
+    a layer counts the call when any device did."""
+    nodes, treedef, where = _nodes(before)
+    shifts = [array_of(nodes[i]["mean"]) for i in where]
+    windows = [_window(nodes[i]) for i in where]
+    pooled = bnm.pooled_windows(flat[: flat.size - max(len(where), 1)], shifts, windows)
+    called = flat[flat.size - max(len(where), 1) :]
+    for j, (i, old, new) in enumerate(zip(where, windows, pooled, strict=True)):
+        count, mean, m2 = bnm.chan_merge(old.count, old.mean, old.m2, new.count, new.mean, new.m2)
+        step = old.step + (jnp.real(called[j]) > 0).astype(old.step.dtype)
+        merged = bnm.Window(count.astype(old.count.dtype), mean, m2.astype(old.m2.dtype), step)
+        nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, merged, strict=True)))
+    return jax.tree.unflatten(treedef, nodes)

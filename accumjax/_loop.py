@@ -66,7 +66,7 @@ class Setup(NamedTuple):
       grad_fn: the loss adapter's gradient function (`accumjax._loss_adapter.make_grad_fn`).
       mode: ``"stream"`` or ``"scan"``.
       accum_steps: the K given to ``make_train_step``, checked against the optimizer's.
-      axis_name: the mapped data-parallel axis, or None.
+      axis_name: the ``pmap`` axis, or None.
       weight_fn: ``weight_fn(microbatch) -> scalar``, or None.
       f16: float16 with dynamic loss scaling.
       transform: ``transform(grads, params)`` before the inner optimizer (AGC), or None.
@@ -79,6 +79,9 @@ class Setup(NamedTuple):
       batch_axis: scan mode: each batch leaf's batch axis, or None for a leaf every
         microbatch sees whole (`accumjax._split`).
       aux_rows: scan mode: per-microbatch aux back in the batch's row order.
+      mesh: the step's own mesh (``make_train_step(mesh=...)``), or None to run where the
+        arrays lie.
+      data_axis: with ``mesh``, the mesh axis the batch is split over.
     """
 
     grad_fn: GradFn
@@ -94,6 +97,8 @@ class Setup(NamedTuple):
     loss_positional: int | None = None
     batch_axis: Any = 0
     aux_rows: bool = False
+    mesh: Any = None
+    data_axis: str | None = None
 
 
 class Context(NamedTuple):
@@ -197,32 +202,33 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
 
 
 def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
-    """``acc`` if it is laid out for the step (an accumulator in stream mode, none in scan
-    mode: `accumjax.TrainState.create`'s ``mode``; a per-device window only under ``jit``
-    without ``axis_name``), else a clear error."""
-    mode, grad_sum = setup.mode, acc.window.grad_sum
-    if setup.axis_name is not None and window_lib.is_per_device(acc.window):
+    """``acc`` if it is laid out for the step (an open window in stream mode, none in scan
+    mode; one kept per data shard, `accumjax.window.DeviceWindow`, only under ``jit``), else
+    a clear error naming the fix."""
+    mode, window = setup.mode, acc.window
+    per_shard = isinstance(window, window_lib.DeviceWindow)
+    if setup.axis_name is not None and per_shard:
         raise ValueError(
-            "make_train_step(axis_name=...) was given a state that keeps its stream window "
-            "per device in global arrays (TrainState.create was given parameters on a mesh). "
-            "Drop axis_name (and mesh): under jit, stream mode on this state reduces once per "
-            "window. For pmap, create the state from parameters off the mesh."
+            "make_train_step(axis_name=...) without mesh= runs under pmap, whose state is "
+            "replicated per device, but this state keeps its stream window per data shard "
+            "(step.init of a step under jit). Build it with this step's init: "
+            "state = step.init(params, tx)."
         )
-    if mode == "stream" and grad_sum is None:
+    if mode == "stream" and not per_shard and window.grad_sum is None:
         raise ValueError(
             "make_train_step(mode='stream') was given a state built for scan mode "
             "(state.opt_state.window.grad_sum is None): stream mode keeps the open window's "
-            "sum between calls. Build the state with TrainState.create(..., mode='stream') "
-            "(the default), or convert it with accumjax.with_mode(state, 'stream')."
+            "sum between calls. Build the state with this step, state = step.init(params, "
+            "tx), or convert it with accumjax.with_mode(state, 'stream')."
         )
-    if mode == "scan" and grad_sum is not None:
-        size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(grad_sum))
+    if mode == "scan" and (per_shard or window.grad_sum is not None):
+        sums = window_lib.window_sum(window)
+        size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(sums))
         raise ValueError(
             "make_train_step(mode='scan') was given a state that holds a stream-mode "
-            f"accumulator (state.opt_state.window.grad_sum, {size:,} bytes) that scan mode "
-            "never reads. Build the state with TrainState.create(..., mode='scan') "
-            "(nnx_train_state(..., mode='scan') for NNX), or convert one you have (e.g. an "
-            "accumjax 0.2 checkpoint) with accumjax.with_mode(state, 'scan')."
+            f"accumulator ({size:,} bytes a shard) that scan mode never reads. Build the state "
+            "with this step, state = step.init(params, tx), or convert one you have (e.g. a "
+            "stream-mode checkpoint at a window boundary) with accumjax.with_mode(state, 'scan')."
         )
     return acc
 

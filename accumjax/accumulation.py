@@ -126,15 +126,21 @@ def _check_params(params: Any) -> None:
             )
 
 
-def _check_grads(grads: Any, window: window_lib.Window) -> None:
-    acc, per_device = window.grad_sum, window_lib.is_per_device(window)
+def _check_grads(grads: Any, window: Any) -> None:
+    if isinstance(window, window_lib.DeviceWindow):
+        raise ValueError(
+            "this AccumulationState keeps its window per data shard (a train step's stream "
+            "state, step.init): the step reduces it once per window. tx.update and "
+            "apply_gradients take reduced gradients: use opt_state=tx.init(params) (or "
+            "TrainState.create) for them."
+        )
+    acc = window.grad_sum
     if acc is None:
         raise ValueError(
             "this AccumulationState has no accumulator: it was built for "
-            "make_train_step(mode='scan') (TrainState.create(..., mode='scan')), whose window "
-            "opens and closes inside one call. Feeding microbatches one by one needs the "
-            "accumulator: TrainState.create(..., mode='stream') (the default), tx.init(params), "
-            "or accumjax.with_mode(state, 'stream')."
+            "make_train_step(mode='scan'), whose window opens and closes inside one call. "
+            "Feeding microbatches one by one needs the accumulator: tx.init(params), "
+            "TrainState.create(...), or accumjax.with_mode(state, 'stream')."
         )
     expected, got = jax.tree.structure(acc), jax.tree.structure(grads)
     if got != expected:
@@ -146,14 +152,6 @@ def _check_grads(grads: Any, window: window_lib.Window) -> None:
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(acc), strict=True
     ):
         name = jax.tree_util.keystr(path)
-        if per_device:
-            raise ValueError(
-                f"grads{name} has shape {g.shape}, but this state's window keeps one partial "
-                f"sum per device ({a.shape}): TrainState.create made it from parameters on a "
-                "mesh, for make_train_step's stream mode, which reduces once per window. "
-                "tx.update and apply_gradients take reduced gradients: use "
-                "opt_state=tx.init(params) for them."
-            )
         if not jnp.issubdtype(g.dtype, jnp.inexact):
             raise TypeError(f"grads{name} has dtype {g.dtype}; gradients must be floating point.")
         if g.shape != a.shape:

@@ -10,6 +10,7 @@ an ``nnx.Optimizer`` (``opt.opt_state``).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -85,10 +86,10 @@ class AccumulationStats(NamedTuple):
       num_nonfinite: how many.
       skipped_microbatches: microbatches left out of their window (open window included).
       skipped_windows: windows closed without an update.
-      num_parameters: number of scalars the state's accumulator holds (a Python int; 0
-        for a scan-mode state, whose accumulator lives inside the step).
+      num_parameters: number of scalars the window sums, as many as the parameters (a
+        Python int; 0 for a scan-mode state, whose accumulator lives inside the step).
       memory_bytes: bytes held by the state's accumulator (a Python int; 0 in scan mode;
-        all devices' slices together for a per-device window).
+        every data shard's partial sums together for a `accumjax.window.DeviceWindow`).
     """
 
     accumulation_steps: jax.Array
@@ -155,16 +156,16 @@ def has_updated(state: Any) -> jax.Array:
 def accumulated_gradients(state: Any) -> Any:
     """The window's gradient so far, scaled as the strategy says (zeros if nothing was added).
 
-    This is what ``inner`` would receive if the window closed now (before any cross-device
-    reduction, and in the accumulator dtype).
+    This is what ``inner`` would receive if the window closed now, in the accumulator dtype:
+    for the whole batch, whatever the layout (a train step's window kept per data shard,
+    `accumjax.window.DeviceWindow`, is summed over its shards).
 
     Args:
       state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
 
     Returns:
-      A pytree like the parameters (``None`` for a scan-mode state, which holds no open
-      window); for a per-device window (stream mode on a mesh), like its sums: each
-      device's slot scaled by its own denominator.
+      A pytree like the parameters, or ``None`` for a scan-mode state (which holds no open
+      window).
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -177,21 +178,15 @@ def accumulated_gradients(state: Any) -> Any:
     """
     state = unwrap(state)
     window = state.window
-    shape = jnp.shape(window.weight_sum)  # one per device for a per-device window
-
-    def by(scaling: Any) -> jax.Array:
-        d = window_lib.denominator(scaling, state.every_k, window.weight_sum)
-        return d + 0.0 * window.weight_sum  # the counts' shape and sharding
-
+    total = window_lib.window_sum(window)
+    if total is None:
+        return None
+    by = lambda scaling: window_lib.denominator(scaling, state.every_k, window.weight_sum)
     denom = jax.lax.switch(
         state.scaling_code, [functools.partial(by, s) for s in scaling_lib.SCALINGS]
     )
     safe = jnp.where(denom > 0, denom, 1.0)
-
-    def scaled(a: jax.Array) -> jax.Array:
-        return a / safe.reshape(shape + (1,) * (a.ndim - len(shape))).astype(a.dtype)
-
-    return jax.tree.map(scaled, window.grad_sum)
+    return jax.tree.map(lambda a: a / safe.astype(a.dtype), total)
 
 
 def reset(state: AccumulationState) -> AccumulationState:
@@ -221,10 +216,11 @@ def stats(state: Any) -> AccumulationStats:
 
     The counts (``num_nonfinite``, ``overflow_detected``, ``skipped_microbatches``) cover every
     microbatch seen so far, the open window's included, so a non-finite microbatch shows in
-    the call right after it. With data parallelism (``accumulate(..., axis_name=...)`` under
-    ``pmap``/``shard_map``, or ``make_train_step(axis_name=...)``) the open window's counts
-    are each device's own until the window closes (each device reports what it has seen);
-    closed windows' counts are summed over the devices.
+    the call right after it. A train step under ``jit`` (one device or a mesh) keeps
+    whole-batch counts. Under ``pmap`` or a ``shard_map`` of your own
+    (``accumulate(..., axis_name=...)``, ``make_train_step(axis_name=...)`` without ``mesh``)
+    the open window's counts are each device's own until the window closes (each device
+    reports what it has seen); closed windows' counts are summed over the devices.
 
     Returns:
       An `AccumulationStats`; its sizes are Python ints (static), the rest arrays.
@@ -237,23 +233,22 @@ def stats(state: Any) -> AccumulationStats:
       (8, 16, 64)
     """
     state = unwrap(state)
-    leaves = jax.tree.leaves(state.window.grad_sum)
-    # The closed windows' counts plus the open window's (summed over a per-device window's
-    # devices), so a NaN shows at once.
     window = state.window
-    open_counts = (window.window_nonfinite, window.window_skipped)
-    if window_lib.is_per_device(window):
-        open_counts = tuple(jnp.sum(c) for c in open_counts)
-    nonfinite = window_lib.saturating_add(state.nonfinite_count, open_counts[0])
+    held = jax.tree.leaves(window[0])  # a window kept per data shard holds one sum a shard
+    per_shard = isinstance(window, window_lib.DeviceWindow)
+    # The closed windows' counts plus the open window's, so a NaN shows at once.
+    nonfinite = window_lib.saturating_add(state.nonfinite_count, window.window_nonfinite)
     return AccumulationStats(
         accumulation_steps=state.every_k,
-        current_step=state.window.micro_step,
+        current_step=window.micro_step,
         total_cycles=state.update_count,
         max_grad_norm=state.max_grad_norm,
         overflow_detected=nonfinite > 0,
         num_nonfinite=nonfinite,
-        skipped_microbatches=window_lib.saturating_add(state.skipped_microbatches, open_counts[1]),
+        skipped_microbatches=window_lib.saturating_add(
+            state.skipped_microbatches, window.window_skipped
+        ),
         skipped_windows=state.skipped_windows,
-        num_parameters=sum(int(x.size) for x in leaves),
-        memory_bytes=sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in leaves),
+        num_parameters=sum(math.prod(x.shape[1:] if per_shard else x.shape) for x in held),
+        memory_bytes=sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in held),
     )

@@ -61,7 +61,13 @@ from accumjax._batch_norm_math import (
     running_dtype,
     stats_dtype,
 )
-from accumjax._batch_norm_windows import check_no_self_closing, is_step_driven, warn_if_open
+from accumjax._batch_norm_windows import (
+    array_of,
+    check_no_self_closing,
+    is_step_driven,
+    replace_leaves,
+    warn_if_open,
+)
 from accumjax._variables import is_variable, unwrap_variables, variable_value
 from accumjax.accumulation_state import unwrap
 from accumjax.batch_norm_convert import convert_batch_norm_variables
@@ -320,21 +326,6 @@ class AccumBatchNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def _array(value: Any) -> Array:
-    """The array held by a leaf (an array, or an ``nnx.Variable`` in an ``nnx.State``)."""
-    return jnp.asarray(variable_value(value))
-
-
-def _replace_leaves(node: Mapping[str, Any], values: Mapping[str, Array]) -> Any:
-    """A copy of ``node`` (same mapping type, ``nnx.Variable`` leaves kept) with ``values``."""
-    new = {
-        key: node[key].replace(value) if is_variable(node[key]) else value
-        for key, value in values.items()
-    }
-    mapping_type: Any = type(node)  # dict, FrozenDict or nnx.State
-    return mapping_type({**node, **new})
-
-
 def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | None = None) -> _Tree:
     """Closes the windows of every step-driven ``AccumBatchNorm`` layer in ``stats_tree``.
 
@@ -400,16 +391,16 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
         raise ValueError(f"apply must be a bool scalar, got shape {apply.shape}.")
     nodes, treedef = jax.tree.flatten(stats_tree, is_leaf=is_step_driven)
     where = [i for i, node in enumerate(nodes) if is_step_driven(node)]
-    running = [Running(*(_array(nodes[i][k]) for k in ("mean", "var"))) for i in where]
-    windows = [Window(*(_array(nodes[i][k]) for k in ACCUMULATOR_NAMES)) for i in where]
+    running = [Running(*(array_of(nodes[i][k]) for k in ("mean", "var"))) for i in where]
+    windows = [Window(*(array_of(nodes[i][k]) for k in ACCUMULATOR_NAMES)) for i in where]
     if axis_name is not None and where:
         windows = pool_windows([r.mean for r in running], windows, axis_name)
     for i, old, window in zip(where, running, windows, strict=True):
-        momentum = _array(nodes[i][MOMENTUM_NAME])
+        momentum = array_of(nodes[i][MOMENTUM_NAME])
         new_running, new_window = close_window(old, window, momentum, apply)
         names = ("mean", "var", *ACCUMULATOR_NAMES)
         values = dict(zip(names, (*new_running, *new_window), strict=True))
-        nodes[i] = _replace_leaves(nodes[i], values)
+        nodes[i] = replace_leaves(nodes[i], values)
     return jax.tree.unflatten(treedef, nodes)
 
 

@@ -42,6 +42,7 @@ windows close with the optimizer's). :func:`make_nnx_train_step` does this itsel
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -50,13 +51,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from accumjax._loop import Step
+from accumjax._host import TrainStep
 from accumjax._step_checks import check_key_argument, positional_limit
 from accumjax.loss_scale import DynamicLossScale
 from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step
 
-__all__ = ["NNXTrainState", "make_nnx_train_step", "nnx_train_state", "nnx_update"]
+__all__ = ["NNXTrainState", "NNXTrainStep", "make_nnx_train_step", "nnx_train_state", "nnx_update"]
 
 
 class NNXTrainState(TrainState):
@@ -87,7 +88,7 @@ def nnx_train_state(
     tx: optax.GradientTransformation,
     *,
     loss_scale: DynamicLossScale | None = None,
-    mode: str = "stream",
+    mode: str | None = None,
 ) -> NNXTrainState:
     """Splits ``model`` into a train state: ``nnx.split(model, nnx.Param, ...)``.
 
@@ -101,8 +102,8 @@ def nnx_train_state(
       tx: the optimizer of the ``nnx.Param`` variables, usually
         ``accumjax.accumulate(inner, K)`` (K is stated once, here).
       loss_scale: a dynamic loss scale for ``mixed_precision="float16"``.
-      mode: the train step's mode, ``"stream"`` or ``"scan"`` (a scan-mode state holds no
-        accumulator; see :meth:`accumjax.TrainState.create`).
+      mode: deprecated: the mode is the step's; use ``step.init(model, tx)`` of
+        :func:`make_nnx_train_step`. ``"scan"`` still builds the scan-mode layout.
 
     Returns:
       An :class:`NNXTrainState` with ``step == 0`` and the optimizer state for ``mode``.
@@ -120,15 +121,25 @@ def nnx_train_state(
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    state = NNXTrainState.create(
-        apply_fn=None,
-        params=_copy(params),
-        tx=tx,
-        model_state=_copy(model_state),
-        loss_scale=loss_scale,
-        mode=mode,
-        graphdef=graphdef,
-    )
+    with warnings.catch_warnings():  # warned here, with this function's name
+        warnings.simplefilter("ignore", DeprecationWarning)
+        state = NNXTrainState.create(
+            apply_fn=None,
+            params=_copy(params),
+            tx=tx,
+            model_state=_copy(model_state),
+            loss_scale=loss_scale,
+            mode=mode,
+            graphdef=graphdef,
+        )
+    if mode is not None:
+        warnings.warn(
+            "nnx_train_state(mode=...) is deprecated: the mode is the step's, stated once in "
+            "make_nnx_train_step(mode=...). Build the state with the step: "
+            "state = step.init(model, tx).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     return cast(NNXTrainState, state)
 
 
@@ -184,45 +195,80 @@ def _functional_loss(loss_fn: Callable[..., Any], graphdef: Any, has_aux: bool) 
     return functional
 
 
-class _NNXStep:
-    """``step(state, batch, rng=None)``: one :func:`accumjax.make_train_step` per graphdef."""
+class NNXTrainStep:
+    """``step(state, batch, rng=None)``: one :func:`accumjax.make_train_step` per graphdef;
+    ``step.init(model, tx)`` builds its state."""
 
     def __init__(self, loss_fn: Callable[..., Any], options: dict[str, Any]) -> None:
         self._loss_fn = loss_fn
         self._options = options
-        self._steps: dict[Any, Step] = {}
+        self._steps: dict[Any, TrainStep] = {}
         # The functional loss takes ``*key``: the user's loss decides whether rng fits.
         self._positional = positional_limit(loss_fn)
 
-    def _for(self, state: Any, rng: Any) -> Any:
+    def _step(self, graphdef: Any) -> TrainStep:
+        step = self._steps.get(graphdef)
+        if step is None:
+            loss = _functional_loss(self._loss_fn, graphdef, self._options.get("has_aux", False))
+            with warnings.catch_warnings():  # make_nnx_train_step warned already
+                warnings.simplefilter("ignore", DeprecationWarning)
+                step = self._steps[graphdef] = make_train_step(loss, **self._options)
+        return step
+
+    def _for(self, state: Any, rng: Any) -> TrainStep:
         if not isinstance(state, NNXTrainState) or state.graphdef is None:
             raise TypeError(
                 "make_nnx_train_step's step expects an accumjax.NNXTrainState, got "
-                f"{type(state).__name__}; create it with accumjax.nnx_train_state(model, tx)."
+                f"{type(state).__name__}; create it with step.init(model, tx)."
             )
         check_key_argument(self._positional, 2, rng)  # loss_fn(model, batch[, key])
-        step = self._steps.get(state.graphdef)
-        if step is None:
-            loss = _functional_loss(
-                self._loss_fn, state.graphdef, self._options.get("has_aux", False)
-            )
-            step = self._steps[state.graphdef] = make_train_step(loss, **self._options)
-        return step
+        return self._step(state.graphdef)
 
     def __call__(
-        self, state: NNXTrainState, batch: Any, rng: Any = None
+        self, state: NNXTrainState, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> tuple[NNXTrainState, dict[str, Any]]:
-        return self._for(state, rng)(state, batch, rng)
+        return self._for(state, rng)(state, batch, rng, num_real_microbatches)
 
-    def lower(self, state: NNXTrainState, batch: Any, rng: Any = None) -> Any:
+    def lower(
+        self, state: NNXTrainState, batch: Any, rng: Any = None, num_real_microbatches: Any = None
+    ) -> Any:
         """``jax.jit(...).lower`` of the step (e.g. for :func:`accumjax.count_collectives`)."""
-        return self._for(state, rng).lower(state, batch, rng)
+        return self._for(state, rng).lower(state, batch, rng, num_real_microbatches)
+
+    def init(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        *,
+        loss_scale: DynamicLossScale | None = None,
+    ) -> NNXTrainState:
+        """The state this step takes for ``model`` (split as ``nnx.split(model, nnx.Param,
+        ...)``), laid out for the step's mode, mesh and precision, as
+        `accumjax.TrainStep.init`. The state holds copies of the model's arrays.
+
+        Put the model in training mode first (``model.train()``): the graph definition is
+        taken as the model is now.
+        """
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+        graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+        state = self._step(graphdef).init(
+            params, tx, model_state=model_state, loss_scale=loss_scale
+        )
+        fields = {f: getattr(state, f) for f in ("step", "params", "tx", "opt_state")}
+        return NNXTrainState(
+            **fields,
+            apply_fn=None,  # pyright: ignore[reportArgumentType]
+            model_state=state.model_state,
+            loss_scale=state.loss_scale,
+            graphdef=graphdef,
+        )
 
 
 def make_nnx_train_step(
     loss_fn: Callable[..., Any],
     **options: Any,
-) -> Step:
+) -> NNXTrainStep:
     """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` for NNX models.
 
     ``state`` is an :class:`NNXTrainState` (:func:`nnx_train_state`); K and every
@@ -286,5 +332,5 @@ def make_nnx_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    make_train_step(loss_fn, **options)  # checks the arguments now, not at the first call
-    return _NNXStep(loss_fn, options)
+    make_train_step(loss_fn, **options)  # checks the arguments now (and warns), once
+    return NNXTrainStep(loss_fn, options)

@@ -1,25 +1,30 @@
-"""The steps under ``jit`` with sharded arrays: one gradient reduction per window.
+"""Where a train step runs on a mesh: its data axis, and the layout of its state there.
 
-Under ``jit`` a batch sharded over a mesh axis (``P("data")``) makes XLA reduce the gradient
-of every microbatch across devices: the partial sums of a window cannot be kept unreduced
-between microbatches in the global view. This module runs the window's microbatch loop in a
-``jax.shard_map`` built from the arrays' own shardings, with no ``mesh``/``axis_name``
-argument: each device accumulates its rows' gradients locally, and the window is reduced
-once, when it closes (`accumjax.window.close_window`): an all-reduce for replicated
-parameters, a reduce-scatter for parameters sharded over the batch axis (FSDP / ZeRO), so
-the reduced gradient has the parameters' sharding and the optimizer update runs in the
-global view on sharded state.
+Under ``jit`` a batch split over a mesh axis (``P("data")``) makes XLA reduce the gradient of
+every microbatch across devices: the partial sums of a window cannot stay unreduced between
+microbatches in the global view. So the train step runs its microbatches in a
+``jax.shard_map`` that is manual over the *data axis* only (other mesh axes, a tensor-parallel
+``"model"`` axis say, stay automatic): each device adds its rows' gradients locally and the
+window is reduced once, when it closes: an all-reduce for parameters replicated over the data
+axis, a reduce-scatter for parameters sharded over it (FSDP / ZeRO), so the reduced gradient
+has the parameters' sharding and the update runs in the global view on sharded state.
 
-Memory: parameters sharded over the batch axis are all-gathered once per window (XLA keeps
-the gathered copy for the whole loop), and each device's window accumulator holds full-size
-partial sums until the window closes: that is the price of one reduction per window (see
-JAX's "sharding in autodiff" notes on unreduced accumulation and MaxText's gradient
+A `Layout` says where one call runs: the mesh, its data axis, and which dimension of each
+parameter is split over that axis. It comes from the step's ``mesh=``/``axis_name=``, or from
+the arrays themselves (`layout_of`): the batch's sharding names the data axis, or, where the
+arrays do not say (inside another ``jit`` on an ``Auto`` mesh), the mesh's only axis of more
+than one device. A stream-mode window stays open between calls, so its partial sums live in
+the state, one per data shard (`accumjax.window.DeviceWindow`, `device_window`).
+
+Memory: parameters sharded over the data axis are all-gathered once per window in scan mode
+(XLA keeps the gathered copy for the whole loop), and each device's window accumulator holds
+full-size partial sums until the window closes: that is the price of one reduction per window
+(see JAX's "sharding in autodiff" notes on unreduced accumulation and MaxText's gradient
 accumulation for the same trade-off).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -30,39 +35,62 @@ from accumjax import window as window_lib
 
 __all__ = [
     "Layout",
-    "device_axes",
+    "check_one_mesh",
+    "data_axis",
+    "device_window",
+    "expand",
+    "gather",
     "layout_of",
-    "per_device_window",
-    "window_specs",
+    "mesh_of",
+    "sharding_of",
+    "shards_of",
 ]
+
+AnyMesh = Mesh | AbstractMesh
 
 
 class Layout(NamedTuple):
     """Where a step's batch and parameters lie (static, hashable).
 
     Attributes:
-      mesh: the mesh of the batch's sharding (a ``Mesh``, or an ``AbstractMesh``).
-      axis: the mesh axis the batch's leading dimension is split over.
+      mesh: the mesh (a ``Mesh``, or an ``AbstractMesh`` inside another ``jit``).
+      axis: the data axis: the batch's leading dimension is split over it.
       treedef: the parameters' tree structure.
-      dims: per parameter leaf, the dimension sharded over ``axis`` (None: replicated).
+      dims: per parameter leaf, the dimension split over ``axis`` (None: replicated over it).
     """
 
-    mesh: Mesh | AbstractMesh
+    mesh: AnyMesh
     axis: str
     treedef: Any
     dims: tuple[int | None, ...]
 
+    @property
+    def shards(self) -> int:
+        """How many data shards (devices along the data axis) there are."""
+        return int(self.mesh.shape[self.axis])
+
     def scatter(self) -> Any:
-        """A pytree like the parameters with each leaf's sharded dimension (or None)."""
+        """A pytree like the parameters with each leaf's dimension split over the axis."""
         return jax.tree.unflatten(self.treedef, self.dims)
 
     def param_specs(self) -> Any:
-        """The parameters' ``PartitionSpec``s over ``axis``, for ``shard_map``."""
-        specs = [
-            PartitionSpec() if d is None else PartitionSpec(*([None] * d), self.axis)
-            for d in self.dims
+        """The parameters' ``PartitionSpec``s over the data axis, for ``shard_map``."""
+        return jax.tree.unflatten(self.treedef, [_spec(d, self.axis) for d in self.dims])
+
+    def window_specs(self) -> window_lib.DeviceWindow:
+        """The ``shard_map`` specs of a `accumjax.window.DeviceWindow`: each device its own
+        partial sums (a parameter split over the axis: its shard of the one reduced sum)."""
+        sums = [
+            PartitionSpec(self.axis) if d is None else _spec(d + 1, self.axis) for d in self.dims
         ]
-        return jax.tree.unflatten(self.treedef, specs)
+        whole = PartitionSpec()
+        return window_lib.DeviceWindow(
+            jax.tree.unflatten(self.treedef, sums), *cast(Any, (whole,) * 4)
+        )
+
+
+def _spec(dim: int | None, axis: str) -> PartitionSpec:
+    return PartitionSpec() if dim is None else PartitionSpec(*([None] * dim), axis)
 
 
 def _names(entry: Any) -> tuple[str, ...]:
@@ -71,72 +99,169 @@ def _names(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _batch_axis(batch: Any) -> tuple[Any, str] | None:
+def sharding_of(x: Any) -> Any:
+    """The sharding of an array, a ``jax.ShapeDtypeStruct`` or a traced value (its type's,
+    whose mesh is abstract), or None.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> type(sharding_of(jnp.ones(2))).__name__
+      'SingleDeviceSharding'
+    """
+    if isinstance(x, jax.core.Tracer):
+        return getattr(jax.typeof(x), "sharding", None)
+    return getattr(x, "sharding", None)
+
+
+def mesh_of(tree: Any) -> AnyMesh | None:
+    """The one mesh of more than one device that the leaves of ``tree`` lie on (a concrete
+    ``Mesh`` where any leaf is concrete), or None (one device, no mesh, or several).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> mesh_of({"w": jnp.ones(2)}) is None
+      True
+    """
+    meshes = {getattr(sharding_of(x), "mesh", None) for x in jax.tree.leaves(tree)}
+    concrete = {m for m in meshes if isinstance(m, Mesh) and m.size > 1}
+    if len(concrete) == 1:
+        return concrete.pop()
+    found = {m for m in meshes if isinstance(m, AbstractMesh) and m.size > 1}
+    return found.pop() if not concrete and len(found) == 1 else None
+
+
+def data_axis(mesh: AnyMesh, axis: str | None = None) -> str | None:
+    """The data axis of ``mesh``: ``axis`` when given, else its only axis of more than one
+    device (None when it has none).
+
+    Raises:
+      ValueError: naming the fix when ``axis`` is not an axis of the mesh, or when the mesh
+        has several axes of more than one device and ``axis`` is None.
+
+    Example:
+      >>> import jax
+      >>> data_axis(jax.make_mesh((1,), ("data",)))  # one device: no data axis
+    """
+    if axis is not None:
+        if axis not in mesh.axis_names:
+            raise ValueError(f"axis_name {axis!r} is not an axis of the mesh {mesh.axis_names}.")
+        return axis
+    big = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    if len(big) > 1:
+        raise ValueError(
+            f"the mesh {dict(mesh.shape)} has several axes of more than one device, and which "
+            "one the batch is split over is not known here: name it, "
+            "make_train_step(..., mesh=mesh, axis_name='data')."
+        )
+    return big[0] if big else None
+
+
+def _batch_axis(batch: Any) -> tuple[AnyMesh, str] | None:
+    """The mesh and the one axis the batch's leading dimension is split over, or None."""
     leaves = jax.tree.leaves(batch)
-    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    sharding = sharding_of(leaves[0]) if leaves else None
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
         return None
     spec = sharding.spec
     names = list(_names(spec[0])) if len(spec) else []
     if len(names) > 1:
         raise NotImplementedError(
-            "under jit, accumjax splits a batch over one mesh axis (a per-device window "
-            f"follows it); the batch is sharded over {names}. Shard it over one axis."
+            "under jit, accumjax splits a batch over one mesh axis (the data axis); the batch "
+            f"is sharded over {names}. Shard it over one axis."
         )
     return (sharding.mesh, names[0]) if names else None
 
 
-def _sharded_dim(path: str, leaf: Any, axis: str) -> int | None:
-    sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        return None
+def _split_dim(path: str, leaf: Any, axis: str) -> int | None:
+    """The dimension of a parameter split over the data axis ``axis`` (None: replicated)."""
+    sharding = sharding_of(leaf)
     found = None
-    for dim, entry in enumerate(sharding.spec):
+    for dim, entry in enumerate(getattr(sharding, "spec", ())):
         names = _names(entry)
-        others = [n for n in names if n != axis]
-        if others:
+        if axis in names and len(names) > 1:
             raise NotImplementedError(
-                f"params{path} is sharded over {others}: the sharded steps (scan mode, and "
-                "stream mode with a per-device window) support parameters replicated or "
-                f"sharded over the batch axis {axis!r} only."
+                f"params{path} has a dimension split over {names} together: the train step "
+                f"supports parameters split over the data axis {axis!r} or over other axes, "
+                "one axis per dimension."
             )
         if axis in names:
             found = dim
     return found
 
 
-def layout_of(params: Any, batch: Any) -> Layout | None:
-    """The `Layout` of concrete (sharded) arrays, or None when the batch is not split.
+def layout_of(
+    params: Any, batch: Any, *, mesh: AnyMesh | None = None, axis: str | None = None
+) -> Layout | None:
+    """The `Layout` of a call, or None when it runs on one device.
 
     Args:
-      params: the parameters (arrays, or ``jax.ShapeDtypeStruct`` with a ``sharding``).
-      batch: the batch; its first leaf's sharding decides.
+      params: the parameters (arrays, ``jax.ShapeDtypeStruct``s or traced values).
+      batch: the batch; its first leaf's sharding names the data axis.
+      mesh, axis: the step's own mesh and data axis (``make_train_step(mesh=...,
+        axis_name=...)``), or None to read them from the arrays.
 
     Returns:
-      A `Layout`, or None (one device, an unsharded batch, or no shardings known).
+      A `Layout`, or None (one device, or a batch that is not split and no data axis known).
 
     Raises:
-      NotImplementedError: for a batch split over several mesh axes, or parameters sharded
-        over an axis other than the batch's.
+      NotImplementedError: for a batch split over several mesh axes, or a parameter
+        dimension split over the data axis together with another.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
-      >>> from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
       >>> from accumjax import sharded
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
       >>> batch = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P("data")))
       >>> params = jax.device_put(jnp.ones((2, 3)), NamedSharding(mesh, P("data", None)))
       >>> layout = sharded.layout_of({"w": params}, batch)
-      >>> layout.axis, layout.dims
-      ('data', (0,))
+      >>> layout.axis, layout.dims, layout.shards
+      ('data', (0,), 2)
     """
-    found = _batch_axis(batch)
-    if found is None:
+    if mesh is None:
+        found = _batch_axis(batch)
+        if found is None:
+            mesh = mesh_of((params, batch))
+            axis = None if mesh is None else data_axis(mesh)
+        else:
+            mesh, axis = found
+    else:
+        axis = data_axis(mesh, axis)
+    if mesh is None or axis is None or mesh.shape[axis] == 1:
         return None
-    mesh, axis = found
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-    dims = tuple(_sharded_dim(jax.tree_util.keystr(p), leaf, axis) for p, leaf in paths)
+    dims = tuple(_split_dim(jax.tree_util.keystr(p), leaf, axis) for p, leaf in paths)
     return Layout(mesh, axis, treedef, dims)
+
+
+def check_one_mesh(params: Any, batch: Any) -> None:
+    """Refuses parameters and a batch on meshes of the same devices but different axes,
+    naming both (JAX would say "Mesh for all inputs should be equal" inside the loss).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> check_one_mesh({"w": jnp.ones(2)}, jnp.ones(2))  # one device: nothing to say
+    """
+    meshes = {}
+    for root, tree in (("params", params), ("batch", batch)):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            mesh = getattr(sharding_of(leaf), "mesh", None)
+            if mesh is not None and mesh.size > 1:
+                meshes.setdefault(root, (jax.tree_util.keystr(path), mesh))
+    if len(meshes) < 2:
+        return
+    (p_path, p_mesh), (b_path, b_mesh) = meshes["params"], meshes["batch"]
+    concrete = isinstance(p_mesh, Mesh) and isinstance(b_mesh, Mesh)
+    same_devices = not concrete or set(p_mesh.device_ids.flat) == set(b_mesh.device_ids.flat)
+    if same_devices and (p_mesh.axis_names, p_mesh.axis_sizes) != (
+        b_mesh.axis_names,
+        b_mesh.axis_sizes,
+    ):
+        raise ValueError(
+            f"params{p_path} lie on a mesh {dict(p_mesh.shape)} and batch{b_path} on a mesh "
+            f"{dict(b_mesh.shape)} of the same devices: a step's arrays must lie on one mesh. "
+            "Put the batch on the parameters' mesh (NamedSharding(mesh, P('data')))."
+        )
 
 
 def gather(params: Any, layout: Layout) -> Any:
@@ -150,74 +275,57 @@ def gather(params: Any, layout: Layout) -> Any:
 
 
 def expand(tree: Any) -> Any:
-    """A leading axis of one, so per-device values concatenate along the batch axis."""
+    """A leading axis of one, so per-device values concatenate along the data axis."""
     return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
 
 
 # ----------------------------------------------------------------------------- stream mode
 
 
-def device_axes(mesh: Mesh | AbstractMesh, spec: Any) -> tuple[str, ...]:
-    """The mesh axes (of more than one device) a leaf sharded as ``spec`` is not split over:
-    those its per-device window sums are kept along."""
-    used = {name for entry in spec for name in _names(entry)}
-    return tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
-
-
-def _params_mesh(params: Any) -> Mesh | None:
-    """The one multi-device mesh every parameter leaf is sharded on, or None."""
-    meshes = {getattr(getattr(x, "sharding", None), "mesh", None) for x in jax.tree.leaves(params)}
-    if len(meshes) != 1:
-        return None
-    mesh = meshes.pop()
-    return mesh if isinstance(mesh, Mesh) and mesh.size > 1 else None
-
-
-def _zeros(mesh: Mesh, spec: PartitionSpec, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+def _zeros(shape: tuple[int, ...], dtype: Any, mesh: AnyMesh | None, spec: Any) -> jax.Array:
     """Zeros made where they live (no host or one-device copy of the whole array)."""
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))
     return make()
 
 
-def per_device_window(params: Any, accumulator_dtype: Any) -> tuple[Any, jax.Array] | None:
-    """A stream-mode window whose sums and counts each device keeps for itself, as honest
-    global arrays, and the per-device ``added`` flags; None unless the parameters lie on a
-    mesh with exactly one axis of more than one device (the batch's).
+def device_window(
+    params: Any, accumulator_dtype: Any, mesh: AnyMesh | None, axis: str | None
+) -> window_lib.DeviceWindow:
+    """An empty `accumjax.window.DeviceWindow` for ``params``: one partial sum per data shard
+    (the devices along ``axis`` of ``mesh``; one without a mesh), each split like its
+    parameter; a parameter split over the data axis keeps one (its reduced sum's shards).
 
-    Each sum leaf gets a leading axis split over the mesh axes its parameter is replicated
-    over (`device_axes`): one parameter copy per device (a parameter sharded over the batch
-    axis keeps its shard, reduced microbatch by microbatch). The counts and flags have one
-    entry per device. A checkpoint saves every device's partial window.
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = device_window({"w": jnp.zeros(3)}, jnp.float32, None, None)
+      >>> w.partial_sums["w"].shape, w.weight_sum.shape
+      ((1, 3), ())
     """
-    mesh = _params_mesh(params)
-    if mesh is None or len(device_axes(mesh, ())) != 1:
-        return None  # off a mesh, or several axes: which one the batch is split over is unknown
+    shards = 1 if mesh is None or axis is None else int(mesh.shape[axis])
 
-    def sum_leaf(p: Any) -> jax.Array:
-        spec = tuple(p.sharding.spec)
-        axes = device_axes(mesh, spec)
-        n = math.prod(mesh.shape[a] for a in axes)
+    def sums(path: Any, p: Any) -> jax.Array:
+        spec = tuple(getattr(sharding_of(p), "spec", ()) or ())
+        spec = spec + (None,) * (len(p.shape) - len(spec))
+        split = axis is not None and _split_dim(jax.tree_util.keystr(path), p, axis) is not None
+        lead = None if split or shards == 1 else axis
         dtype = window_lib.sum_dtype(p.dtype, accumulator_dtype)
-        return _zeros(mesh, PartitionSpec(axes or None, *spec), (n, *p.shape), dtype)
+        shape = (1 if lead is None else shards, *p.shape)
+        return _zeros(shape, dtype, mesh, PartitionSpec(lead, *spec))
 
-    axes = device_axes(mesh, ())
-    n, spec = math.prod(mesh.shape[a] for a in axes), PartitionSpec(axes)
-    counts = [_zeros(mesh, spec, (n,), dtype) for dtype in (jnp.float32, jnp.int32, jnp.int32)]
-    micro_step = jnp.zeros((), jnp.int32)
-    window = window_lib.Window(jax.tree.map(sum_leaf, params), counts[0], micro_step, *counts[1:])
-    return window, _zeros(mesh, spec, (n,), jnp.bool_)
-
-
-def window_specs(layout: Layout) -> Any:
-    """The ``shard_map`` specs of a per-device window on ``layout``: each device its own
-    slice of the sums and counts (``micro_step`` is shared)."""
-    all_axes = device_axes(layout.mesh, ())
-    specs = [
-        PartitionSpec(device_axes(layout.mesh, spec) or None, *spec)
-        for spec in layout.treedef.flatten_up_to(layout.param_specs())
-    ]
-    count = PartitionSpec(all_axes)
-    return window_lib.Window(
-        jax.tree.unflatten(layout.treedef, specs),
-        *cast(tuple[jax.Array, ...], (count, PartitionSpec(), count, count)),
+    whole = lambda dtype: _zeros((), dtype, mesh, PartitionSpec())  # distinct: donatable
+    return window_lib.DeviceWindow(
+        jax.tree_util.tree_map_with_path(sums, params),
+        whole(jnp.float32),
+        whole(jnp.int32),
+        whole(jnp.int32),
+        whole(jnp.int32),
     )
+
+
+def shards_of(window: window_lib.DeviceWindow) -> int:
+    """How many data shards a `accumjax.window.DeviceWindow` was laid out for (the largest
+    leading axis of its partial sums; 1 when every parameter is split over the data axis)."""
+    return max((int(x.shape[0]) for x in jax.tree.leaves(window.partial_sums)), default=1)
+

@@ -8,6 +8,7 @@ microbatches.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -17,14 +18,13 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from accumjax import sharded
 from accumjax import window as window_lib
 from accumjax._checks import check_choice
-from accumjax.accumulation import Config, config_of, init_state
+from accumjax.accumulation import config_of, init_state
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
-__all__ = ["MODES", "TrainState", "count_update", "opt_state_for", "with_mode"]
+__all__ = ["MODES", "TrainState", "count_update", "opt_state_for", "unalias", "with_mode"]
 
 MODES = ("stream", "scan")
 
@@ -54,16 +54,16 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         model_state: Any = None,
         loss_scale: DynamicLossScale | None = None,
-        mode: str = "stream",
+        mode: str | None = None,
         **kwargs: Any,
     ) -> TrainState:
-        """Creates a state with ``step == 0`` and the optimizer state for ``mode``.
+        """Creates a state with ``step == 0`` and ``opt_state = tx.init(params)``.
 
-        ``mode`` is the train step's (``make_train_step(loss_fn, mode=...)``), which
-        refuses a state made for the other: a stream-mode state keeps the open window's
-        sum between calls (``opt_state = tx.init(params)``, one parameter-sized
-        accumulator); a scan-mode window opens and closes inside one call, so its state
-        holds no accumulator (`opt_state_for`).
+        The state of ``apply_gradients`` and of a loop of your own. A train step builds the
+        state it takes itself, laid out for its mode, mesh and precision:
+        ``step.init(params, tx, model_state=...)`` (`accumjax.make_train_step`); a state from
+        here works in stream mode (under ``jit`` on a mesh its gradient is then reduced on
+        every call, as in a plain jitted step).
 
         Args:
           apply_fn: usually ``model.apply`` (kept for convenience; the step never calls it,
@@ -73,7 +73,8 @@ class TrainState(train_state.TrainState):
             a window of one microbatch).
           model_state: non-trainable collections, e.g. ``{"batch_stats": ...}``.
           loss_scale: a dynamic loss scale for float16 training.
-          mode: ``"stream"`` (the default; also for ``apply_gradients``) or ``"scan"``.
+          mode: deprecated: the mode is the step's; use ``step.init(params, tx)``. ``"scan"``
+            still builds the scan-mode layout (no accumulator).
           **kwargs: further fields of a subclass.
 
         Returns:
@@ -86,6 +87,14 @@ class TrainState(train_state.TrainState):
           >>> int(state.step), state.model_state is None
           (0, True)
         """
+        if mode is not None:
+            warnings.warn(
+                "TrainState.create(mode=...) is deprecated: the mode is the step's, stated "
+                "once in make_train_step(mode=...). Build the state with the step: "
+                "state = step.init(params, tx, model_state=...).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
             raise TypeError(
                 "loss_scale must be an accumjax.DynamicLossScale (accumjax.dynamic_loss_scale()), "
@@ -96,12 +105,12 @@ class TrainState(train_state.TrainState):
             apply_fn=cast(Callable[..., Any], apply_fn),  # None is fine: the step never calls it
             params=params,
             tx=tx,
-            opt_state=opt_state_for(tx, params, mode, model_state),
+            opt_state=opt_state_for(tx, params, mode or "stream"),
             model_state=model_state,
             loss_scale=loss_scale,
             **kwargs,
         )
-        return _unalias(state)
+        return unalias(state)
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """One optimizer call, as flax's; ``step`` grows only when an update was applied.
@@ -133,29 +142,14 @@ class TrainState(train_state.TrainState):
         )
 
 
-def opt_state_for(
-    tx: optax.GradientTransformation, params: Any, mode: str, model_state: Any = None
-) -> Any:
-    """``tx.init(params)``, laid out for the train step's mode.
-
-    For an `accumjax.accumulate`: in scan mode, no accumulator; in stream mode with
-    parameters on a mesh with one axis of more than one device (replicated or sharded over
-    it) and no model state, a window whose sums and counts
-    each device keeps for itself (`accumjax.sharded.per_device_window`: one parameter copy
-    per device, reduced once, when the window closes, and saved whole by a checkpoint);
-    otherwise ``tx.init(params)``.
-
-    The mesh is read from the parameters' shardings: under ``jax.eval_shape`` they have
-    none, so the stream layout is parameter-shaped there. For a restore template of a
-    per-device state, take the shapes and shardings of a created state
-    (``jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-    sharding=x.sharding), state)``).
+def opt_state_for(tx: optax.GradientTransformation, params: Any, mode: str) -> Any:
+    """``tx.init(params)``, laid out for a mode: in scan mode an `accumjax.accumulate` state
+    holds no accumulator (its window opens and closes inside one call).
 
     Args:
       tx: the optimizer.
       params: the parameters (arrays, or ``jax.ShapeDtypeStruct``s).
       mode: ``"stream"`` or ``"scan"``.
-      model_state: the state's model state (a per-device window needs none).
 
     Returns:
       The optimizer state; a scan-mode `accumjax.AccumulationState` has
@@ -171,22 +165,7 @@ def opt_state_for(
     config = config_of(tx)
     if config is None:
         return tx.init(params)
-    state = init_state(config, params, accumulator=False)
-    if mode == "scan":
-        return state
-    window, added = _stream_window(config, params, model_state)
-    return state._replace(window=window, added=added)
-
-
-def _stream_window(config: Config, params: Any, model_state: Any) -> tuple[Any, jax.Array]:
-    """A stream-mode window and ``added`` flag: per device on a mesh (`opt_state_for`)."""
-    dtype = config.policy.accumulator_dtype
-    per_device = None
-    if not jax.tree.leaves(model_state):
-        per_device = sharded.per_device_window(params, dtype)
-    if per_device is not None:
-        return per_device
-    return window_lib.init_window(params, dtype), jnp.zeros((), bool)
+    return init_state(config, params, accumulator=mode == "stream")
 
 
 def with_mode(state: TrainState, mode: str) -> TrainState:
@@ -197,14 +176,17 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
     ``with_mode(state, "scan")``. A window left open cannot move to scan mode (its partial
     sum would be lost), so a state in the middle of a window is refused (when its
     ``micro_step`` is concrete). Convert an unreplicated state (before `accumjax.replicate`).
+    A stream state for a step on a mesh (``step.init``) is best moved with
+    `accumjax.restore_checkpoint`, which keeps its layout.
 
     Args:
       state: an `accumjax.TrainState` (or `accumjax.NNXTrainState`).
       mode: ``"stream"`` or ``"scan"``.
 
     Returns:
-      The state with a zero stream window (`opt_state_for`) or none (scan); the same
-      state when it already is so, or when its optimizer is not an `accumjax.accumulate`.
+      The state with a zero parameter-shaped stream window (``tx.init``'s) or none (scan);
+      the same state when it already is so, or when its optimizer is not an
+      `accumjax.accumulate`.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -215,16 +197,20 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
     """
     check_choice("mode", mode, MODES)
     config, opt = config_of(state.tx), cast(Any, state.opt_state)
-    if config is None or (opt.window.grad_sum is None) == (mode == "scan"):
+    if config is None:
+        return state
+    has_sum = window_lib.window_sum(opt.window) is not None
+    if has_sum == (mode == "stream"):
         return state
     if jnp.ndim(opt.window.micro_step) != 0:
         raise ValueError(
             "with_mode takes an unreplicated state (its window's micro_step is a scalar); "
             "convert it before accumjax.replicate."
         )
+    dtype = config.policy.accumulator_dtype
     if mode == "stream":
-        window, added = _stream_window(config, state.params, state.model_state)
-        return state.replace(opt_state=opt._replace(window=window, added=added))
+        window = window_lib.init_window(state.params, dtype)
+        return state.replace(opt_state=opt._replace(window=window, added=jnp.zeros((), bool)))
     try:  # concrete
         open_window = int(opt.window.micro_step) != 0
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
@@ -235,7 +221,7 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
             f"(opt_state.window.micro_step == {int(opt.window.micro_step)}); its partial sum "
             "would be lost. Finish the window in stream mode first."
         )
-    window = window_lib.init_window(None, config.policy.accumulator_dtype)
+    window = window_lib.init_window(None, dtype)
     return state.replace(opt_state=opt._replace(window=window, added=jnp.zeros((), bool)))
 
 
@@ -244,7 +230,7 @@ def count_update(counter: jax.Array, applied: Any) -> jax.Array:
     return jnp.where(applied, optax.safe_increment(counter), counter)
 
 
-def _unalias(tree: Any) -> Any:
+def unalias(tree: Any) -> Any:
     """Copies leaves that are the same array object as an earlier leaf.
 
     Optimizer ``init`` functions may reuse one zeros array for several fields; a donating

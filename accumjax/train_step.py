@@ -21,6 +21,7 @@ gradient all-reduce per window.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,14 +29,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from accumjax._checks import check_callable, check_choice, check_int, check_real
-from accumjax._loop import Setup, Step
+from accumjax._host import TrainStep, wrap
+from accumjax._loop import Setup
 from accumjax._loss_adapter import make_grad_fn
-from accumjax._parallel import wrap
 from accumjax._split import check_batch_axis
 from accumjax._step_checks import positional_limit
 from accumjax.clipping import Mask, adaptive_clip_grad
 
-__all__ = ["make_train_step"]
+__all__ = ["TrainStep", "make_train_step"]
 
 _MODES = ("stream", "scan")
 _PRECISIONS = {None: None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -64,7 +65,7 @@ def make_train_step(
     gather_params: str = "window",
     batch_axis: Any = 0,
     aux_rows: bool = False,
-) -> Step:
+) -> TrainStep:
     """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` that accumulates.
 
     K and every accumulation policy come from the state's optimizer,
@@ -222,11 +223,17 @@ def make_train_step(
     compute_dtype = _PRECISIONS[
         check_choice("mixed_precision", mixed_precision, tuple(_PRECISIONS))
     ]
+    if accum_steps is not None:
+        _deprecated(
+            "make_train_step(accum_steps=...)",
+            "K is stated once, in tx=accumjax.accumulate(inner, K); leave accum_steps out",
+        )
+    data_axis = _check_mesh(mesh, axis_name)
     setup = Setup(
         grad_fn=make_grad_fn(loss_fn, has_aux, compute_dtype),
         mode=check_choice("mode", mode, _MODES),
         accum_steps=None if accum_steps is None else check_int("accum_steps", accum_steps),
-        axis_name=_check_mesh(mesh, axis_name),
+        axis_name=axis_name if mesh is None else None,
         weight_fn=check_callable("weight_fn", weight_fn),
         f16=mixed_precision == "float16",
         transform=_agc(use_agc, clip_factor, agc_eps, agc_mask, agc_axis),
@@ -235,8 +242,14 @@ def make_train_step(
         loss_positional=positional_limit(loss_fn),
         batch_axis=_check_scan_only("batch_axis", check_batch_axis(batch_axis), 0, mode),
         aux_rows=_check_scan_only("aux_rows", _check_bool("aux_rows", aux_rows), False, mode),
+        mesh=mesh,
+        data_axis=data_axis,
     )
-    return wrap(setup, mesh, has_aux, donate)
+    return wrap(setup, donate)
+
+
+def _deprecated(what: str, instead: str) -> None:
+    warnings.warn(f"{what} is deprecated: {instead}.", DeprecationWarning, stacklevel=3)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -256,8 +269,9 @@ def _check_unroll(unroll: Any) -> int | bool:
 
 
 def _check_mesh(mesh: Any, axis_name: str | None) -> str | None:
+    """The data axis of the step's own mesh (None without one)."""
     if mesh is None:
-        return axis_name
+        return None
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis_name is None:
@@ -277,6 +291,12 @@ def _agc(
         return None
     clip_factor = check_real("clip_factor", clip_factor, low=0.0, low_open=True)
     agc_eps = check_real("agc_eps", agc_eps, low=0.0, low_open=True)
+    _deprecated(
+        "make_train_step(use_agc=True, clip_factor, agc_eps, agc_mask, agc_axis)",
+        "put accumjax.adaptive_clip(clip_factor, agc_eps, agc_mask, axis=agc_axis) first in "
+        "the inner chain: accumjax.accumulate(optax.chain(accumjax.adaptive_clip(...), "
+        "inner), K), which clips the window gradient once per window the same way",
+    )
     return lambda grads, params: adaptive_clip_grad(
         params, grads, clip_factor, agc_eps, agc_mask, axis=agc_axis
     )

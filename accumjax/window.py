@@ -34,6 +34,7 @@ from accumjax.clipping import squared_norm
 __all__ = [
     "ON_NONFINITE",
     "Closed",
+    "DeviceWindow",
     "Microbatch",
     "Policy",
     "Window",
@@ -45,11 +46,13 @@ __all__ = [
     "global_norm",
     "init_window",
     "inspect_microbatch",
-    "is_per_device",
+    "local_window",
     "run_once",
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
+    "window_sum",
+    "with_partial_sums",
 ]
 
 OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
@@ -101,6 +104,33 @@ class Window(NamedTuple):
     window_skipped: jax.Array
 
 
+class DeviceWindow(NamedTuple):
+    """The open window of a stream-mode train step, kept per data shard: a pytree of arrays.
+
+    A train step on a mesh reduces a window's gradient once, when the window closes, so
+    between calls each data shard (each device along the step's data axis) keeps its own
+    partial sum. ``step.init`` of a stream-mode `accumjax.make_train_step` builds this layout
+    on every topology (one shard on one device), so a state has the same structure on 1
+    device and on N; `accumjax.restore_checkpoint` moves it to another number of devices.
+    Read the window's whole-batch values with `accumjax.accumulated_gradients` and
+    `accumjax.stats`.
+
+    Attributes:
+      partial_sums: like the parameters, each leaf with a leading axis of partial sums whose
+        total is the window's ``sum_i w_i * c_i * g_i``: one entry per data shard, or one
+        for a parameter sharded over the data axis (FSDP: its gradient is reduce-scattered
+        into the shards on every call).
+      weight_sum, micro_step, window_nonfinite, window_skipped: as in `Window`, for the
+        whole batch (the step reduces them, with the metrics, on every call).
+    """
+
+    partial_sums: Any
+    weight_sum: jax.Array
+    micro_step: jax.Array
+    window_nonfinite: jax.Array
+    window_skipped: jax.Array
+
+
 class Microbatch(NamedTuple):
     """What the policy decided about one microbatch (`inspect_microbatch`).
 
@@ -127,6 +157,8 @@ class Closed(NamedTuple):
       nonfinite_count: the window's non-finite microbatches, summed over devices.
       skipped_count: the window's skipped microbatches, summed over devices.
       norm: the global norm of the scaled gradient (float32).
+      extras: the caller's values that travelled in the window's reduction
+        (`close_window`'s ``extras``), summed over devices, or None.
     """
 
     grad_sum: Any
@@ -135,6 +167,7 @@ class Closed(NamedTuple):
     nonfinite_count: jax.Array
     skipped_count: jax.Array
     norm: jax.Array
+    extras: jax.Array | None = None
 
 
 def sum_dtype(dtype: Any, minimum: Any = jnp.float32) -> Any:
@@ -184,27 +217,44 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
     return Window(grad_sum, jnp.zeros((), jnp.float32), count(), count(), count())
 
 
-def empty_like(window: Window) -> Window:
-    """``window`` emptied: zero sum and counters (same shapes, dtypes and shardings: a
-    per-device window keeps its device axis)."""
-    return Window(
-        grad_sum=jax.tree.map(jnp.zeros_like, window.grad_sum),
+def empty_like(window: Any) -> Any:
+    """``window`` (a `Window` or `DeviceWindow`) emptied: zero sums and counters, with the
+    same shapes, dtypes and shardings."""
+    return window._replace(
+        **{window._fields[0]: jax.tree.map(jnp.zeros_like, window[0])},
         weight_sum=jnp.zeros_like(window.weight_sum, jnp.float32),
-        micro_step=jnp.zeros((), jnp.int32),
+        micro_step=jnp.zeros_like(window.micro_step, jnp.int32),
         window_nonfinite=jnp.zeros_like(window.window_nonfinite, jnp.int32),
         window_skipped=jnp.zeros_like(window.window_skipped, jnp.int32),
     )
 
 
-def is_per_device(window: Window) -> bool:
-    """Whether ``window`` keeps one sum and count per device in global arrays
-    (`accumjax.sharded.per_device_window`): per-device counts, one shared ``micro_step``
-    (a ``pmap``-replicated window has one of each per device)."""
-    return (
-        window.grad_sum is not None
-        and jnp.ndim(window.weight_sum) == 1
-        and jnp.ndim(window.micro_step) == 0
-    )
+def window_sum(window: Any) -> Any:
+    """The window's whole sum, shaped like the parameters: a `Window`'s ``grad_sum``, or the
+    total of a `DeviceWindow`'s partial sums (None for a scan-mode window, which has none).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax import window
+      >>> w = window.DeviceWindow({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}, *jnp.zeros(4))
+      >>> window.window_sum(w)["w"]
+      Array([4., 6.], dtype=float32)
+    """
+    if isinstance(window, DeviceWindow):
+        return jax.tree.map(lambda a: jnp.sum(a, axis=0), window.partial_sums)
+    return window.grad_sum
+
+
+def local_window(window: DeviceWindow) -> Window:
+    """Inside a ``shard_map`` over the data axis: this device's part of a `DeviceWindow`
+    (its partial sums, whose leading axis has one entry here) as a `Window`."""
+    grad_sum = jax.tree.map(lambda a: a[0], window.partial_sums)
+    return Window(grad_sum, *window[1:])
+
+
+def with_partial_sums(window: Window) -> DeviceWindow:
+    """`local_window` undone: this device's ``window`` as its part of a `DeviceWindow`."""
+    return DeviceWindow(jax.tree.map(lambda a: a[None], window.grad_sum), *window[1:])
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -388,15 +438,12 @@ def denominator(
 
 
 def _reduce_window(
-    grad_sum: Any,
-    weight_sum: jax.Array,
-    counts: tuple[jax.Array, jax.Array],
-    axis_name: str,
-    scatter: Any,
-) -> tuple[Any, jax.Array, tuple[jax.Array, jax.Array]]:
+    grad_sum: Any, scalars: list[jax.Array], axis_name: str, scatter: Any
+) -> tuple[Any, jax.Array]:
     """The window's one reduction: a grouped ``psum`` of the replicated leaves and the
     scalars (which travel in the accumulator's dtype when it is float32 or float64, so counts
-    stay exact below 2**24), and a ``psum_scatter`` of the leaves sharded over the axis."""
+    stay exact below 2**24), and a ``psum_scatter`` of the leaves sharded over the axis.
+    Returns the reduced sum and the summed scalars (float32)."""
     leaves, treedef = jax.tree.flatten(grad_sum)
     dims = [None] * len(leaves) if scatter is None else treedef.flatten_up_to(scatter)
     summed = [i for i, d in enumerate(dims) if d is None]
@@ -405,17 +452,15 @@ def _reduce_window(
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
-    scalars = jnp.stack([weight_sum, *counts]).astype(dtype)
-    reduced, scalars = jax.lax.psum(([leaves[i] for i in summed], scalars), axis_name)
+    stacked = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in scalars] or [jnp.zeros(0, dtype)])
+    reduced, stacked = jax.lax.psum(([leaves[i] for i in summed], stacked), axis_name)
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
     for i in scattered:
         leaves[i] = jax.lax.psum_scatter(
             leaves[i], axis_name, scatter_dimension=cast(int, dims[i]), tiled=True
         )
-    scalars = scalars.astype(jnp.float32)
-    counts = (scalars[1].astype(jnp.int32), scalars[2].astype(jnp.int32))
-    return jax.tree.unflatten(treedef, leaves), scalars[0], counts
+    return jax.tree.unflatten(treedef, leaves), stacked.astype(jnp.float32)
 
 
 def _global_norm(grad_sum: Any, axis_name: str | None, scatter: Any) -> jax.Array:
@@ -436,6 +481,9 @@ def close_window(
     axis_name: str | None = None,
     scatter: Any = None,
     norm: jax.Array | None = None,
+    *,
+    extras: jax.Array | None = None,
+    whole_counts: bool = False,
 ) -> Closed:
     """Reduces the window once across devices, scales it and decides whether it is usable.
 
@@ -451,6 +499,11 @@ def close_window(
         already, microbatch by microbatch) or None (all-reduced); None for all.
       norm: the global norm of ``window.grad_sum`` when the caller has taken it already
         (one device only: with ``axis_name`` the norm is that of the reduced sum).
+      extras: with ``axis_name``, a float vector of the caller's own per-device values
+        (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
+      whole_counts: with ``axis_name``, the window is one device's part of a
+        `DeviceWindow`, whose weight sum and counts are whole-batch values already and whose
+        sums add up to one device's: only the sums are reduced, and ``"mean"`` divides by K.
 
     Returns:
       A `Closed`: ``apply`` is True when the weight sum is > 0, the scaled sum is finite
@@ -460,13 +513,18 @@ def close_window(
     if norm is not None and axis_name is not None:
         raise ValueError("close_window: norm= is the local sum's norm; pass it without axis_name.")
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
-    counts = (window.window_nonfinite, window.window_skipped)
+    nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices = 1
     if axis_name is not None:
-        grad_sum, weight_sum, counts = _reduce_window(
-            grad_sum, weight_sum, counts, axis_name, scatter
+        own = [] if whole_counts else [weight_sum, nonfinite, skipped]
+        grad_sum, summed = _reduce_window(
+            grad_sum, [*own, *([] if extras is None else [extras])], axis_name, scatter
         )
-        devices = jax.lax.axis_size(axis_name)
+        if not whole_counts:
+            weight_sum = summed[0]
+            nonfinite, skipped = summed[1].astype(jnp.int32), summed[2].astype(jnp.int32)
+        extras = None if extras is None else summed[len(own) :]
+        devices = 1 if whole_counts else jax.lax.axis_size(axis_name)
     denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
@@ -475,8 +533,8 @@ def close_window(
     if policy.detects:
         apply = apply & jnp.isfinite(norm)
     if policy.on_nonfinite == "skip_window":
-        apply = apply & (counts[0] == 0)
-    return Closed(grad_sum, safe, apply, counts[0], counts[1], norm)
+        apply = apply & (nonfinite == 0)
+    return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras)
 
 
 def scaled_gradient(closed: Closed) -> Any:

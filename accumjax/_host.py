@@ -1,0 +1,323 @@
+"""The train step object (internal): its compiled program, the state it builds, and what it
+checks on the host.
+
+`wrap` compiles the window loop's step body (`accumjax._scan`, `accumjax._loop`,
+`accumjax._sharded_steps`) once per form: under ``jit`` (one device, or a mesh: the
+`accumjax.sharded.Layout` of each call is read from the arrays, or from the step's own
+``mesh=``/``axis_name=``), or under ``pmap``. The `TrainStep` it returns
+
+- runs it: ``step(state, batch, rng=None)`` (scan mode: ``num_real_microbatches`` too);
+- builds the state it takes (`TrainStep.init`): laid out for its mode, its mesh and its
+  precision, so each is stated once, where the step is made;
+- checks, on the host and only where the values are concrete (a step called inside
+  ``jit``, ``vmap`` or ``lax.scan`` is traced and checks nothing there): a state it did not
+  return itself (the first, or a restored checkpoint) against its optimizer, a state holding
+  an array an earlier call donated, and arrays on different devices (named when a call fails).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from accumjax import sharded
+from accumjax._loop import Setup, stream_step
+from accumjax._scan import real_microbatches, scan_step
+from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
+from accumjax.accumulation import check_state, config_of, init_state
+from accumjax.distributed import replicate
+from accumjax.loss_scale import DynamicLossScale, dynamic_loss_scale
+from accumjax.train_state import TrainState, opt_state_for, unalias
+
+__all__ = ["TrainStep", "wrap"]
+
+
+def _traced(tree: Any) -> bool:
+    """Whether any leaf is traced or abstract (the step runs inside a transformation, or is
+    lowered from shapes): host-side checks need concrete values."""
+    return any(
+        isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)
+    )
+
+
+def _abstract(tree: Any) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _check_alive(state: Any) -> None:
+    """Refuses a state with a deleted array (donated to an earlier call's output)."""
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"state{jax.tree_util.keystr(path)} was deleted: an earlier call of this step "
+                "donated it (make_train_step(..., donate=True) is the default). Use the state "
+                "the step returns (state, metrics = step(state, batch)), build the step with "
+                "donate=False, or copy arrays this state shares with another "
+                "(jax.tree.map(jnp.copy, params))."
+            )
+
+
+def _where(leaf: jax.Array) -> str:
+    """``mesh (data=4) of devices [0, 1, 2, 3]``, or ``devices [...]`` off a mesh."""
+    sharding = leaf.sharding
+    devices = f"devices {sorted(d.id for d in sharding.device_set)}"
+    if isinstance(sharding, NamedSharding):
+        axes = ", ".join(f"{name}={size}" for name, size in sharding.mesh.shape.items())
+        return f"mesh ({axes}) of {devices}"
+    return devices
+
+
+def _devices_apart(state: Any, batch: Any) -> str | None:
+    """Why a jitted step cannot take these arrays: two committed ones on different devices
+    (e.g. params on one mesh, the batch on another), or None."""
+    named = [
+        (f"{root}{jax.tree_util.keystr(path)}", leaf)
+        for root, tree in (("batch", batch), ("state", state))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if isinstance(leaf, jax.Array) and leaf.committed and not leaf.is_deleted()
+    ]
+    if not named:
+        return None
+    first, ref = named[0]
+    for name, leaf in named[1:]:
+        if leaf.sharding.device_set != ref.sharding.device_set:
+            return (
+                f"{first} is on the {_where(ref)}, but {name} is on the {_where(leaf)}: a "
+                "step's arrays must all be on one mesh. Put the state and the batch on the "
+                "same mesh (jax.device_put(x, NamedSharding(mesh, spec)))."
+            )
+    return None
+
+
+def _made_here(opt_state: Any, returned: Any) -> bool:
+    """Whether ``opt_state`` is the one the step returned last (its K array, the very object),
+    so it needs no check: only a state from elsewhere (a checkpoint) is read on the host."""
+    every_k = getattr(opt_state, "every_k", None)
+    return every_k is not None and every_k is getattr(returned, "every_k", None)
+
+
+def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
+    """``num_real_microbatches`` only in scan mode; a Python int within ``[0, K]``."""
+    if n is None:
+        return
+    if not scan:
+        raise ValueError(
+            "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
+            "into K microbatches; a stream-mode call is one microbatch."
+        )
+    k = 1 if config is None else config.static_k
+    real_microbatches(n, k)  # the Python-side checks (a traced value is clipped in the step)
+
+
+def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec) -> Any:
+    """``tree`` with its leaves that are not on ``mesh`` put there (``spec``); leaves on the
+    mesh, sharded or not, are left as they are (nothing is replicated behind the user's
+    back)."""
+    sharding = NamedSharding(mesh, spec)
+
+    def put(x: Any) -> Any:
+        if isinstance(x, jax.core.Tracer):
+            return x
+        now = sharded.sharding_of(x)
+        if isinstance(now, NamedSharding) and now.mesh == mesh:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(put, tree)
+
+
+class TrainStep:
+    """The step `accumjax.make_train_step` returns.
+
+    ``step(state, batch, rng=None)`` (scan mode: ``num_real_microbatches=None`` too) runs
+    one call; ``step.init(params, tx, ...)`` builds the state it takes; ``step.lower(...)``
+    lowers it (e.g. for `accumjax.count_collectives`).
+    """
+
+    def __init__(self, setup: Setup, jitted: Any, *, pmapped: bool) -> None:
+        self._setup = setup
+        self._jitted = jitted
+        self._pmapped = pmapped
+        self._scan = setup.mode == "scan"
+        self._returned: list[Any] = []  # the optimizer state of the last call's output
+        self.__wrapped__ = jitted
+
+    # ------------------------------------------------------------------------- calls
+
+    def _args(self, state: Any, batch: Any, rng: Any, n: Any) -> tuple[Any, ...]:
+        """The compiled program's arguments: the inputs on the step's mesh, and the static
+        layout of the call (``jit`` forms)."""
+        setup = self._setup
+        if self._pmapped:
+            return (state, batch, rng, n) if self._scan else (state, batch, rng)
+        if setup.mesh is not None:
+            state = _on_mesh(state, setup.mesh, PartitionSpec())
+            batch = _on_mesh(batch, setup.mesh, PartitionSpec(setup.data_axis))
+        sharded.check_one_mesh(state.params, batch)
+        layout = sharded.layout_of(state.params, batch, mesh=setup.mesh, axis=setup.data_axis)
+        return (state, batch, rng, layout, n) if self._scan else (state, batch, rng, layout)
+
+    def _run(self, run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any) -> Any:
+        _check_real_microbatches(n, self._scan, config_of(getattr(state, "tx", None)))
+        traced = _traced((state, batch, rng))
+        try:
+            return run(*self._args(state, batch, rng, n))
+        except Exception as err:
+            apart = None if self._pmapped or traced else _devices_apart(state, batch)
+            if apart is None:
+                raise
+            raise ValueError(apart) from err
+
+    def __call__(
+        self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        if _traced((state, batch, rng, num_real_microbatches)):
+            return self._run(self._jitted, state, batch, rng, num_real_microbatches)
+        _check_alive(state)
+        config = config_of(getattr(state, "tx", None))
+        returned = self._returned
+        if config is not None and not (returned and _made_here(state.opt_state, returned[0])):
+            opt = state.opt_state
+            check_state(config, jax.tree.map(lambda x: x[0], opt) if self._pmapped else opt)
+        out = self._run(self._jitted, state, batch, rng, num_real_microbatches)
+        returned[:] = [getattr(out[0], "opt_state", None)]
+        return out
+
+    def lower(
+        self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
+    ) -> Any:
+        """``jax.jit(...).lower`` of the step for these inputs (arrays or shapes)."""
+        return self._run(self._jitted.lower, state, batch, rng, num_real_microbatches)
+
+    # ------------------------------------------------------------------------- the state
+
+    def init(
+        self,
+        params: Any,
+        tx: Any,
+        *,
+        model_state: Any = None,
+        loss_scale: DynamicLossScale | None = None,
+        apply_fn: Callable[..., Any] | None = None,
+    ) -> TrainState:
+        """The state this step takes, laid out for its mode, its mesh and its precision.
+
+        - scan mode: no accumulator (the window opens and closes inside one call);
+        - stream mode: a `accumjax.window.DeviceWindow`, one partial sum per data shard of
+          the mesh the parameters lie on (or the step's ``mesh=``; one shard on one device),
+          so the gradient is reduced once per window and a checkpoint holds every shard's;
+        - ``mixed_precision="float16"``: a dynamic loss scale (``loss_scale``, or
+          `accumjax.dynamic_loss_scale` with its defaults);
+        - ``pmap`` (``axis_name`` without ``mesh``): replicated over the local devices.
+
+        Args:
+          params: the parameters: arrays (placed as they are to be trained: replicated or
+            sharded on a mesh), or ``jax.ShapeDtypeStruct``s with shardings, for a state of
+            shapes only (an orbax restore target; nothing is allocated).
+          tx: the optimizer, ``accumjax.accumulate(inner, K)`` (a plain optax optimizer is
+            a window of one microbatch): K and the policies are stated there.
+          model_state: non-trainable collections (``{"batch_stats": ...}``) or None.
+          loss_scale: a `accumjax.DynamicLossScale` (float16 makes one if None).
+          apply_fn: kept in the state (``state.apply_fn``); the step never calls it.
+
+        Returns:
+          An `accumjax.TrainState` (of ``jax.ShapeDtypeStruct``s for abstract ``params``).
+          Its arrays are new: the step may donate them, and ``params`` stay usable.
+        """
+        setup = self._setup
+        if setup.f16 and loss_scale is None:
+            loss_scale = dynamic_loss_scale()
+        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+            raise TypeError(
+                "loss_scale must be an accumjax.DynamicLossScale (accumjax.dynamic_loss_scale()),"
+                f" got {type(loss_scale).__name__}."
+            )
+        if setup.mesh is not None:
+            params, model_state = _on_mesh((params, model_state), setup.mesh, PartitionSpec())
+        build = partial(_build, setup.mode, tx, self._mesh_and_axis(params))
+        if self._pmapped:
+            state = build(params, model_state, loss_scale)
+            return replicate(state).replace(apply_fn=apply_fn)
+        args = (params, model_state, loss_scale)
+        if _abstract(params):
+            shapes = jax.eval_shape(build, *args)
+            shardings = jax.jit(build).lower(*args).compile().output_shardings
+            state = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+            )
+        elif _traced(args):
+            state = build(*args)
+        else:
+            state = unalias(jax.jit(build)(*args))
+        return state.replace(apply_fn=apply_fn)
+
+    def _mesh_and_axis(self, params: Any) -> tuple[Any, str | None]:
+        """Where a stream window's partial sums are laid out: the step's mesh and data
+        axis, or the parameters' mesh and its data axis (None, None: one device)."""
+        setup = self._setup
+        if self._pmapped or self._scan:
+            return None, None
+        mesh = setup.mesh if setup.mesh is not None else sharded.mesh_of(params)
+        if mesh is None:
+            return None, None
+        axis = sharded.data_axis(mesh, setup.data_axis)
+        return (mesh, axis) if axis is not None else (None, None)
+
+
+def _build(
+    mode: str, tx: Any, where: tuple[Any, str | None], params: Any, model_state: Any, loss_scale: Any
+) -> TrainState:
+    """A train state with ``step == 0`` for ``mode`` (traceable)."""
+    config = config_of(tx)
+    if mode == "scan" or config is None:
+        opt_state = opt_state_for(tx, params, mode)
+    else:
+        window = sharded.device_window(params, config.policy.accumulator_dtype, *where)
+        opt_state = init_state(config, params, accumulator=False)._replace(window=window)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        apply_fn=None,  # pyright: ignore[reportArgumentType]
+        params=params,
+        tx=tx,
+        opt_state=opt_state,
+        model_state=model_state,
+        loss_scale=loss_scale,
+    )
+
+
+def wrap(setup: Setup, donate: bool) -> TrainStep:
+    """The `TrainStep` for ``setup``: jitted (one device or a mesh) or ``pmap``-ped.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from accumjax._loop import Setup
+      >>> from accumjax._loss_adapter import make_grad_fn
+      >>> grad_fn = make_grad_fn(lambda p, b: jnp.sum(p["w"] * b), False, None)
+      >>> step = wrap(Setup(grad_fn, "stream", None, None, None, False, None, 1), donate=False)
+      >>> state = step.init({"w": jnp.ones(2)}, optax.sgd(0.5))
+      >>> state, metrics = step(state, jnp.ones(2))
+      >>> state.params["w"], bool(metrics["updated"])
+      (Array([0.5, 0.5], dtype=float32), True)
+    """
+    donate_argnums = (0,) if donate else ()
+    scan = setup.mode == "scan"
+    if setup.axis_name is None:
+        body = sharded_scan_step(setup) if scan else sharded_stream_step(setup)
+        jitted = jax.jit(body, static_argnums=(3,), donate_argnums=donate_argnums)
+        return TrainStep(setup, jitted, pmapped=False)
+    step = scan_step(setup) if scan else stream_step(setup)
+    in_axes = (0, 0, None, None) if scan else (0, 0, None)
+    pmapped = jax.pmap(
+        step, axis_name=setup.axis_name, in_axes=in_axes, donate_argnums=donate_argnums
+    )
+    return TrainStep(setup, pmapped, pmapped=True)

@@ -1,0 +1,464 @@
+"""The train step on a mesh under ``jit`` (internal): one gradient reduction per window.
+
+A `accumjax.sharded.Layout` names the mesh and its data axis. Each step runs its microbatches
+in a ``jax.shard_map`` manual over the data axis only (other mesh axes, a tensor-parallel one
+say, stay automatic), so each device adds the gradient of its rows to a sum of its own:
+
+- scan mode (`sharded_scan_step`): the K microbatches of one call, then the window's one
+  reduction (an all-reduce, and a reduce-scatter per parameter split over the data axis),
+  which also carries the loss and the per-microbatch aux means; the update runs in the
+  global view;
+- stream mode (`sharded_stream_step`): the state's `accumjax.window.DeviceWindow` keeps one
+  partial sum per data shard between calls. Each call adds this device's gradient to its own
+  (FSDP: reduce-scattered into the shard), and pools everything else the microbatch produced
+  (its loss, weight and counts, BatchNorm statistics, other model state) in one small
+  all-reduce; the closing call reduces the partial sums once.
+
+Every value a step returns is global: metrics are scalars, aux leaves with rows have the rows
+of every device, aux scalars are means over the devices (`_Aux`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+from accumjax import sharded
+from accumjax import window as window_lib
+from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
+from accumjax._loop import (
+    Carry,
+    Context,
+    Fields,
+    Outcome,
+    Setup,
+    begin,
+    close_fields,
+    close_model_state,
+    finish,
+    gradient,
+    stream_step,
+)
+from accumjax._scan import real_microbatches, scan_finish, scan_step, window_k, window_loop
+from accumjax.accumulation import window_closes
+from accumjax.accumulation_state import AccumulationState
+from accumjax.train_state import TrainState
+
+__all__ = ["psum_together", "sharded_scan_step", "sharded_stream_step"]
+
+WHOLE = PartitionSpec()
+
+
+class _Local(NamedTuple):
+    """One device's inputs to a sharded step's ``shard_map`` (its one argument)."""
+
+    params: Any
+    model_state: Any
+    batch: Any
+    rng: Any
+    step_count: Any
+    loss_scale: Any
+    n_real: Any = None
+    window: Any = None
+
+
+def _local_specs(layout: sharded.Layout, **more: Any) -> _Local:
+    """The ``shard_map`` specs of `_Local`: the batch split, parameters as they lie."""
+    data = PartitionSpec(layout.axis)
+    return _Local(layout.param_specs(), WHOLE, data, WHOLE, WHOLE, WHOLE, **more)
+
+
+def _shard_map(fn: Callable[..., Any], layout: sharded.Layout, in_specs: Any, out_specs: Any):
+    return jax.shard_map(
+        fn,
+        mesh=layout.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={layout.axis},
+        check_vma=False,
+    )
+
+
+def _local_context(ctx: Context, layout: sharded.Layout, local: _Local) -> Context:
+    return ctx._replace(
+        loss_scale=local.loss_scale,
+        rng=local.rng,
+        step_count=local.step_count,
+        axis_name=layout.axis,
+    )
+
+
+def psum_together(parts: list[Any], axis: str) -> list[jax.Array]:
+    """Sums ``parts`` (arrays of any shapes) across ``axis`` in one all-reduce: they travel
+    as one flat vector of their common type (at least float32, so counts below 2**24 stay
+    exact), and come back in their own (floating) types.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> summed = jax.vmap(lambda x: psum_together([x, 2 * x], "i"), axis_name="i")(
+      ...     jnp.arange(3.0))
+      >>> [s[0].tolist() for s in summed]
+      [3.0, 6.0]
+    """
+    arrays = [jnp.asarray(p) for p in parts]
+    dtype = jnp.result_type(jnp.float32, *arrays)
+    flat = jax.lax.psum(jnp.concatenate([a.ravel().astype(dtype) for a in arrays]), axis)
+    out, offset = [], 0
+    for a in arrays:
+        part = flat[offset : offset + a.size].reshape(a.shape)
+        own = jnp.result_type(jnp.float32, a)
+        out.append((part if jnp.issubdtype(own, jnp.complexfloating) else jnp.real(part)).astype(own))
+        offset += a.size
+    return out
+
+
+class _Aux(NamedTuple):
+    """A per-device aux split for ``shard_map``'s outputs: leaves with rows (concatenated
+    over the devices along their ``row_axis``) and the others (averaged over the devices)."""
+
+    rows: list[Any]
+    means: list[Any]
+
+
+def _split_aux(aux: Any, row_axis: int, cell: list[Any]) -> _Aux:
+    """``aux`` as an `_Aux`; its structure goes into ``cell`` for `_join_aux`."""
+    leaves, treedef = jax.tree.flatten(aux)
+    has_rows = [jnp.ndim(x) > row_axis for x in leaves]
+    cell[:] = [treedef, has_rows, [jnp.result_type(x) for x in leaves]]
+    rows = [x for x, r in zip(leaves, has_rows, strict=True) if r]
+    return _Aux(rows, [x for x, r in zip(leaves, has_rows, strict=True) if not r])
+
+
+def _join_aux(split: _Aux, cell: list[Any], shards: int) -> Any:
+    """`_split_aux` undone, after ``shard_map``: the means divided by the number of shards."""
+    treedef, has_rows, dtypes = cell
+    rows, means = iter(split.rows), iter(split.means)
+    leaves = [
+        next(rows) if r else (next(means) / shards).astype(d)
+        for r, d in zip(has_rows, dtypes, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# ----------------------------------------------------------------------------- scan mode
+
+
+def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
+    """Scan mode under ``jit``: ``step(state, batch, rng, layout, n)`` (``layout`` static).
+
+    Without a layout (one device) it is the plain scan step.
+    """
+    plain = scan_step(setup)
+
+    def step(
+        state: TrainState, batch: Any, rng: Any, layout: Any, n: Any = None
+    ) -> tuple[TrainState, dict]:
+        if layout is None:
+            return plain(state, batch, rng, n)
+        if setup.batch_axis != 0:
+            raise NotImplementedError(
+                "make_train_step(batch_axis=...) other than 0 with a batch split over a mesh: "
+                "put the batch axis first, or run the step on unsharded arrays."
+            )
+        ctx, acc = begin(setup, state, rng)
+        ctx = ctx._replace(n_real=real_microbatches(n, ctx.k))
+        cell: list[Any] = []
+        local = _Local(
+            state.params, state.model_state, batch, rng, state.step, ctx.loss_scale, ctx.n_real
+        )
+        closed_specs = window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
+        row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
+        closed, model_state, loss, aux = _shard_map(
+            partial(_local_window, ctx, layout, cell),
+            layout,
+            in_specs=(_local_specs(layout, n_real=WHOLE),),
+            out_specs=(closed_specs, WHOLE, WHOLE, _Aux(row_spec, WHOLE)),  # pyright: ignore[reportArgumentType]
+        )(local)
+        aux = None if not cell else _join_aux(aux, cell, layout.shards)
+        window = acc.window._replace(window_nonfinite=closed.nonfinite_count)
+        carry = Carry(window, model_state, jnp.zeros(()), jnp.zeros(()))
+        return scan_finish(ctx, state, acc, Outcome(carry, loss, aux), closed)
+
+    return step
+
+
+def _local_window(
+    ctx: Context, layout: sharded.Layout, cell: list[Any], local: _Local
+) -> tuple[window_lib.Closed, Any, jax.Array, _Aux]:
+    """One device's part of a window: its rows' gradients summed locally, then the window's
+    one reduction (which also carries the loss and the aux means)."""
+    zero = jnp.zeros((), jnp.float32)
+    config = ctx.config
+    shapes = jax.eval_shape(partial(sharded.gather, layout=layout), local.params)
+    like = window_lib.init_window(shapes, config.policy.accumulator_dtype)
+    setup = ctx.setup
+    params = local.params
+    if setup.gather_params == "window":  # once, before the loop (more memory, one gather)
+        params = sharded.gather(params, layout)
+    else:  # in every microbatch, tied to its index so that XLA cannot hoist it
+        gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
+        setup = setup._replace(materialize=gather)
+    ctx = _local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
+    carry, aux = window_loop(ctx, params, Carry(like, local.model_state, zero, zero), local.batch)
+    split = _split_aux(aux, 0 if setup.aux_rows else 1, cell) if aux is not None else _Aux([], [])
+    extras = [carry.loss_sum, carry.loss_weight, *split.means]
+    closed = window_lib.close_window(
+        config.policy,
+        carry.window,
+        window_k(ctx),
+        layout.axis,
+        layout.scatter(),
+        extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
+    )
+    model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
+    extras_out = _unflatten(closed.extras, extras)
+    loss_sum, loss_weight = extras_out[0], extras_out[1]
+    loss = jnp.where(loss_weight > 0, loss_sum / loss_weight, jnp.nan)
+    return closed._replace(extras=None), model_state, loss, _Aux(split.rows, extras_out[2:])
+
+
+def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:
+    """``flat`` cut back into arrays shaped as ``like``'s."""
+    out, offset = [], 0
+    for x in like:
+        size = int(jnp.size(x))
+        out.append(flat[offset : offset + size].reshape(jnp.shape(x)))
+        offset += size
+    return out
+
+
+# ----------------------------------------------------------------------------- stream mode
+
+
+def _has_device_window(state: Any) -> bool:
+    opt = getattr(state, "opt_state", None)
+    return isinstance(opt, AccumulationState) and isinstance(opt.window, window_lib.DeviceWindow)
+
+
+def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
+    """Stream mode under ``jit``: ``step(state, batch, rng, layout)`` (``layout`` static).
+
+    A state made by ``step.init`` (a `accumjax.window.DeviceWindow`) adds each device's
+    gradient to its own partial sum in a ``shard_map`` and reduces the sums once, when the
+    window closes; on one device its one partial sum is the window. Any other state (a
+    parameter-shaped window: ``TrainState.create``) runs the plain step, whose gradients XLA
+    reduces on every call.
+    """
+    plain = stream_step(setup)
+
+    def step(state: TrainState, batch: Any, rng: Any, layout: Any) -> tuple[TrainState, dict]:
+        if not _has_device_window(state):
+            return plain(state, batch, rng)
+        window = state.opt_state.window  # pyright: ignore[reportAttributeAccessIssue]
+        if layout is None:
+            return _one_shard(plain, state, batch, rng)
+        _check_shards(window, layout)
+        return _device_window_call(setup, layout, state, batch, rng)
+
+    return step
+
+
+def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None) -> None:
+    """Refuses a `DeviceWindow` laid out for another number of data shards than the call's."""
+    want = 1 if layout is None else layout.shards
+    dims = (None,) * len(jax.tree.leaves(window.partial_sums)) if layout is None else layout.dims
+    for leaf, dim in zip(jax.tree.leaves(window.partial_sums), dims, strict=True):
+        expected = 1 if dim is not None else want
+        if leaf.shape[0] != expected:
+            where = "one device" if layout is None else f"{want} data shards ({layout.axis!r})"
+            raise ValueError(
+                f"the state's stream window keeps {leaf.shape[0]} partial sums per parameter, "
+                f"but this call runs on {where}: build the state with step.init on the mesh "
+                "the step runs on, or move a checkpoint there with "
+                "accumjax.restore_checkpoint(path, step.init(...))."
+            )
+
+
+def _one_shard(plain: Callable[..., Any], state: TrainState, batch: Any, rng: Any) -> Any:
+    """A `DeviceWindow` of one shard on one device: its partial sum is the window."""
+    opt: AccumulationState = state.opt_state  # pyright: ignore[reportAssignmentType]
+    _check_shards(opt.window, None)
+    local = window_lib.local_window(opt.window)
+    new, metrics = plain(state.replace(opt_state=opt._replace(window=local)), batch, rng)
+    new_opt = new.opt_state
+    return new.replace(
+        opt_state=new_opt._replace(window=window_lib.with_partial_sums(new_opt.window))
+    ), metrics
+
+
+class _Pooled(NamedTuple):
+    """What one stream call's ``shard_map`` returns besides the partial sums (global)."""
+
+    increments: jax.Array  # the window's weight, non-finite and skipped counts of this call
+    added: jax.Array  # whether every device added its rows
+    model_state: Any
+    loss: jax.Array
+    aux: _Aux
+
+
+def _device_window_call(
+    setup: Setup, layout: sharded.Layout, state: TrainState, batch: Any, rng: Any
+) -> tuple[TrainState, dict]:
+    ctx, acc = begin(setup, state, rng)
+    cell: list[Any] = []
+    window: window_lib.DeviceWindow = acc.window  # pyright: ignore[reportAssignmentType]
+    specs = layout.window_specs()
+    local = _Local(
+        state.params, state.model_state, batch, rng, state.step, ctx.loss_scale, window=window
+    )
+    pooled_specs = _Pooled(WHOLE, WHOLE, WHOLE, WHOLE, _Aux(PartitionSpec(layout.axis), WHOLE))  # pyright: ignore[reportArgumentType]
+    sums, pooled = _shard_map(
+        partial(_local_call, ctx, layout, cell),
+        layout,
+        in_specs=(_local_specs(layout, n_real=WHOLE, window=specs),),
+        out_specs=(specs.partial_sums, pooled_specs),
+    )(local)
+    inc = pooled.increments
+    window = window._replace(
+        partial_sums=sums,
+        weight_sum=window.weight_sum + inc[0],
+        micro_step=window_lib.saturating_add(window.micro_step, jnp.ones((), jnp.int32)),
+        window_nonfinite=window_lib.saturating_add(window.window_nonfinite, inc[1]),
+        window_skipped=window_lib.saturating_add(window.window_skipped, inc[2]),
+    )
+    opt = acc._replace(window=window, updated=jnp.zeros((), bool), added=pooled.added)
+    fields = Fields(state.params, opt, pooled.model_state, ctx.loss_scale)
+    fields = window_lib.run_once(
+        window_closes(opt), partial(_close_device_window, ctx, layout), fields
+    )
+    aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
+    carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
+    return finish(ctx, state, fields, Outcome(carry, pooled.loss, aux))
+
+
+def _local_call(
+    ctx: Context, layout: sharded.Layout, cell: list[Any], local: _Local
+) -> tuple[Any, _Pooled]:
+    """One device's part of a stream call: its rows' gradient added to its own partial sum;
+    the rest pooled over the devices in one all-reduce."""
+    ctx = _local_context(ctx, layout, local)
+    params = sharded.gather(local.params, layout)
+    window = window_lib.local_window(local.window)
+    start = None if local.model_state is None else emptied(local.model_state)
+    loss, new_state, aux, grads, weight = gradient(
+        ctx, params, start, local.batch, window.micro_step
+    )
+    policy = ctx.config.policy
+    m = _share(policy, window_lib.inspect_microbatch(policy, grads, weight, params), layout)
+    window, _ = window_lib.add_microbatch(
+        policy, window, grads, weight, params, inspected=m, reduce=_scatter(layout)
+    )
+    kept = None if start is None else optax.tree.where(m.added, new_state, start)
+    metric_weight = jnp.ones((), jnp.float32) if weight is None else weight
+    split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
+    counts = jnp.stack([m.weight, m.nonfinite, ~m.added]).astype(jnp.float32)
+    floats = [] if kept is None else _floats(kept)[1]
+    bn = jnp.zeros(1) if kept is None else call_sums(kept)
+    loss_parts, inc, bn, *rest = psum_together(
+        [jnp.stack([metric_weight * loss, metric_weight]), counts, bn, *floats, *split.means],
+        layout.axis,
+    )
+    all_added = inc[2] == 0
+    model_state = None
+    if kept is not None:
+        means = [total / layout.shards for total in rest[: len(floats)]]
+        model_state = _pooled_model_state(local.model_state, kept, bn, means, all_added)
+    loss = loss_parts[0] / loss_parts[1]
+    pooled = _Pooled(inc, all_added, model_state, loss, _Aux(split.rows, rest[len(floats) :]))
+    return window_lib.with_partial_sums(window).partial_sums, pooled
+
+
+def _share(
+    policy: window_lib.Policy, m: window_lib.Microbatch, layout: sharded.Layout
+) -> window_lib.Microbatch:
+    """A device's decision about its rows, as its share of the whole microbatch: for losses
+    that are means (``"mean"``, ``"count"``), its gradient and weight count 1/shards of
+    the microbatch's, so that a `accumjax.window.DeviceWindow` holds what one device's window
+    would (its sum and counts do not depend on the number of devices)."""
+    if policy.scaling not in ("mean", "count"):
+        return m
+    share = 1.0 / layout.shards
+    factor = share if m.factor is None else m.factor * share
+    return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
+
+
+def _scatter(layout: sharded.Layout) -> Callable[[Any], Any] | None:
+    """Reduce-scatters the leaves of parameters split over the data axis (None: none)."""
+    if all(d is None for d in layout.dims):
+        return None
+
+    def reduce(tree: Any) -> Any:
+        leaves = layout.treedef.flatten_up_to(tree)
+        out = [
+            x
+            if d is None
+            else jax.lax.psum_scatter(x, layout.axis, scatter_dimension=d, tiled=True)
+            for x, d in zip(leaves, layout.dims, strict=True)
+        ]
+        return jax.tree.unflatten(layout.treedef, out)
+
+    return reduce
+
+
+def _floats(tree: Any) -> tuple[list[int], list[Any]]:
+    """The floating leaves of a model state beside its step-driven BatchNorm layers (each
+    layer one node), by position among ``jax.tree.flatten(tree, is_leaf=is_step_driven)``."""
+    leaves = jax.tree.flatten(tree, is_leaf=is_step_driven)[0]
+    where = [
+        i
+        for i, x in enumerate(leaves)
+        if not is_step_driven(x)
+        and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        and not jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+    ]
+    return where, [leaves[i] for i in where]
+
+
+def _pooled_model_state(
+    before: Any, kept: Any, bn: jax.Array, means: list[Any], all_added: jax.Array
+) -> Any:
+    """The global model state after a stream call on a mesh: each step-driven BatchNorm
+    window merged with the call's statistics pooled over the devices that added their rows;
+    every other leaf changed only when every device added its rows (the microbatch was
+    added whole, as on one device): floating leaves to their mean over the devices, others
+    (counts, keys: the same on every device) to this device's."""
+    merged, treedef = jax.tree.flatten(merge_pooled(before, bn), is_leaf=is_step_driven)
+    ours = jax.tree.flatten(kept, is_leaf=is_step_driven)[0]
+    where, _ = _floats(kept)
+    for i, mean in zip(where, means, strict=True):
+        ours[i] = mean.astype(jnp.result_type(ours[i]))
+    out = [
+        m if is_step_driven(m) else jnp.where(all_added, o, m)
+        for m, o in zip(merged, ours, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -> Fields:
+    """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
+    over the data axis are reduced already), then the update in the global view."""
+    reduced = [None if d is None else window_lib.REDUCED for d in layout.dims]
+    scatter = jax.tree.unflatten(layout.treedef, reduced)
+    policy = ctx.config.policy
+
+    def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
+        part = window_lib.local_window(window)
+        return window_lib.close_window(
+            policy, part, every_k, layout.axis, scatter, whole_counts=True
+        )
+
+    closed = _shard_map(
+        local,
+        layout,
+        in_specs=(layout.window_specs(), WHOLE),
+        out_specs=window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6),  # pyright: ignore[reportArgumentType]
+    )(fields.opt.window, fields.opt.every_k)
+    fields = close_fields(ctx, fields, closed)
+    model_state = close_model_state(fields.model_state, fields.opt.updated, None)
+    return fields._replace(model_state=model_state)
