@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax._loop import Setup, stream_step
@@ -165,6 +165,9 @@ class TrainStep:
             batch = _on_mesh(batch, setup.mesh, PartitionSpec(setup.data_axis))
         sharded.check_one_mesh(state.params, batch)
         layout = sharded.layout_of(state.params, batch, mesh=setup.mesh, axis=setup.data_axis)
+        if layout is not None and isinstance(layout.mesh, Mesh):  # what is off the mesh, on it
+            state, rng = _on_mesh((state, rng), layout.mesh, PartitionSpec())
+            batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis))
         return (state, batch, rng, layout, n) if self._scan else (state, batch, rng, layout)
 
     def _run(self, run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any) -> Any:

@@ -185,10 +185,11 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     owned = config is not None
     if config is None:
         config = Config(optax.with_extra_args_support(state.tx), 1, window_lib.Policy(), None)
-    if config.axis_name not in (None, setup.axis_name):
+    stated = setup.axis_name if setup.mesh is None else setup.data_axis
+    if config.axis_name not in (None, stated):
         raise ValueError(
             f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
-            f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
+            f"axis_name={stated!r}; give the axis to make_train_step only."
         )
     k = config.static_k
     if setup.accum_steps is not None and k != setup.accum_steps:

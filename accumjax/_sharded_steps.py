@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax import window as window_lib
@@ -75,7 +75,10 @@ def _local_specs(layout: sharded.Layout, **more: Any) -> _Local:
 
 
 def _shard_map(fn: Callable[..., Any], layout: sharded.Layout, in_specs: Any, out_specs: Any):
-    return jax.shard_map(
+    """``fn`` mapped over the data axis (the others stay automatic); its inputs are first
+    moved to the data-axis placement ``in_specs`` says (on an ``Explicit`` axis ``shard_map``
+    takes no other)."""
+    mapped = jax.shard_map(
         fn,
         mesh=layout.mesh,
         in_specs=in_specs,
@@ -83,6 +86,33 @@ def _shard_map(fn: Callable[..., Any], layout: sharded.Layout, in_specs: Any, ou
         axis_names={layout.axis},
         check_vma=False,
     )
+    return lambda *args: mapped(*_fit(args, in_specs, layout))
+
+
+def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
+    """``args`` resharded where their data-axis placement differs from ``specs`` (a pytree
+    prefix), other axes kept; only an ``Explicit`` data axis needs it."""
+    mesh = layout.mesh
+    if mesh.axis_types[mesh.axis_names.index(layout.axis)] != jax.sharding.AxisType.Explicit:
+        return args
+    axis = layout.axis
+
+    def fit(spec: PartitionSpec, x: Any) -> Any:
+        now = getattr(jax.typeof(x).sharding, "spec", None)
+        if now is None:
+            return x
+        entries = [tuple(n for n in sharded.names(e) if n != axis) for e in now]
+        entries += [()] * (jnp.ndim(x) - len(entries))
+        for dim, entry in enumerate(spec):
+            if axis in sharded.names(entry):
+                entries[dim] = (axis, *entries[dim])
+        want = PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
+        if want == PartitionSpec(*now) or tuple(want) == tuple(now):
+            return x
+        return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, want))
+
+    return jax.tree.map(lambda spec, sub: jax.tree.map(partial(fit, spec), sub), specs, args,
+                        is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 def _local_context(ctx: Context, layout: sharded.Layout, local: _Local) -> Context:
@@ -244,22 +274,21 @@ def _has_device_window(state: Any) -> bool:
 def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
     """Stream mode under ``jit``: ``step(state, batch, rng, layout)`` (``layout`` static).
 
-    A state made by ``step.init`` (a `accumjax.window.DeviceWindow`) adds each device's
-    gradient to its own partial sum in a ``shard_map`` and reduces the sums once, when the
-    window closes; on one device its one partial sum is the window. Any other state (a
-    parameter-shaped window: ``TrainState.create``) runs the plain step, whose gradients XLA
-    reduces on every call.
+    On a mesh every call runs in a ``shard_map``. A state made by ``step.init`` (a
+    `accumjax.window.DeviceWindow`) adds each device's gradient to its own partial sum and
+    reduces the sums once, when the window closes; a parameter-shaped window
+    (``TrainState.create``, ``tx.init``) takes the gradient reduced on every call. On one
+    device it is the plain stream step (a `DeviceWindow`'s one partial sum is the window).
     """
     plain = stream_step(setup)
 
     def step(state: TrainState, batch: Any, rng: Any, layout: Any) -> tuple[TrainState, dict]:
-        if not _has_device_window(state):
-            return plain(state, batch, rng)
-        window = state.opt_state.window  # pyright: ignore[reportAttributeAccessIssue]
+        per_shard = _has_device_window(state)
+        if per_shard:
+            _check_shards(state.opt_state.window, layout)  # pyright: ignore[reportAttributeAccessIssue]
         if layout is None:
-            return _one_shard(plain, state, batch, rng)
-        _check_shards(window, layout)
-        return _device_window_call(setup, layout, state, batch, rng)
+            return _one_shard(plain, state, batch, rng) if per_shard else plain(state, batch, rng)
+        return _mesh_call(setup, layout, state, batch, rng)
 
     return step
 
@@ -283,7 +312,6 @@ def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None
 def _one_shard(plain: Callable[..., Any], state: TrainState, batch: Any, rng: Any) -> Any:
     """A `DeviceWindow` of one shard on one device: its partial sum is the window."""
     opt: AccumulationState = state.opt_state  # pyright: ignore[reportAssignmentType]
-    _check_shards(opt.window, None)
     local = window_lib.local_window(opt.window)
     new, metrics = plain(state.replace(opt_state=opt._replace(window=local)), batch, rng)
     new_opt = new.opt_state
@@ -293,7 +321,7 @@ def _one_shard(plain: Callable[..., Any], state: TrainState, batch: Any, rng: An
 
 
 class _Pooled(NamedTuple):
-    """What one stream call's ``shard_map`` returns besides the partial sums (global)."""
+    """What one stream call's ``shard_map`` returns besides the sums (global values)."""
 
     increments: jax.Array  # the window's weight, non-finite and skipped counts of this call
     added: jax.Array  # whether every device added its rows
@@ -302,26 +330,35 @@ class _Pooled(NamedTuple):
     aux: _Aux
 
 
-def _device_window_call(
+def _mesh_call(
     setup: Setup, layout: sharded.Layout, state: TrainState, batch: Any, rng: Any
 ) -> tuple[TrainState, dict]:
+    """One stream call on a mesh: the gradient added in a ``shard_map``, the counts, loss
+    and model state pooled, and the window closed when it is full."""
     ctx, acc = begin(setup, state, rng)
     cell: list[Any] = []
-    window: window_lib.DeviceWindow = acc.window  # pyright: ignore[reportAssignmentType]
-    specs = layout.window_specs()
+    window = acc.window
+    per_shard = isinstance(window, window_lib.DeviceWindow)
+    sum_specs = layout.window_specs().partial_sums if per_shard else layout.param_specs()
     local = _Local(
-        state.params, state.model_state, batch, rng, state.step, ctx.loss_scale, window=window
+        state.params,
+        state.model_state,
+        batch,
+        rng,
+        state.step,
+        ctx.loss_scale,
+        window=(window[0], window.micro_step),
     )
     pooled_specs = _Pooled(WHOLE, WHOLE, WHOLE, WHOLE, _Aux(PartitionSpec(layout.axis), WHOLE))  # pyright: ignore[reportArgumentType]
     sums, pooled = _shard_map(
-        partial(_local_call, ctx, layout, cell),
+        partial(_local_call, ctx, layout, cell, per_shard),
         layout,
-        in_specs=(_local_specs(layout, n_real=WHOLE, window=specs),),
-        out_specs=(specs.partial_sums, pooled_specs),
+        in_specs=(_local_specs(layout, n_real=WHOLE, window=(sum_specs, WHOLE)),),
+        out_specs=(sum_specs, pooled_specs),
     )(local)
     inc = pooled.increments
     window = window._replace(
-        partial_sums=sums,
+        **{window._fields[0]: sums},
         weight_sum=window.weight_sum + inc[0],
         micro_step=window_lib.saturating_add(window.micro_step, jnp.ones((), jnp.int32)),
         window_nonfinite=window_lib.saturating_add(window.window_nonfinite, inc[1]),
@@ -329,30 +366,38 @@ def _device_window_call(
     )
     opt = acc._replace(window=window, updated=jnp.zeros((), bool), added=pooled.added)
     fields = Fields(state.params, opt, pooled.model_state, ctx.loss_scale)
-    fields = window_lib.run_once(
-        window_closes(opt), partial(_close_device_window, ctx, layout), fields
-    )
+    if per_shard:
+        close = partial(_close_device_window, ctx, layout)
+    else:  # the sum is reduced already: the window closes in the global view
+        close = lambda f: close_fields(ctx, f)
+    fields = window_lib.run_once(window_closes(opt), close, fields)
     aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
     carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
     return finish(ctx, state, fields, Outcome(carry, pooled.loss, aux))
 
 
 def _local_call(
-    ctx: Context, layout: sharded.Layout, cell: list[Any], local: _Local
+    ctx: Context, layout: sharded.Layout, cell: list[Any], per_shard: bool, local: _Local
 ) -> tuple[Any, _Pooled]:
-    """One device's part of a stream call: its rows' gradient added to its own partial sum;
-    the rest pooled over the devices in one all-reduce."""
+    """One device's part of a stream call: its rows' gradient added to its own partial sum
+    (``per_shard``), or reduced and added to the window's one sum; the rest pooled over the
+    devices in one all-reduce."""
     ctx = _local_context(ctx, layout, local)
     params = sharded.gather(local.params, layout)
-    window = window_lib.local_window(local.window)
+    sums, micro_step = local.window
+    if per_shard:
+        sums = jax.tree.map(lambda a: a[0], sums)
+    zero = jnp.zeros((), jnp.int32)
+    window = window_lib.Window(sums, jnp.zeros((), jnp.float32), micro_step, zero, zero)
     start = None if local.model_state is None else emptied(local.model_state)
     loss, new_state, aux, grads, weight = gradient(
         ctx, params, start, local.batch, window.micro_step
     )
     policy = ctx.config.policy
     m = _share(policy, window_lib.inspect_microbatch(policy, grads, weight, params), layout)
+    reduce = _reduce(layout, whole=not per_shard)
     window, _ = window_lib.add_microbatch(
-        policy, window, grads, weight, params, inspected=m, reduce=_scatter(layout)
+        policy, window, grads, weight, params, inspected=m, reduce=reduce
     )
     kept = None if start is None else optax.tree.where(m.added, new_state, start)
     metric_weight = jnp.ones((), jnp.float32) if weight is None else weight
@@ -371,7 +416,8 @@ def _local_call(
         model_state = _pooled_model_state(local.model_state, kept, bn, means, all_added)
     loss = loss_parts[0] / loss_parts[1]
     pooled = _Pooled(inc, all_added, model_state, loss, _Aux(split.rows, rest[len(floats) :]))
-    return window_lib.with_partial_sums(window).partial_sums, pooled
+    sums = window.grad_sum
+    return (jax.tree.map(lambda a: a[None], sums) if per_shard else sums), pooled
 
 
 def _share(
@@ -388,20 +434,24 @@ def _share(
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
 
 
-def _scatter(layout: sharded.Layout) -> Callable[[Any], Any] | None:
-    """Reduce-scatters the leaves of parameters split over the data axis (None: none)."""
-    if all(d is None for d in layout.dims):
+def _reduce(layout: sharded.Layout, whole: bool) -> Callable[[Any], Any] | None:
+    """What a device's gradient goes through before it is added: reduce-scattered into the
+    shards of parameters split over the data axis, and all-reduced for the others when the
+    window keeps one ``whole`` sum (None: nothing to do)."""
+    if not whole and all(d is None for d in layout.dims):
         return None
 
     def reduce(tree: Any) -> Any:
         leaves = layout.treedef.flatten_up_to(tree)
-        out = [
-            x
-            if d is None
-            else jax.lax.psum_scatter(x, layout.axis, scatter_dimension=d, tiled=True)
-            for x, d in zip(leaves, layout.dims, strict=True)
-        ]
-        return jax.tree.unflatten(layout.treedef, out)
+        summed = [i for i, d in enumerate(layout.dims) if d is None and whole]
+        for i, x in zip(summed, jax.lax.psum([leaves[i] for i in summed], layout.axis)):
+            leaves[i] = x  # one all-reduce for all of them
+        for i, d in enumerate(layout.dims):
+            if d is not None:
+                leaves[i] = jax.lax.psum_scatter(
+                    leaves[i], layout.axis, scatter_dimension=d, tiled=True
+                )
+        return jax.tree.unflatten(layout.treedef, leaves)
 
     return reduce
 

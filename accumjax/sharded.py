@@ -42,6 +42,7 @@ __all__ = [
     "gather",
     "layout_of",
     "mesh_of",
+    "names",
     "sharding_of",
     "shards_of",
 ]
@@ -93,7 +94,8 @@ def _spec(dim: int | None, axis: str) -> PartitionSpec:
     return PartitionSpec() if dim is None else PartitionSpec(*([None] * dim), axis)
 
 
-def _names(entry: Any) -> tuple[str, ...]:
+def names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one entry of a ``PartitionSpec`` names."""
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -163,13 +165,13 @@ def _batch_axis(batch: Any) -> tuple[AnyMesh, str] | None:
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
         return None
     spec = sharding.spec
-    names = list(_names(spec[0])) if len(spec) else []
-    if len(names) > 1:
+    axes = list(names(spec[0])) if len(spec) else []
+    if len(axes) > 1:
         raise NotImplementedError(
             "under jit, accumjax splits a batch over one mesh axis (the data axis); the batch "
-            f"is sharded over {names}. Shard it over one axis."
+            f"is sharded over {axes}. Shard it over one axis."
         )
-    return (sharding.mesh, names[0]) if names else None
+    return (sharding.mesh, axes[0]) if axes else None
 
 
 def _split_dim(path: str, leaf: Any, axis: str) -> int | None:
@@ -177,14 +179,14 @@ def _split_dim(path: str, leaf: Any, axis: str) -> int | None:
     sharding = sharding_of(leaf)
     found = None
     for dim, entry in enumerate(getattr(sharding, "spec", ())):
-        names = _names(entry)
-        if axis in names and len(names) > 1:
+        axes = names(entry)
+        if axis in axes and len(axes) > 1:
             raise NotImplementedError(
-                f"params{path} has a dimension split over {names} together: the train step "
+                f"params{path} has a dimension split over {axes} together: the train step "
                 f"supports parameters split over the data axis {axis!r} or over other axes, "
                 "one axis per dimension."
             )
-        if axis in names:
+        if axis in axes:
             found = dim
     return found
 
