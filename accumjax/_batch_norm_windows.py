@@ -19,8 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax.typing import Array
 
-from accumjax import _batch_norm_math as bnm
-from accumjax._batch_norm_math import ACCUMULATOR_NAMES, MOMENTUM_NAME, STEP_DRIVEN_NAMES
+from accumjax._batch_norm_math import (
+    ACCUMULATOR_NAMES,
+    MOMENTUM_NAME,
+    STEP_DRIVEN_NAMES,
+    Window,
+    chan_merge,
+    pooled_windows,
+    window_sums,
+)
 from accumjax._variables import is_variable, variable_value
 
 __all__ = [
@@ -144,8 +151,8 @@ def _nodes(tree: Any) -> tuple[list[Any], Any, list[int]]:
     return nodes, treedef, [i for i, node in enumerate(nodes) if is_step_driven(node)]
 
 
-def _window(node: Any) -> bnm.Window:
-    return bnm.Window(*(array_of(node[k]) for k in ACCUMULATOR_NAMES))
+def _window(node: Any) -> Window:
+    return Window(*(array_of(node[k]) for k in ACCUMULATOR_NAMES))
 
 
 def emptied(tree: Any) -> Any:
@@ -160,7 +167,7 @@ def emptied(tree: Any) -> Any:
     nodes, treedef, where = _nodes(tree)
     for i in where:
         w = _window(nodes[i])
-        empty = bnm.Window(
+        empty = Window(
             jnp.zeros_like(w.count), jnp.zeros_like(w.mean), jnp.zeros_like(w.m2), w.step * 0
         )
         nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, empty, strict=True)))
@@ -173,7 +180,7 @@ def call_sums(tree: Any) -> Array:
     each layer's count of calls."""
     nodes, _, where = _nodes(tree)
     shifts = [array_of(nodes[i]["mean"]) for i in where]
-    sums = bnm.window_sums(shifts, [_window(nodes[i]) for i in where])
+    sums = window_sums(shifts, [_window(nodes[i]) for i in where])
     steps = jnp.stack([_window(nodes[i]).step for i in where] or [jnp.zeros((), jnp.int32)])
     return jnp.concatenate([sums, steps.astype(sums.dtype)])
 
@@ -185,11 +192,11 @@ def merge_pooled(before: Any, flat: Array) -> Any:
     nodes, treedef, where = _nodes(before)
     shifts = [array_of(nodes[i]["mean"]) for i in where]
     windows = [_window(nodes[i]) for i in where]
-    pooled = bnm.pooled_windows(flat[: flat.size - max(len(where), 1)], shifts, windows)
+    pooled = pooled_windows(flat[: flat.size - max(len(where), 1)], shifts, windows)
     called = flat[flat.size - max(len(where), 1) :]
     for j, (i, old, new) in enumerate(zip(where, windows, pooled, strict=True)):
-        count, mean, m2 = bnm.chan_merge(old.count, old.mean, old.m2, new.count, new.mean, new.m2)
+        count, mean, m2 = chan_merge(old.count, old.mean, old.m2, new.count, new.mean, new.m2)
         step = old.step + (jnp.real(called[j]) > 0).astype(old.step.dtype)
-        merged = bnm.Window(count.astype(old.count.dtype), mean, m2.astype(old.m2.dtype), step)
+        merged = Window(count.astype(old.count.dtype), mean, m2.astype(old.m2.dtype), step)
         nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, merged, strict=True)))
     return jax.tree.unflatten(treedef, nodes)

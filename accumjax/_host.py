@@ -40,9 +40,7 @@ __all__ = ["TrainStep", "wrap"]
 def _traced(tree: Any) -> bool:
     """Whether any leaf is traced or abstract (the step runs inside a transformation, or is
     lowered from shapes): host-side checks need concrete values."""
-    return any(
-        isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)
-    )
+    return any(isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 def _abstract(tree: Any) -> bool:
@@ -278,7 +276,12 @@ class TrainStep:
 
 
 def _build(
-    mode: str, tx: Any, where: tuple[Any, str | None], params: Any, model_state: Any, loss_scale: Any
+    mode: str,
+    tx: Any,
+    where: tuple[Any, str | None],
+    params: Any,
+    model_state: Any,
+    loss_scale: Any,
 ) -> TrainState:
     """A train state with ``step == 0`` for ``mode`` (traceable)."""
     config = config_of(tx)

@@ -111,8 +111,12 @@ def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
             return x
         return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, want))
 
-    return jax.tree.map(lambda spec, sub: jax.tree.map(partial(fit, spec), sub), specs, args,
-                        is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return jax.tree.map(
+        lambda spec, sub: jax.tree.map(partial(fit, spec), sub),
+        specs,
+        args,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )
 
 
 def _local_context(ctx: Context, layout: sharded.Layout, local: _Local) -> Context:
@@ -143,7 +147,8 @@ def psum_together(parts: list[Any], axis: str) -> list[jax.Array]:
     for a in arrays:
         part = flat[offset : offset + a.size].reshape(a.shape)
         own = jnp.result_type(jnp.float32, a)
-        out.append((part if jnp.issubdtype(own, jnp.complexfloating) else jnp.real(part)).astype(own))
+        part = part if jnp.issubdtype(own, jnp.complexfloating) else jnp.real(part)
+        out.append(part.astype(own))
         offset += a.size
     return out
 
@@ -444,7 +449,9 @@ def _reduce(layout: sharded.Layout, whole: bool) -> Callable[[Any], Any] | None:
     def reduce(tree: Any) -> Any:
         leaves = layout.treedef.flatten_up_to(tree)
         summed = [i for i, d in enumerate(layout.dims) if d is None and whole]
-        for i, x in zip(summed, jax.lax.psum([leaves[i] for i in summed], layout.axis)):
+        for i, x in zip(
+            summed, jax.lax.psum([leaves[i] for i in summed], layout.axis), strict=True
+        ):
             leaves[i] = x  # one all-reduce for all of them
         for i, d in enumerate(layout.dims):
             if d is not None:

@@ -34,7 +34,6 @@ References:
     spread of the microbatch means around the pooled mean; the merge here keeps it.
 """
 
-from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -57,9 +56,10 @@ from accumjax._batch_norm_math import (
     close_window,
     complex_like,
     normalize_and_accumulate,
-    pool_windows,
+    pooled_windows,
     running_dtype,
     stats_dtype,
+    window_sums,
 )
 from accumjax._batch_norm_windows import (
     array_of,
@@ -68,7 +68,7 @@ from accumjax._batch_norm_windows import (
     replace_leaves,
     warn_if_open,
 )
-from accumjax._variables import is_variable, unwrap_variables, variable_value
+from accumjax._variables import is_variable, unwrap_variables
 from accumjax.accumulation_state import unwrap
 from accumjax.batch_norm_convert import convert_batch_norm_variables
 
@@ -394,7 +394,9 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
     running = [Running(*(array_of(nodes[i][k]) for k in ("mean", "var"))) for i in where]
     windows = [Window(*(array_of(nodes[i][k]) for k in ACCUMULATOR_NAMES)) for i in where]
     if axis_name is not None and where:
-        windows = pool_windows([r.mean for r in running], windows, axis_name)
+        shifts = [r.mean for r in running]  # equal on every device: the pooled sums add exactly
+        summed = jax.lax.psum(window_sums(shifts, windows), axis_name)
+        windows = pooled_windows(summed, shifts, windows)
     for i, old, window in zip(where, running, windows, strict=True):
         momentum = array_of(nodes[i][MOMENTUM_NAME])
         new_running, new_window = close_window(old, window, momentum, apply)

@@ -125,6 +125,7 @@ class _Plan:
                         "window boundary."
                     )
             return type(target)(sums(read), **values)
+
         return build
 
     def _sums(
@@ -247,7 +248,7 @@ def restore_checkpoint(
       ValueError: for an open window restored into a scan-mode target, and for any other
         leaf whose stored shape differs from the target's, naming it.
     """
-    import orbax.checkpoint as ocp  # noqa: PLC0415 (optional dependency)
+    import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer() if checkpointer is None else checkpointer
     metadata = checkpointer.metadata(directory)
@@ -257,8 +258,7 @@ def restore_checkpoint(
         target, is_leaf=lambda x: x is None or _is_window(x)
     )
     makers = [
-        (plan.window if _is_window(node) else plan.leaf)(tuple(path), node)
-        for path, node in nodes
+        (plan.window if _is_window(node) else plan.leaf)(tuple(path), node) for path, node in nodes
     ]
     wanted = _as_stored(_read_tree(plan.read), stored, ocp.PLACEHOLDER)
     restored = checkpointer.restore(directory, wanted)

@@ -320,8 +320,8 @@ def make_nnx_train_step(
       >>> model = Model(nnx.Rngs(0))
       >>> def loss_fn(model, batch, key):
       ...     return jnp.mean((model(batch["x"], rngs=nnx.Rngs(dropout=key)) - batch["y"]) ** 2)
-      >>> state = nnx_train_state(model, accumjax.accumulate(optax.adam(1e-2), 4), mode="scan")
       >>> step = make_nnx_train_step(loss_fn, mode="scan")
+      >>> state = step.init(model, accumjax.accumulate(optax.adam(1e-2), 4))
       >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.ones((16, 1))}  # 4 microbatches of 4
       >>> state, metrics = step(state, batch, jax.random.key(1))
       >>> int(state.step), bool(metrics["updated"])

@@ -284,7 +284,7 @@ def scan_step_for_k(
       batch (it splits it into K microbatches); ``state_k`` is ``state`` with the rebuilt
       ``tx`` and an abstract scan-mode ``opt_state`` (``jax.ShapeDtypeStruct`` leaves, no
       accumulator): enough to ``step.lower(state_k, batch[, rng])``; to run the step,
-      build the state for it: ``TrainState.create(..., tx=state_k.tx, mode="scan")``.
+      build the state with it: ``step.init(params, state_k.tx, ...)``.
 
     Raises:
       TypeError: ``state`` is not a train state, ``k`` is not an integer, or
@@ -301,9 +301,7 @@ def scan_step_for_k(
       >>> step, state_4 = scan_step_for_k(loss_fn, state, 4)
       >>> compiled_memory_bytes(step.lower(state_4, batch).compile()) > 0
       True
-      >>> state_4 = accumjax.TrainState.create(
-      ...     apply_fn=None, params=params, tx=state_4.tx, mode="scan")
-      >>> new_state, metrics = step(state_4, batch)
+      >>> new_state, metrics = step(step.init(params, state_4.tx), batch)
       >>> int(new_state.step)  # one window of 4 microbatches: one update
       1
     """

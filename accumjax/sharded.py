@@ -330,4 +330,3 @@ def shards_of(window: window_lib.DeviceWindow) -> int:
     """How many data shards a `accumjax.window.DeviceWindow` was laid out for (the largest
     leading axis of its partial sums; 1 when every parameter is split over the data axis)."""
     return max((int(x.shape[0]) for x in jax.tree.leaves(window.partial_sums)), default=1)
-

@@ -452,7 +452,8 @@ def _reduce_window(
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
-    stacked = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in scalars] or [jnp.zeros(0, dtype)])
+    parts = [jnp.ravel(x).astype(dtype) for x in scalars]
+    stacked = jnp.concatenate(parts or [jnp.zeros(0, dtype)])
     reduced, stacked = jax.lax.psum(([leaves[i] for i in summed], stacked), axis_name)
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
