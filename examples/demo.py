@@ -134,13 +134,13 @@ class Run:
 
 
 def new_run(model: MLP, params: Params, tx: optax.GradientTransformation) -> Run:
-    """A run from a copy of ``params``: the step donates (reuses) its input state's buffers,
-    so two states must not share arrays."""
-    copy = jax.tree.map(jnp.copy, params)
-    state = accumjax.TrainState.create(apply_fn=model.apply, params=copy, tx=tx, mode="scan")
+    """A run from ``params``: ``step.init`` builds the state the step takes, with arrays of
+    its own (the step donates (reuses) its input state's buffers, so two states must not
+    share arrays; ``params`` stay usable)."""
     # mode="scan": each call takes the whole batch and runs its K microbatches (rows i, i + K,
     # ...) in one compiled loop. K is read from the optimizer (a plain optax one: K = 1).
-    return Run(state, accumjax.make_train_step(make_loss_fn(model), mode="scan"))
+    step = accumjax.make_train_step(make_loss_fn(model), mode="scan")
+    return Run(step.init(params, tx, apply_fn=model.apply), step)
 
 
 def temp_mib(run: Run, batch: Batch) -> float:
