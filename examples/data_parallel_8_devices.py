@@ -57,11 +57,12 @@ def loss_fn(params, batch):
     return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
 
 
-def new_state(k):
-    """A fresh state whose optimizer applies Adam once every k microbatches (k=1: plain Adam)."""
+def new_state(step, k):
+    """A fresh state for ``step`` whose optimizer applies Adam once every k microbatches (k=1:
+    plain Adam). ``step.init`` lays it out for the step's mode and mesh."""
     params = init_params(jax.random.key(0))
     tx = accumjax.accumulate(optax.adam(1e-2), k)
-    return accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
+    return step.init(params, tx)
 
 
 # --- 1. accumjax: 8 devices x 4 accumulated microbatches ----------------------------------------
@@ -71,17 +72,18 @@ step = accumjax.make_train_step(loss_fn, mode="scan", mesh=mesh, axis_name="data
 sharding = accumjax.distributed.data_sharding(mesh, "data")
 batches = [jax.device_put({"x": x[i], "y": y[i]}, sharding) for i in range(UPDATES)]
 
-state = new_state(ACCUM)
-# To inspect the collectives below. lower() takes all three arguments (state, batch, rng).
-compiled = step.lower(state, batches[0], None).compile()
+state = new_state(step, ACCUM)  # replicated on the step's mesh
+# To inspect the collectives below: lower() takes the step's arguments (state, batch).
+compiled = step.lower(state, batches[0]).compile()
 for batch in batches:
     state, metrics = step(state, batch)
-# metrics["loss"] has one entry per device: each device's mean over its 4 microbatches.
-print(f"8-device accumulated run: final loss {float(jnp.mean(metrics['loss'])):.4f}")
+# Metrics are global scalars: the loss is the mean over the whole batch of 512 (all devices,
+# all microbatches).
+print(f"8-device accumulated run: final loss {float(metrics['loss']):.4f}")
 
 # --- 2. Reference: one device, the whole batch of 512 at once -----------------------------------
 reference_step = accumjax.make_train_step(loss_fn, mode="scan")
-reference = new_state(1)
+reference = new_state(reference_step, 1)
 for i in range(UPDATES):
     reference, _ = reference_step(reference, {"x": x[i], "y": y[i]})
 
