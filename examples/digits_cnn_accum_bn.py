@@ -74,12 +74,6 @@ def train(k):
     # accumulate(adam, K) adds up K microbatch gradients and applies Adam to their mean on every
     # K-th call (K=1: plain Adam). This is the only place K is stated.
     tx = accumjax.accumulate(optax.adam(3e-3), k)
-    state = accumjax.TrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        tx=tx,
-        model_state={"batch_stats": variables["batch_stats"]},  # non-trainable state
-    )
 
     # With model state the loss takes and returns it: (params, model_state, batch) ->
     # (loss, new_model_state). The loss is the mean over the (micro)batch it is given.
@@ -93,6 +87,14 @@ def train(k):
     # One call = one microbatch; parameters (and running BN statistics) change on every K-th
     # call, when the window closes.
     step = accumjax.make_train_step(loss_fn, mode="stream")
+    # The step builds the state it takes (laid out for stream mode: the open window's partial
+    # gradient sum lives in the state between calls).
+    state = step.init(
+        variables["params"],
+        tx,
+        model_state={"batch_stats": variables["batch_stats"]},  # non-trainable state
+        apply_fn=model.apply,
+    )
 
     first_stats = None
     data = batches()
