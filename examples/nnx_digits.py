@@ -1,9 +1,9 @@
 """A Flax NNX MLP with accumulated BatchNorm and dropout, batch 128 as 4 microbatches of 32.
 
 `accumjax.make_nnx_train_step(loss_fn, mode="scan")` trains an `nnx.Module` directly: the loss
-takes the model, `loss_fn(model, batch, key)`, and the state is the model split by
-`accumjax.nnx_train_state(model, tx, mode="scan")` into parameters (`nnx.Param`) and
-everything else (`nnx.BatchStat`, ...). K is stated once, in
+takes the model, `loss_fn(model, batch, key)`, and the state is the model split by the step,
+`step.init(model, tx)`, into parameters (`nnx.Param`) and everything else (`nnx.BatchStat`,
+...), laid out for the step's mode. K is stated once, in
 `tx = accumjax.accumulate(optax.adam(...), K)`. With scan mode one call takes the whole batch
 of 128 and loops over its 4 microbatches (rows i, i + 4, i + 8, ...) inside one compiled
 program; Adam is applied once per call.
@@ -33,7 +33,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import accumjax
-from accumjax.nnx_train_step import make_nnx_train_step, nnx_train_state, nnx_update
+from accumjax.nnx_train_step import make_nnx_train_step, nnx_update
 
 BATCH, MICRO = 128, 32  # examples per update, per microbatch
 EPOCHS = 25
@@ -85,8 +85,8 @@ def train(k):
     model = MLP(nnx.Rngs(SEED))
     # accumulate(adam, K): K microbatch gradients summed, Adam applied to their mean once per
     # window (K=1: plain Adam). The only place K is stated.
-    state = nnx_train_state(model, accumjax.accumulate(optax.adam(3e-3), k), mode="scan")
     step = make_nnx_train_step(loss_fn, mode="scan")  # one call = one batch = one update
+    state = step.init(model, accumjax.accumulate(optax.adam(3e-3), k))  # copies of the arrays
     first_stats = None
     for i, batch in enumerate(batches()):
         state, metrics = step(state, batch, jax.random.key(SEED))
