@@ -121,13 +121,10 @@ def loss_fn(params, batch):
     return microbatch_loss(params, batch["x"], batch["y"], batch["mask"])
 
 
-state = accumjax.TrainState.create(
-    apply_fn=None,
-    params=jax.tree.map(jnp.copy, params),  # the step donates its input state
-    tx=accumjax.accumulate(optax.sgd(LR), K, scaling="weighted"),
-)
 # weight_fn gives each microbatch's weight: its number of tokens.
 step = accumjax.make_train_step(loss_fn, weight_fn=lambda batch: jnp.sum(batch["mask"]))
+# The step builds its state with arrays of its own (it donates them; `params` stay usable).
+state = step.init(params, accumjax.accumulate(optax.sgd(LR), K, scaling="weighted"))
 for i in range(K):  # stream mode: one microbatch per call, the update on the K-th
     state, metrics = step(state, {"x": inputs[i], "y": targets[i], "mask": mask[i]})
 assert bool(metrics["updated"]) and int(state.step) == 1
