@@ -38,15 +38,16 @@ def _wrapper_step(tx: optax.GradientTransformation, apply: bool = True):
     return step
 
 
-def _train_step():
-    """``make_train_step``'s stream step (a non-update call leaves params untouched)."""
+def _train_step(params, tx, batch):
+    """``make_train_step``'s stream step (a non-update call leaves params untouched) as a
+    ``carry -> carry`` function, and its first carry (the state from ``step.init``)."""
     step = accumjax.make_train_step(common.mlp_loss)
 
     def run(carry):
         state, batch = carry
         return step(state, batch)[0], batch
 
-    return run
+    return run, (step.init(params, tx), batch)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -72,8 +73,7 @@ def _run_one(microbatch: int, calls: int, rounds: int) -> dict[str, Any]:
         cases[f"{name}_update"] = (_wrapper_step(tx, apply=False), (params, tx.init(params), batch))
         cases[f"{name}_micro"] = (_wrapper_step(tx), (params, tx.init(params), batch))
     for name, tx in list(never.items())[:2]:  # make_train_step's own stream microstep
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
-        cases[f"{name}_train_step"] = (_train_step(), (state, batch))
+        cases[f"{name}_train_step"] = _train_step(params, tx, batch)
     windows = {
         "plain_adam": optax.adam(1e-3),
         "accumjax_window": accumjax.accumulate(optax.adam(1e-3), K),
