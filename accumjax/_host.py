@@ -262,23 +262,24 @@ class TrainStep:
             state = unalias(jax.jit(build)(*args))
         return state.replace(apply_fn=apply_fn)
 
-    def _mesh_and_axis(self, params: Any) -> tuple[Any, str | None]:
+    def _mesh_and_axis(self, params: Any) -> tuple[Any, str | None, Any]:
         """Where a stream window's partial sums are laid out: the step's mesh and data
-        axis, or the parameters' mesh and its data axis (None, None: one device)."""
+        axis, or the parameters' mesh and its data axis (None, None: one device), and which
+        dimension of each parameter is split over that axis (read here, before tracing)."""
         setup = self._setup
         if self._pmapped or self._scan:
-            return None, None
+            return None, None, None
         mesh = setup.mesh if setup.mesh is not None else sharded.mesh_of(params)
-        if mesh is None:
-            return None, None
-        axis = sharded.data_axis(mesh, setup.data_axis)
-        return (mesh, axis) if axis is not None else (None, None)
+        axis = None if mesh is None else sharded.data_axis(mesh, setup.data_axis)
+        if axis is None:
+            return None, None, None
+        return mesh, axis, sharded.split_dims(params, axis)
 
 
 def _build(
     mode: str,
     tx: Any,
-    where: tuple[Any, str | None],
+    where: tuple[Any, str | None, Any],
     params: Any,
     model_state: Any,
     loss_scale: Any,

@@ -91,6 +91,28 @@ def _opcode(rhs: str) -> str:
     return rhs.lstrip().split("(", 1)[0].strip()
 
 
+_ARRAY = re.compile(r"\b(pred|[sufc]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
+
+
+def _result_bytes(rhs: str) -> int:
+    """Bytes of an instruction's result shape (every array of a tuple shape)."""
+    depth, end = 0, len(rhs)
+    for i, char in enumerate(rhs.lstrip()):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and char in " )":
+            end = i + 1
+            break
+    total = 0
+    for dtype, dims in _ARRAY.findall(rhs.lstrip()[:end]):
+        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * bits // 8
+    return total
+
+
 def _collective(opcode: str) -> str | None:
     if opcode.endswith("-done"):
         return None
@@ -119,8 +141,17 @@ def _parse(text: str) -> tuple[dict[str, list[str]], str | None]:
     return computations, entry
 
 
+def _counted(rhs: str, min_bytes: int) -> str | None:
+    """The collective an instruction is, if it moves at least ``min_bytes``."""
+    kind = _collective(_opcode(rhs))
+    return kind if kind and (min_bytes <= 0 or _result_bytes(rhs) >= min_bytes) else None
+
+
 def _executed_counts(
-    computations: dict[str, list[str]], entry: str, default_trip_count: int | None
+    computations: dict[str, list[str]],
+    entry: str,
+    default_trip_count: int | None,
+    min_bytes: int,
 ) -> dict[str, int]:
     memo: dict[str, dict[str, int]] = {}
 
@@ -130,7 +161,7 @@ def _executed_counts(
         counts: dict[str, int] = {}
         for rhs in computations.get(name, []):
             op = _opcode(rhs)
-            kind = _collective(op)
+            kind = _counted(rhs, min_bytes)
             if kind:
                 counts[kind] = counts.get(kind, 0) + 1
             called = dict(_CALLED.findall(rhs))
@@ -169,7 +200,11 @@ def _executed_counts(
 
 
 def count_collectives(
-    x: Any, *, per_execution: bool = False, default_trip_count: int | None = None
+    x: Any,
+    *,
+    per_execution: bool = False,
+    default_trip_count: int | None = None,
+    min_bytes: int = 0,
 ) -> dict[str, int]:
     """Counts collective instructions in optimized HLO, by opcode.
 
@@ -187,6 +222,9 @@ def count_collectives(
       default_trip_count: with ``per_execution``, the trip count assumed for loops
         whose count XLA does not know (e.g. ``1`` for a run-at-most-once loop, giving an
         upper bound); ``None`` raises instead.
+      min_bytes: count only collectives whose result holds at least this many bytes (all
+        arrays of a variadic one together), e.g. to tell a gradient's reduction from a
+        few scalars of metrics; 0 counts every one.
 
     Returns:
       A dict from op name (``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
@@ -205,11 +243,11 @@ def count_collectives(
     if per_execution:
         if entry is None:
             raise ValueError("HLO text has no ENTRY computation.")
-        counts.update(_executed_counts(computations, entry, default_trip_count))
+        counts.update(_executed_counts(computations, entry, default_trip_count, min_bytes))
         return counts
     for body in computations.values():
         for rhs in body:
-            kind = _collective(_opcode(rhs))
+            kind = _counted(rhs, min_bytes)
             if kind:
                 counts[kind] = counts.get(kind, 0) + 1
     return counts

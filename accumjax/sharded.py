@@ -45,6 +45,7 @@ __all__ = [
     "names",
     "sharding_of",
     "shards_of",
+    "split_dims",
 ]
 
 AnyMesh = Mesh | AbstractMesh
@@ -292,12 +293,26 @@ def _zeros(shape: tuple[int, ...], dtype: Any, mesh: AnyMesh | None, spec: Any) 
     return make()
 
 
+def split_dims(params: Any, axis: str | None) -> tuple[int | None, ...]:
+    """Per parameter leaf, the dimension split over the data axis ``axis`` (None:
+    replicated over it), as far as the leaves' shardings say."""
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    if axis is None:
+        return (None,) * len(paths)
+    return tuple(_split_dim(jax.tree_util.keystr(p), leaf, axis) for p, leaf in paths)
+
+
 def device_window(
-    params: Any, accumulator_dtype: Any, mesh: AnyMesh | None, axis: str | None
+    params: Any,
+    accumulator_dtype: Any,
+    mesh: AnyMesh | None,
+    axis: str | None,
+    dims: tuple[int | None, ...] | None = None,
 ) -> window_lib.DeviceWindow:
     """An empty `accumjax.window.DeviceWindow` for ``params``: one partial sum per data shard
     (the devices along ``axis`` of ``mesh``; one without a mesh), each split like its
-    parameter; a parameter split over the data axis keeps one (its reduced sum's shards).
+    parameter; a parameter split over the data axis (``dims``, `split_dims` of ``params``
+    by default) keeps one (its reduced sum's shards).
 
     Example:
       >>> import jax.numpy as jnp
@@ -306,19 +321,22 @@ def device_window(
       ((1, 3), ())
     """
     shards = 1 if mesh is None or axis is None else int(mesh.shape[axis])
+    leaves, treedef = jax.tree.flatten(params)
+    dims = split_dims(params, axis) if dims is None else dims
 
-    def sums(path: Any, p: Any) -> jax.Array:
+    def sums(p: Any, dim: int | None) -> jax.Array:
         spec = tuple(getattr(sharding_of(p), "spec", ()) or ())
         spec = spec + (None,) * (len(p.shape) - len(spec))
-        split = axis is not None and _split_dim(jax.tree_util.keystr(path), p, axis) is not None
-        lead = None if split or shards == 1 else axis
+        if dim is not None and axis is not None:
+            spec = tuple(axis if i == dim else e for i, e in enumerate(spec))
+        lead = None if dim is not None or shards == 1 else axis
         dtype = window_lib.sum_dtype(p.dtype, accumulator_dtype)
         shape = (1 if lead is None else shards, *p.shape)
         return _zeros(shape, dtype, mesh, PartitionSpec(lead, *spec))
 
     whole = lambda dtype: _zeros((), dtype, mesh, PartitionSpec())  # distinct: donatable
     return window_lib.DeviceWindow(
-        jax.tree_util.tree_map_with_path(sums, params),
+        jax.tree.unflatten(treedef, [sums(p, d) for p, d in zip(leaves, dims, strict=True)]),
         whole(jnp.float32),
         whole(jnp.int32),
         whole(jnp.int32),

@@ -1,9 +1,12 @@
-"""The steps under ``jit`` with sharded arrays (accumjax.sharded): JAX's default mesh.
+"""The train step on a mesh under ``jit`` (accumjax.sharded, accumjax._sharded_steps).
 
-Scan mode, and stream mode with a per-device window. On 8 CPU devices: replicated data
-parallel and FSDP, Explicit and Auto meshes. References: the same step on unsharded arrays
-(one device's view), one-device full-batch optax, and collective counts in the compiled HLO.
+8 host CPU devices: replicated data parallel and FSDP, Explicit and Auto meshes, a 2-D
+(data, model) mesh, BatchNorm model state. References: the same step on one device, plain
+optax on the whole batch, and the collectives in the compiled HLO. Every metric is a scalar
+equal to the one-device value; the gradient is reduced once per window in both modes.
 """
+
+import re
 
 import flax.linen as nn
 import jax
@@ -20,6 +23,11 @@ from accumjax import count_collectives, sharded
 
 K = 4
 N = 8
+# A reduction of gradients moves at least one parameter's worth of bytes (the smallest, b1,
+# is 32 floats); the metrics a stream call reduces are a few scalars.
+GRADIENT_BYTES = 32 * 4
+# Per-device float32 sums reduced once against one device's sum over the same rows: ulps.
+SAME_SUM = dict(rtol=2e-5, atol=2e-6)
 
 
 def _loss(params, batch):
@@ -44,76 +52,77 @@ def _problem():
 FSDP = {"w1": P("data", None), "b1": P(), "w2": P("data", None)}
 
 
-def _mesh(kind):
+def _mesh(kind="explicit"):
     assert jax.device_count() >= N
     types = (AxisType.Explicit,) if kind == "explicit" else (AxisType.Auto,)
     return jax.make_mesh((N,), ("data",), axis_types=types)
 
 
-def _run(mesh, fsdp, steps=3):
+def _put(params, mesh, fsdp):
+    specs = FSDP if fsdp else dict.fromkeys(params, P())
+    return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+
+
+def _counts(compiled, trips, min_bytes=0):
+    return count_collectives(
+        compiled, per_execution=True, default_trip_count=trips, min_bytes=min_bytes
+    )
+
+
+# ----------------------------------------------------------------------------- scan mode
+
+
+def _scan_run(mesh, fsdp, steps=2):
     params, batch = _problem()
-    with jax.set_mesh(mesh):
-        specs = FSDP if fsdp else dict.fromkeys(params, P())
-        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    step = accumjax.make_train_step(_loss, mode="scan")
+    tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
+    if mesh is None:
+        state = step.init(params, tx)
+    else:
+        state = step.init(_put(params, mesh, fsdp), tx)
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
-        step = accumjax.make_train_step(_loss, mode="scan")
-        compiled = step.lower(state, batch).compile()
-        for _ in range(steps):
-            state, metrics = step(state, batch)
+    compiled = step.lower(state, batch).compile()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
     return state, metrics, compiled
 
 
-def _reference(steps=3):
-    params, batch = _problem()
-    tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
-    step = accumjax.make_train_step(_loss, mode="scan")
-    with jax.default_device(jax.devices()[0]):
-        for _ in range(steps):
-            state, _ = step(state, batch)
-    return state
+@pytest.fixture(scope="module")
+def one_device_scan():
+    return _scan_run(None, False)
 
 
-def _spec(x):
-    """A leaf's PartitionSpec with trailing unsharded dims dropped (Explicit vs Auto spelling)."""
-    spec = tuple(x.sharding.spec)
-    while spec and spec[-1] is None:
-        spec = spec[:-1]
-    return spec
-
-
-@pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
-def test_scan_under_jit_matches_one_device_and_reduces_once_per_window(kind, fsdp):
-    state, metrics, compiled = _run(_mesh(kind), fsdp)
-    ref = _reference()
-    # Per-device float32 sums reduced once vs one device's sum over the same rows: a few ulps.
+@pytest.mark.parametrize(
+    "kind,fsdp", [("explicit", False), ("auto", False), ("explicit", True), ("auto", True)]
+)
+def test_scan_on_a_mesh_matches_one_device_and_reduces_once_per_window(kind, fsdp, one_device_scan):
+    state, metrics, compiled = _scan_run(_mesh(kind), fsdp)
+    ref, ref_metrics, _ = one_device_scan
     for key in ref.params:
-        np.testing.assert_allclose(state.params[key], ref.params[key], rtol=2e-5, atol=2e-6)
-    assert metrics["loss"].shape == (N,)  # one loss per device
-
+        np.testing.assert_allclose(state.params[key], ref.params[key], **SAME_SUM)
+    # Global values: the scalars of one device (the loss travels in the window's reduction).
+    assert {k: jnp.shape(v) for k, v in metrics.items()} == {k: () for k in ref_metrics}
+    for key in ("loss", "grad_norm"):  # float32 sums in another order: 1e-6
+        np.testing.assert_allclose(float(metrics[key]), float(ref_metrics[key]), rtol=1e-6)
     static = count_collectives(compiled)
-    executed = count_collectives(compiled, per_execution=True, default_trip_count=1)
-    assert executed == static  # nothing inside the microbatch loop (or it would count K-1x)
-    assert static["all-gather"] == (2 if fsdp else 0)  # FSDP: the two kernels, once; no batch
+    assert _counts(compiled, 1) == static  # nothing inside the microbatch loop
+    assert static["all-gather"] == (2 if fsdp else 0)  # FSDP: the two kernels, once
     if fsdp:
         assert static["reduce-scatter"] == 2  # one per sharded gradient, once per window
-        assert static["all-reduce"] <= 1  # the small replicated bias and the scalars
+        assert static["all-reduce"] <= 2  # the bias, scalars and the shards' norm
     else:
         assert static == {**static, "all-reduce": 1, "reduce-scatter": 0}
 
 
 def test_fsdp_state_stays_sharded_and_memory_scales_down():
-    mesh = _mesh("explicit")
-    state, _, compiled = _run(mesh, fsdp=True, steps=1)
+    mesh = _mesh()
+    state, _, compiled = _scan_run(mesh, fsdp=True, steps=1)
     for key, spec in FSDP.items():
-        want = _spec(jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, spec)))
-        assert _spec(state.params[key]) == want
-        assert _spec(state.opt_state.inner_tx_state[0].trace[key]) == want  # momentum too
+        momentum = state.opt_state.inner_tx_state[0].trace[key]
+        for x in (state.params[key], momentum):  # Explicit or Auto spelling of the spec
+            assert tuple(x.sharding.spec)[: len(spec)] == tuple(spec)
     assert state.opt_state.window.grad_sum is None  # scan mode: the state holds no accumulator
-    _, _, replicated = _run(mesh, fsdp=False, steps=1)
+    _, _, replicated = _scan_run(mesh, fsdp=False, steps=1)
 
     def held(c):
         m = c.memory_analysis()
@@ -125,58 +134,68 @@ def test_fsdp_state_stays_sharded_and_memory_scales_down():
     assert held(compiled) <= (held(replicated) - 2 * batch_bytes) / N + 2 * batch_bytes + 4096
 
 
-def test_layout_of_rejects_what_it_cannot_split():
+def test_layout_of_reads_the_data_axis_and_refuses_what_it_cannot_split():
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    with jax.set_mesh(mesh):
-        batch = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P("data")))
-        tp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "model")))
-        with pytest.raises(NotImplementedError, match="model"):
-            sharded.layout_of({"w": tp}, batch)
-        both = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P(("data", "model"))))
-        with pytest.raises(NotImplementedError, match="one mesh axis"):
-            sharded.layout_of({"w": jnp.ones(3)}, both)
+    batch = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P("data")))
+    tp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "model")))
+    fsdp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("data", "model")))
+    layout = sharded.layout_of({"tp": tp, "fsdp": fsdp}, batch)
+    assert (layout.axis, layout.dims, layout.shards) == ("data", (0, None), 2)
+    both = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P(("data", "model"))))
+    with pytest.raises(NotImplementedError, match="one mesh axis"):
+        sharded.layout_of({"w": jnp.ones(3)}, both)
     assert sharded.layout_of({"w": jnp.ones(3)}, jnp.ones((8, 3))) is None  # one device
+    with pytest.raises(ValueError, match=r"several axes.*axis_name='data'"):
+        sharded.data_axis(mesh)
 
 
-def test_mesh_path_places_its_inputs_and_refuses_a_sharded_state():
-    # jax.make_mesh gives Explicit axes: the shard_map step used to reject unsharded inputs.
-    mesh = _mesh("explicit")
+def test_the_mesh_path_keeps_a_sharded_state_and_places_what_is_off_the_mesh(one_device_scan):
+    # make_train_step(mesh=, axis_name=) runs where the arrays lie: an FSDP state stays
+    # sharded (it used to be refused), unsharded inputs go on the mesh.
+    mesh = _mesh()
     params, batch = _problem()
-    tx = accumjax.accumulate(optax.sgd(0.1), K)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
-    step = accumjax.make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh, donate=False)
-    after, _ = step(state, batch)
-    ref = _reference(steps=1)
+    tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
+    step = accumjax.make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh)
+    plain = step.init(params, tx)  # off the mesh: init puts it there, replicated
+    assert plain.params["w1"].sharding.mesh == mesh
+    state = step.init(_put(params, mesh, fsdp=True), tx)
+    for _ in range(2):
+        state, metrics = step(state, batch)  # the batch is split over "data" by the step
+    ref, _, _ = one_device_scan
     for key in ref.params:
-        np.testing.assert_allclose(after.params[key], ref.params[key], rtol=2e-5, atol=2e-6)
-    with jax.set_mesh(mesh):
-        fsdp = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
-        sharded_state = accumjax.TrainState.create(apply_fn=None, params=fsdp, tx=tx, mode="scan")
-        with pytest.raises(ValueError, match=r"state\.params\['w1'\] is sharded"):
-            step(sharded_state, batch)
+        np.testing.assert_allclose(state.params[key], ref.params[key], **SAME_SUM)
+    assert state.params["w1"].sharding.spec[0] == "data" and metrics["loss"].shape == ()
+
+
+def test_params_and_batch_on_meshes_of_the_same_devices_with_other_axes_are_named():
+    params, batch = _problem()
+    mesh = _mesh()
+    other = jax.make_mesh((N,), ("batch",))
+    step = accumjax.make_train_step(_loss, mode="scan", donate=False)
+    state = step.init(_put(params, mesh, False), accumjax.accumulate(optax.sgd(0.1), K))
+    batch = jax.device_put(batch, NamedSharding(other, P("batch")))
+    with pytest.raises(ValueError, match=r"'data': 8.*'batch': 8.*same devices"):
+        step(state, batch)
 
 
 def test_fsdp_gather_per_microbatch_trades_gathers_for_memory():
-    mesh = _mesh("explicit")
+    mesh = _mesh()
     params, batch = _problem()
-    with jax.set_mesh(mesh):
-        params = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
-        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
-        results = {}
-        for gather in ("window", "microbatch"):
-            state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
-            step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
-            compiled = step.lower(state, batch).compile()
-            counts = count_collectives(compiled, per_execution=True, default_trip_count=1)
-            results[gather] = (step(state, batch)[0].params, counts)
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    tx = accumjax.accumulate(optax.sgd(0.1, momentum=0.9), K)
+    results = {}
+    for gather in ("window", "microbatch"):
+        step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
+        state = step.init(_put(params, mesh, True), tx)
+        compiled = step.lower(state, batch).compile()
+        results[gather] = (step(state, batch)[0].params, _counts(compiled, 1))
     (window_params, window_counts), (micro_params, micro_counts) = results.values()
     # Per microbatch: two kernels x K, in one loop of K microbatches (no re-run: every
     # device must run the same gathers).
     assert window_counts["all-gather"] == 2 and micro_counts["all-gather"] == 2 * K
     assert window_counts["reduce-scatter"] == micro_counts["reduce-scatter"] == 2  # once
-    for key in window_params:  # the same arithmetic, gathered at another time
-        np.testing.assert_array_equal(window_params[key], micro_params[key])
+    for key in window_params:  # the same arithmetic in two programs: to float32 rounding
+        np.testing.assert_allclose(window_params[key], micro_params[key], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="gather_params"):
         accumjax.make_train_step(_loss, mode="scan", gather_params="layer")
 
@@ -184,25 +203,21 @@ def test_fsdp_gather_per_microbatch_trades_gathers_for_memory():
 def test_a_nan_on_one_device_with_a_gather_per_microbatch_is_skipped_on_that_device_only():
     # A NaN in device 0's rows of microbatch 3. Gathering per microbatch puts collectives in
     # the loop: a re-run decided on device 0 alone left the others waiting in the gather
-    # (XLA aborted after 40 s). Each device's rows are a microbatch of their own (as on the
-    # mesh= path), so only device 0's are left out, as when gathering once per window.
-    mesh = _mesh("explicit")
+    # (XLA aborted after 40 s). Each device decides about its own rows (its share of the
+    # microbatch), so only device 0's share is left out, as when gathering once per window.
+    mesh = _mesh()
     params, batch = _problem()
     batch["x"][3] = np.nan
-    with jax.set_mesh(mesh):
-        params = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
-        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        tx = accumjax.accumulate(optax.sgd(0.1), K)
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
-        out = {}
-        for gather in ("microbatch", "window"):
-            step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
-            out[gather] = step(state, batch)[0]
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
+    out = {}
+    for gather in ("microbatch", "window"):
+        step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
+        out[gather] = step(step.init(_put(params, mesh, True), tx), batch)[0]
     lean, usual = out["microbatch"], out["window"]
-    skipped = [int(s.opt_state.skipped_microbatches) for s in (lean, usual)]
-    assert skipped == [1, 1]
-    for key in params:  # bit for bit, finite
-        np.testing.assert_array_equal(lean.params[key], usual.params[key])
+    assert [int(s.opt_state.skipped_microbatches) for s in (lean, usual)] == [1, 1]
+    for key in params:  # two programs: to float32 rounding; finite
+        np.testing.assert_allclose(lean.params[key], usual.params[key], rtol=1e-6, atol=1e-7)
         assert np.isfinite(np.asarray(lean.params[key])).all()
 
 
@@ -210,24 +225,17 @@ def test_a_nan_on_one_device_with_a_gather_per_microbatch_is_skipped_on_that_dev
 def test_float16_overflow_on_one_shard_under_fsdp_is_skipped_and_lowers_the_scale(on_nonfinite):
     # One row of one device's shard of one microbatch overflows float16 (issue 17: params and
     # Adam state became Inf, grads_finite said True and the scale never went down).
-    mesh = _mesh("explicit")
+    mesh = _mesh()
     params, batch = _problem()
     batch["y"][3] = 1e4  # row 3: device 0's rows, microbatch 3 (rows i, i + K, ...)
-    with jax.set_mesh(mesh):
-        params = {k: jax.device_put(v, NamedSharding(mesh, FSDP[k])) for k, v in params.items()}
-        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        tx = accumjax.accumulate(optax.adam(1e-2), K, on_nonfinite=on_nonfinite)
-        state = accumjax.TrainState.create(
-            apply_fn=None,
-            params=params,
-            tx=tx,
-            loss_scale=accumjax.dynamic_loss_scale(initial=2.0**15),
-            mode="scan",
-        )
-        step = accumjax.make_train_step(_loss, mode="scan", mixed_precision="float16")
-        before = jax.tree.map(np.asarray, state.params)
-        after, metrics = step(state, batch)
-    assert not bool(metrics["grads_finite"])
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    tx = accumjax.accumulate(optax.adam(1e-2), K, on_nonfinite=on_nonfinite)
+    step = accumjax.make_train_step(_loss, mode="scan", mixed_precision="float16")
+    state = step.init(_put(params, mesh, True), tx)  # float16: init makes the loss scale
+    assert float(state.loss_scale.loss_scale) == 2.0**15
+    before = jax.tree.map(np.asarray, state.params)
+    after, metrics = step(state, batch)
+    assert not bool(metrics["grads_finite"]) and metrics["grads_finite"].shape == ()
     assert float(after.loss_scale.loss_scale) < 2.0**15  # lowered at the window's end
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(after.params))
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(after.opt_state))
@@ -238,65 +246,46 @@ def test_float16_overflow_on_one_shard_under_fsdp_is_skipped_and_lowers_the_scal
         assert bool(metrics["updated"])
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
-def test_stream_mode_under_jit_resumes_a_mid_window_orbax_checkpoint_bit_for_bit(tmp_path, fsdp):
-    # Issues 17 and 19: on the plain-jit path each device's partial window sum is its own
-    # slice of a global array, so a checkpoint saved mid-window (orbax, restored with the
-    # live shardings) holds every device's and resumes bit for bit.
-    import orbax.checkpoint as ocp
+def test_aux_is_global_rows_concatenated_and_scalars_averaged():
+    # Per-row aux (a residual per row) has every device's rows; a scalar per microbatch is
+    # the mean over the devices (their rows are equal in number): one device's values.
+    def loss(params, batch):
+        err = jnp.tanh(batch["x"] @ params["w1"] + params["b1"]) @ params["w2"] - batch["y"]
+        return jnp.mean(err**2), {"row": jnp.mean(err**2, axis=1), "mean": jnp.mean(err)}
 
-    mesh = _mesh("explicit")
     params, batch = _problem()
-    specs = FSDP if fsdp else dict.fromkeys(params, P())
-    with jax.set_mesh(mesh):
-        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-        micro = [
-            jax.device_put(
-                jax.tree.map(lambda a, i=i: a[i::K], batch), NamedSharding(mesh, P("data"))
-            )
-            for i in range(K)
-        ]
-        tx = accumjax.accumulate(optax.adam(1e-2), K)
-        step = accumjax.make_train_step(_loss, donate=False)
-
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
-        for mb in micro[:2]:
-            state, _ = step(state, mb)
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp_path / "ckpt", state)
-        checkpointer.wait_until_finished()
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-        )
-        restored = checkpointer.restore(tmp_path / "ckpt", target)
-        checkpointer.close()
-        assert int(restored.opt_state.window.micro_step) == 2
-        for mb in micro[2:]:
-            state, _ = step(state, mb)
-            restored, _ = step(restored, mb)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        assert a.sharding == b.sharding  # nothing replicated behind the user's back
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
+    mesh = _mesh()
+    for mode, rows in (("scan", batch), ("stream", jax.tree.map(lambda a: a[:N], batch))):
+        step = accumjax.make_train_step(loss, mode=mode, has_aux=True, donate=False)
+        _, ref = step(step.init(params, tx), rows)
+        on_mesh = jax.device_put(rows, NamedSharding(mesh, P("data")))
+        _, got = step(step.init(_put(params, mesh, False), tx), on_mesh)
+        assert jax.tree.map(jnp.shape, got["aux"]) == jax.tree.map(jnp.shape, ref["aux"])
+        for a, b in zip(jax.tree.leaves(got["aux"]), jax.tree.leaves(ref["aux"]), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32, another order
 
 
 # ----------------------------------------------------------------------------- stream mode
 
 
-def _stream_run(mesh, fsdp, tx):
-    """K stream calls per window (N rows each) on ``mesh``, from a state created on it."""
+def _micro(batch, mesh):
+    data = NamedSharding(mesh, P("data")) if mesh is not None else None
+    parts = [jax.tree.map(lambda a, j=j: a[j * N : (j + 1) * N], batch) for j in range(2 * K)]
+    return [p if data is None else jax.device_put(p, data) for p in parts]
+
+
+def _stream_run(mesh, fsdp, tx, step=None):
+    """K stream calls per window (N rows each), two windows, from ``step.init``."""
     params, batch = _problem()
-    specs = FSDP if fsdp else dict.fromkeys(params, P())
-    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
-    step = accumjax.make_train_step(_loss)  # stream mode, plain jit: no mesh, no axis_name
-    data = NamedSharding(mesh, P("data"))
-    micro = [
-        jax.device_put(jax.tree.map(lambda a, j=j: a[j * N : (j + 1) * N], batch), data)
-        for j in range(len(batch["x"]) // N)
-    ]
+    step = step or accumjax.make_train_step(_loss)
+    state = step.init(params if mesh is None else _put(params, mesh, fsdp), tx)
+    micro = _micro(batch, mesh)
     compiled = step.lower(state, micro[0]).compile()
+    metrics = []
     for mb in micro:
-        state, metrics = step(state, mb)
+        state, m = step(state, mb)
+        metrics.append(m)
     return state, metrics, compiled
 
 
@@ -312,59 +301,194 @@ def _full_batch_sgd():
     return params
 
 
-@pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
-def test_stream_under_jit_reduces_once_per_window_and_matches_full_batch(kind, fsdp):
-    # Issue 19: a per-device window (made by TrainState.create from parameters on the mesh)
-    # takes each call's gradient on each device, with no collective (FSDP: the gather of the
-    # sharded parameters and the reduce-scatter of their gradient, per call); one all-reduce
-    # when the window closes. SGD, not adam: adam's scale invariance would hide a window
-    # counted 8 times.
+@pytest.fixture(scope="module")
+def one_device_stream():
+    return _stream_run(None, False, accumjax.accumulate(optax.sgd(0.5), K))
+
+
+@pytest.mark.parametrize(
+    "kind,fsdp", [("explicit", False), ("auto", False), ("explicit", True), ("auto", True)]
+)
+def test_stream_on_a_mesh_reduces_once_per_window_with_global_metrics(
+    kind, fsdp, one_device_stream
+):
+    # A state from step.init keeps one partial sum per device (FSDP: the gather of the
+    # sharded parameters and the reduce-scatter of their gradient, per call); each call's
+    # loss and counts travel in one small all-reduce; the gradient is reduced when the
+    # window closes. SGD, not adam: adam's scale invariance would hide a window counted 8
+    # times.
     state, metrics, compiled = _stream_run(
         _mesh(kind), fsdp, accumjax.accumulate(optax.sgd(0.5), K)
     )
     ref = _full_batch_sgd()
-    # float32: per-device sums reduced once vs one device's sum over the same rows: ulps.
     for key in ref:
         np.testing.assert_allclose(state.params[key], ref[key], rtol=1e-5, atol=1e-6)
-    assert int(state.step) == 2 and metrics["loss"].shape == (N,)  # one loss per device
+    _, ref_metrics, _ = one_device_stream
+    assert int(state.step) == 2
+    for got, want in zip(metrics, ref_metrics, strict=True):  # the one-device scalars
+        assert {k: jnp.shape(v) for k, v in got.items()} == {k: () for k in want}
+        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
     # The close runs in a loop of at most one trip whose count XLA does not know: a trip
     # count of 0 counts what every call runs, 1 what the closing call runs.
-    every = count_collectives(compiled, per_execution=True, default_trip_count=0)
-    closing = count_collectives(compiled, per_execution=True, default_trip_count=1)
+    every, closing = _counts(compiled, 0), _counts(compiled, 1)
     sharded_leaves = 2 if fsdp else 0
-    assert every == {**every, "all-reduce": 0, "all-gather": sharded_leaves}
+    assert every == {**every, "all-reduce": 1, "all-gather": sharded_leaves}  # the metrics
     assert every["reduce-scatter"] == sharded_leaves
-    assert closing == {**every, "all-reduce": 1}
+    assert _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"] == 0  # no gradient every call
+    assert closing == {**every, "all-reduce": 2}
+    assert _counts(compiled, 1, GRADIENT_BYTES)["all-reduce"] == 1  # once per window
 
 
-def test_stream_state_on_a_2d_mesh_keeps_the_parameter_shaped_window():
-    # On a (data=4, model=2) mesh the state cannot know which axis the batch will be split
-    # over, so it keeps the parameter-shaped sum (XLA reduces each call, as before issue 19)
-    # and trains as the per-device window on a 1-D mesh of 4 devices does.
-    tx = accumjax.accumulate(optax.sgd(0.5), K)
-    two_d = jax.make_mesh((4, 2), ("data", "model"))
-    one_d = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-    state_2d, _, _ = _stream_run(two_d, False, tx)
-    state_1d, _, _ = _stream_run(one_d, False, tx)
-    assert state_2d.opt_state.window.grad_sum["w1"].shape == state_2d.params["w1"].shape
-    assert state_1d.opt_state.window.grad_sum["w1"].shape == (4, 16, 32)
-    for key in state_1d.params:  # float32 sums in two orders: ulps
-        np.testing.assert_allclose(state_2d.params[key], state_1d.params[key], rtol=1e-5, atol=1e-6)
-
-
-def test_stream_per_device_window_needs_a_batch_on_its_mesh():
-    mesh = _mesh("explicit")
+def test_stream_states_from_create_train_on_a_mesh_reducing_every_call(one_device_stream):
+    # TrainState.create's parameter-shaped window: the gradient is reduced on every call
+    # (in the same shard_map), the result is the same.
+    mesh = _mesh()
     params, batch = _problem()
-    params = jax.device_put(params, NamedSharding(mesh, P()))
     tx = accumjax.accumulate(optax.sgd(0.5), K)
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
     step = accumjax.make_train_step(_loss)
-    with pytest.raises(ValueError, match=r"per device.*not split over that mesh.*device_put"):
-        step(state, jax.tree.map(lambda a: a[:N], batch))
-    mesh_step = accumjax.make_train_step(_loss, mesh=mesh, axis_name="data")
-    with pytest.raises(ValueError, match=r"replicates the state.*Drop mesh= and axis_name="):
-        mesh_step(state, jax.tree.map(lambda a: a[:N], batch))
+    state = accumjax.TrainState.create(apply_fn=None, params=_put(params, mesh, False), tx=tx)
+    micro = _micro(batch, mesh)
+    compiled = step.lower(state, micro[0]).compile()
+    for mb in micro:
+        state, _ = step(state, mb)
+    ref = _full_batch_sgd()
+    for key in ref:
+        np.testing.assert_allclose(state.params[key], ref[key], rtol=1e-5, atol=1e-6)
+    assert _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"] == 1
+
+
+def test_stream_on_a_2d_mesh_reduces_once_per_window_over_the_data_axis(one_device_stream):
+    # (data=4, model=2): replicated parameters, and a tensor-parallel kernel split over
+    # "model". The window is kept per data shard and reduced over "data" once per window.
+    params, batch = _problem()
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tx = accumjax.accumulate(optax.sgd(0.5), K)
+    ref = _full_batch_sgd()
+    for tp in (False, True):
+        step = accumjax.make_train_step(_loss, mesh=mesh, axis_name="data")
+        placed = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in params.items()}
+        if tp:
+            placed["w1"] = jax.device_put(params["w1"], NamedSharding(mesh, P(None, "model")))
+        state = step.init(placed, tx)
+        assert state.opt_state.window.partial_sums["w1"].shape == (4, 16, 32)
+        micro = [jax.tree.map(lambda a, j=j: a[j * N : (j + 1) * N], batch) for j in range(2 * K)]
+        compiled = step.lower(state, micro[0]).compile()
+        for mb in micro:
+            state, metrics = step(state, mb)
+        for key in ref:
+            np.testing.assert_allclose(state.params[key], ref[key], rtol=1e-5, atol=1e-6)
+        assert metrics["loss"].shape == ()
+        gradient = _counts(compiled, 1, GRADIENT_BYTES)["all-reduce"]
+        every = _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"]
+        if not tp:  # nothing else moves gradients: once per window, never per call
+            assert (every, gradient) == (0, 1)
+        # Over "data": the call's metrics, and the window's close (the gradient): the
+        # tensor-parallel reductions over "model" are the model's own.
+        assert _data_axis_reductions(compiled, mesh) == 2
+
+
+def _data_axis_reductions(compiled, mesh):
+    """All-reduces in the program whose replica groups are the data axis's (each group one
+    device of every data index), as written (a stream call has no microbatch loop)."""
+    data_groups = {frozenset(int(d.id) for d in row) for row in mesh.devices.T}
+    found = 0
+    for line in compiled.as_text().splitlines():
+        groups = re.search(r" all-reduce(?:-start)?\(.*replica_groups=\{(\{[\d,{}]+\})\}", line)
+        if groups is None:
+            continue
+        sets = {frozenset(map(int, g.strip("{}").split(","))) for g in groups.group(1).split("},{")}
+        found += sets == data_groups
+    return found
+
+
+class _BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = accumjax.AccumBatchNorm(use_running_average=False, momentum=0.5)(nn.Dense(8)(x))
+        return nn.Dense(4)(nn.relu(x))
+
+
+def test_stream_with_batch_norm_pools_statistics_per_call_and_reduces_gradients_once():
+    # BatchNorm windows are pooled with each call's loss in its one small all-reduce, so the
+    # running statistics move at the close with the whole window's pooled statistics, as on
+    # one device; the gradient is reduced once per window.
+    model = _BatchNormNet()
+    _, batch = _problem()
+    variables = model.init(jax.random.key(0), batch["x"][:N])
+
+    def loss(params, model_state, b):
+        out, new = model.apply({"params": params, **model_state}, b["x"], mutable=["batch_stats"])
+        return jnp.mean((out - b["y"]) ** 2), new
+
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
+    ms = {"batch_stats": variables["batch_stats"]}
+    results = {}
+    for where in ("one device", "mesh"):
+        mesh = _mesh() if where == "mesh" else None
+        step = accumjax.make_train_step(loss, donate=False)
+        p = variables["params"]
+        p = p if mesh is None else jax.device_put(p, NamedSharding(mesh, P()))
+        state = step.init(p, tx, model_state=ms)
+        micro = _micro(batch, mesh)[:K]  # one window: the parameters are the same
+        compiled = step.lower(state, micro[0]).compile()
+        for mb in micro:
+            state, _ = step(state, mb)
+        results[where] = (state, compiled)
+    (one, _), (meshed, compiled) = results.values()
+    stats_one = one.model_state["batch_stats"]["AccumBatchNorm_0"]
+    stats_mesh = meshed.model_state["batch_stats"]["AccumBatchNorm_0"]
+    # The running statistics are the pooled window's (Chan et al.), as on one device (the
+    # updates differ: each device normalizes its own rows).
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(stats_mesh[name], stats_one[name], rtol=1e-5, atol=1e-6)
+    assert int(stats_mesh["acc_step"]) == 0 and stats_mesh["acc_mean"].shape == (8,)
+    assert _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"] == 0
+    assert _counts(compiled, 1, GRADIENT_BYTES)["all-reduce"] == 1
+    assert _counts(compiled, 0)["all-reduce"] == 1  # loss, counts and statistics together
+
+
+def test_stream_mode_resumes_a_mid_window_orbax_checkpoint_bit_for_bit(tmp_path):
+    # The partial sums are every device's slice of a global array: a checkpoint saved
+    # mid-window (orbax's own route, step.init's abstract state as the target) holds every
+    # device's and resumes bit for bit on the same devices.
+    import orbax.checkpoint as ocp
+
+    mesh = _mesh()
+    params, batch = _problem()
+    tx = accumjax.accumulate(optax.adam(1e-2), K)
+    step = accumjax.make_train_step(_loss, donate=False)
+    placed = _put(params, mesh, True)
+    state = step.init(placed, tx)
+    micro = _micro(batch, mesh)[:K]
+    for mb in micro[:2]:
+        state, _ = step(state, mb)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), placed
+    )
+    restored = checkpointer.restore(tmp_path / "ckpt", step.init(abstract, tx))
+    checkpointer.close()
+    assert int(restored.opt_state.window.micro_step) == 2
+    for mb in micro[2:]:
+        state, _ = step(state, mb)
+        restored, _ = step(restored, mb)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same program
+        assert a.sharding == b.sharding  # nothing replicated behind the user's back
+
+
+def test_a_state_for_another_number_of_devices_is_refused_naming_the_fix():
+    params, batch = _problem()
+    step = accumjax.make_train_step(_loss)
+    tx = accumjax.accumulate(optax.sgd(0.5), K)
+    state = step.init(_put(params, _mesh(), False), tx)  # 8 partial sums
+    four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    rows = jax.device_put(jax.tree.map(lambda a: a[:N], batch), NamedSharding(four, P("data")))
+    moved = jax.device_put(state, NamedSharding(four, P()))
+    with pytest.raises(ValueError, match=r"8 partial sums.*4 data shards.*restore_checkpoint"):
+        step(moved, rows)
 
 
 class _LinenEmbed(nn.Module):
@@ -384,8 +508,8 @@ class _NNXEmbed(nnx.Module):
 
 def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
     # jax.make_mesh's default axes are Explicit, where jit of an embedding lookup with a
-    # sharded batch fails ("Use .at[...].get(out_sharding=)"); the per-device window takes
-    # each device's gradient inside a shard_map, where the lookup is local.
+    # sharded batch fails ("Use .at[...].get(out_sharding=)"); the step takes each device's
+    # gradient inside a shard_map, where the lookup is local.
     mesh = jax.make_mesh((N,), ("data",))
     assert mesh.axis_types == (AxisType.Explicit,)
     ids = np.random.default_rng(0).integers(0, 11, size=(2 * K * N, 5)).astype(np.int32)
@@ -396,20 +520,19 @@ def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
     xent = optax.softmax_cross_entropy_with_integer_labels
     linen = _LinenEmbed()
     linen_loss = lambda p, b: xent(linen.apply({"params": p}, b), b[:, 0]).mean()
+    params = linen.init(jax.random.key(0), ids[:1])["params"]
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    tx = accumjax.accumulate(optax.sgd(0.5), K)
+    step = accumjax.make_train_step(linen_loss)
+    state = step.init(params, tx)
+    for mb in micro:
+        state, _ = step(state, mb)
     with jax.set_mesh(mesh):
-        params = linen.init(jax.random.key(0), ids[:1])["params"]
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        tx = accumjax.accumulate(optax.sgd(0.5), K)
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
-        step = accumjax.make_train_step(linen_loss)
-        for mb in micro:
-            state, _ = step(state, mb)
         model = _NNXEmbed(nnx.Rngs(0))
-        nnx_state = accumjax.nnx_train_state(model, accumjax.accumulate(optax.sgd(0.5), K))
-        nnx_loss = lambda m, b: xent(m(b), b[:, 0]).mean()
-        nnx_step = accumjax.make_nnx_train_step(nnx_loss)
-        for mb in micro:
-            nnx_state, _ = nnx_step(nnx_state, mb)
+    nnx_step = accumjax.make_nnx_train_step(lambda m, b: xent(m(b), b[:, 0]).mean())
+    nnx_state = nnx_step.init(model, accumjax.accumulate(optax.sgd(0.5), K))
+    for mb in micro:
+        nnx_state, _ = nnx_step(nnx_state, mb)
     assert int(state.step) == 2 and int(nnx_state.step) == 2
     # One device, each window's rows at once: the same SGD steps.
     ref = jax.device_get(linen.init(jax.random.key(0), ids[:1])["params"])
