@@ -29,15 +29,10 @@ def _tx():
     return optax.adam(1e-3)
 
 
-def _state(params, k: int) -> accumjax.TrainState:
-    """A scan-mode train state whose optimizer accumulates k microbatches (scan mode reads K
-    from it; the state holds no accumulator)."""
-    return accumjax.TrainState.create(
-        apply_fn=None,  # type: ignore[arg-type]
-        params=params,
-        tx=accumjax.accumulate(_tx(), k),
-        mode="scan",
-    )
+def _state(step, params, k: int) -> accumjax.TrainState:
+    """The state of the scan-mode ``step`` whose optimizer accumulates k microbatches (scan
+    mode reads K from it; the state holds no accumulator)."""
+    return step.init(params, accumjax.accumulate(_tx(), k))
 
 
 def _full_batch_step():
@@ -103,7 +98,7 @@ def _conv_case(calls: int, rounds: int) -> dict[str, float]:
     cases: dict[str, Any] = {}
     for name, k, unroll in (("full_batch", 1, 1), ("scan", K, 1), ("scan_unrolled", K, True)):
         step = accumjax.make_train_step(_conv_loss, mode="scan", unroll=unroll)
-        cases[name] = (lambda st, step=step: step(st, batch)[0], _state(params, k))
+        cases[name] = (lambda st, step=step: step(st, batch)[0], _state(step, params, k))
     seconds = common.time_interleaved(cases, calls=calls, rounds=rounds)
     return {k: v * 1e3 for k, v in seconds.items()}
 
@@ -117,8 +112,8 @@ def run(calls: int = 3, rounds: int = 5) -> dict[str, Any]:
     params = common.mlp_params(DIMS)
     x, y = common.batch(BATCH, DIMS[0], DIMS[-1])
     batch = {"x": x, "y": y}
-    state = _state(params, K)
     accum_step = accumjax.make_train_step(_loss, mode="scan")
+    state = _state(accum_step, params, K)
     carry = (params, _tx().init(params))
     steps = {
         "full_batch": _full_batch_step(),
@@ -134,7 +129,9 @@ def run(calls: int = 3, rounds: int = 5) -> dict[str, Any]:
     memory["accumjax_scan"] = _temp_mib(accum_step, state, batch)
     memory_vs_k: dict[str, list[float]] = {"accumjax_scan": [], "optax_microbatch": []}
     for k in MEMORY_KS:
-        memory_vs_k["accumjax_scan"].append(_temp_mib(accum_step, _state(params, k), batch))
+        memory_vs_k["accumjax_scan"].append(
+            _temp_mib(accum_step, _state(accum_step, params, k), batch)
+        )
         memory_vs_k["optax_microbatch"].append(_temp_mib(_optax_microbatch_step(k), carry, batch))
     conv = _conv_case(calls, rounds)
     return {
