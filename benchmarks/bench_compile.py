@@ -90,8 +90,9 @@ def _variants(loss: Callable[..., Any], params: Any, batch: Any) -> dict[str, Va
         ("accumjax_scan_propagate", "propagate"),
     ):
         tx = accumjax.accumulate(_tx(), K, on_nonfinite=on_nonfinite)
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")  # type: ignore[arg-type]
-        out[name] = Variant(lambda: accumjax.make_train_step(loss, mode="scan"), state, True)
+        build = lambda: accumjax.make_train_step(loss, mode="scan")
+        state = build().init(params, tx)  # the scan-mode state every fresh step takes
+        out[name] = Variant(build, state, True)
     rows = jax.tree.leaves(batch)[0].shape[0] // K
     build = lambda: common.optax_microbatch_step(loss, _tx(), rows)
     out["optax_microbatch"] = Variant(build, (params, _tx().init(params)), False)
