@@ -31,7 +31,7 @@ with the bytes of what they are made of: the parameters, the optimizer state the
 carries and the batch (from the arrays). The whole footprint of a step is arguments + temp:
 every variant donates its state (params and optimizer state, not the batch), so its outputs
 alias the donated arguments (``output - alias`` is a few bytes of metrics). The scan variants
-take a scan-mode state (``TrainState.create(..., mode="scan")``: no accumulator), so their
+take a scan-mode state (the scan step's ``step.init(params, tx)``: no accumulator), so their
 arguments are those of the full-batch step; the stream variants carry their accumulator in
 the optimizer state (one float32 parameter copy more) and take one microbatch per call.
 
@@ -158,9 +158,9 @@ def _tree_bytes(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _scan_state(params, tx):
+def _scan_state(step, params, tx):
     """A concrete scan-mode state (no accumulator), as a user of the scan step builds it."""
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")  # type: ignore[arg-type]
+    state = step.init(params, tx)
     assert state.opt_state.window.grad_sum is None, "a scan-mode state holds no accumulator"
     return state
 
@@ -194,7 +194,7 @@ def _cases_for_k(size, params, batch, k, full_batch):
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=_tx())  # type: ignore[arg-type]
     for name, fn in (("accumjax_scan", loss), ("accumjax_scan_remat", loss_remat)):
         step, state_k = scan_step_for_k(fn, state, k)
-        state_k = _scan_state(params, state_k.tx)  # concrete, to run
+        state_k = _scan_state(step, params, state_k.tx)  # concrete, to run
         compiled = step.lower(state_k, batch).compile()
         out[name] = (compiled, lambda s, f=compiled: f(s, batch, None, None)[0], state_k)
     compiled = (
@@ -217,7 +217,7 @@ def _propagate_case(size, params, batch, k):
     tx = accumjax.accumulate(_tx(), k, on_nonfinite="propagate")
     state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)  # type: ignore[arg-type]
     step, state = scan_step_for_k(_loss_fn(_model(size)), state, k)
-    state = _scan_state(params, state.tx)
+    state = _scan_state(step, params, state.tx)
     return step.lower(state, batch).compile(), state
 
 
