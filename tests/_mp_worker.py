@@ -61,12 +61,10 @@ def main(process_id: int, port: int, out: str, layout: str) -> None:
     if layout == "fsdp":
         specs = {"w": PartitionSpec("data", None), "b": PartitionSpec()}
         params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx(), mode="scan")
         step = accumjax.make_train_step(loss_fn, mode="scan")
     else:
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=make_tx(), mode="scan")
-        state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
         step = accumjax.make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh)
+    state = step.init(params, make_tx())
     rows = GLOBAL_BATCH // jax.process_count()
     local = slice(process_id * rows, (process_id + 1) * rows)
     sharding = data_sharding(mesh, "data")
@@ -77,8 +75,7 @@ def main(process_id: int, port: int, out: str, layout: str) -> None:
     losses = []
     for _ in range(NUM_STEPS):
         state, metrics = step(state, batch)
-        shards = metrics["loss"].addressable_shards  # one loss per device
-        losses.append(float(np.mean([np.asarray(shard.data) for shard in shards])))
+        losses.append(float(metrics["loss"]))  # global: the whole batch's, on each process
     if layout == "fsdp":  # still sharded over both processes' devices
         assert state.params["w"].sharding.spec[0] == "data", state.params["w"].sharding
         assert state.opt_state.inner_tx_state[0].trace["w"].sharding.spec[0] == "data"

@@ -124,15 +124,14 @@ def test_scan_step_all_reduces_once_per_window_vs_naive():
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     params, batch = _problem()
     tx = optax.sgd(0.1, momentum=0.9)
-    state = accumjax.TrainState.create(
-        apply_fn=None, params=params, tx=accumjax.accumulate(tx, K), mode="scan"
-    )
     step = accumjax.make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh)
+    state = step.init(params, accumjax.accumulate(tx, K))
     lowered = step.lower(state, batch)
     ours = count_collectives(lowered, per_execution=True)
     assert ours == _counts(all_reduce=1)
     assert count_collectives(lowered) == _counts(all_reduce=1)
-    # The single all-reduce carries the gradients of both parameters (and the loss/weights).
+    # The single all-reduce carries the gradients of both parameters (and the loss, weights
+    # and counts).
     (line,) = _all_reduce_lines(lowered)
     assert "f32[5,3]" in line and "f32[3]" in line
 
@@ -174,17 +173,10 @@ def test_scan_step_with_model_state_and_float16_reduces_once_per_window():
         )
         return jnp.mean((pred - batch["y"]) ** 2), new_state
 
-    state = accumjax.TrainState.create(
-        apply_fn=model.apply,
-        params=params,
-        tx=accumjax.accumulate(optax.adam(1e-3), K),
-        model_state=model_state,
-        loss_scale=accumjax.dynamic_loss_scale(),
-        mode="scan",
-    )
     step = accumjax.make_train_step(
         loss_fn, mode="scan", axis_name="data", mesh=mesh, mixed_precision="float16"
     )
+    state = step.init(params, accumjax.accumulate(optax.adam(1e-3), K), model_state=model_state)
     assert count_collectives(step.lower(state, batch), per_execution=True) == _counts(1)
 
 
@@ -192,36 +184,35 @@ def test_pmap_scan_step_all_reduces_once_per_window():
     n = 8
     assert jax.device_count() >= n
     params, batch = _problem()
-    state = replicate(
-        accumjax.TrainState.create(
-            apply_fn=None, params=params, tx=accumjax.accumulate(optax.sgd(0.1), K), mode="scan"
-        ),
-        n,
-    )
     step = accumjax.make_train_step(_loss, mode="scan", axis_name="data")
+    state = step.init(params, accumjax.accumulate(optax.sgd(0.1), K))  # replicated by pmap's
+    assert state.step.shape == (jax.local_device_count(),)
     local = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
     assert count_collectives(step.lower(state, local), per_execution=True) == _counts(1)
 
 
-def test_stream_step_all_reduces_only_in_the_window_end_branch():
-    # accumulate(axis_name=...) reduces inside its window-end branch (a loop run at most
-    # once per call): at most one all-reduce group per call, none outside that branch.
+def test_stream_step_reduces_the_gradient_only_in_the_window_end_branch():
+    # A stream call on the mesh= path: its metrics and counts in one small all-reduce, the
+    # gradient (kept per device by step.init's state) in the window end (a loop run at most
+    # once per call).
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     params, batch = _problem()
     microbatch = jax.tree.map(lambda x: x[:16], batch)
-    tx = accumjax.accumulate(optax.sgd(0.1), K, axis_name="data")
-    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    tx = accumjax.accumulate(optax.sgd(0.1), K, axis_name="data")  # the axis is the step's
     step = accumjax.make_train_step(_loss, axis_name="data", mesh=mesh)
+    state = step.init(params, tx)
     lowered = step.lower(state, microbatch)
-    assert count_collectives(lowered) == _counts(all_reduce=1)
-    assert count_collectives(lowered, per_execution=True, default_trip_count=1) == _counts(1)
-    (line,) = _all_reduce_lines(lowered)
-    assert "f32[5,3]" in line and "f32[3]" in line
-    # float16 adds none: an overflow is a skipped microbatch, counted in the window's one
+    every = count_collectives(lowered, per_execution=True, default_trip_count=0)
+    assert every == _counts(all_reduce=1)  # the call's loss and counts
+    assert count_collectives(lowered, per_execution=True, default_trip_count=1) == _counts(2)
+    gradient_lines = [line for line in _all_reduce_lines(lowered) if "f32[5,3]" in line]
+    (line,) = gradient_lines  # both parameters' partial sums, once
+    assert "f32[3]" in line
+    # float16 adds none: an overflow is a skipped microbatch, counted in the call's one
     # reduction, and the loss scale is adjusted once per window from that count.
     f16 = accumjax.make_train_step(_loss, axis_name="data", mesh=mesh, mixed_precision="float16")
-    scaled = state.replace(loss_scale=accumjax.dynamic_loss_scale())  # float16 needs one
-    assert count_collectives(f16.lower(scaled, microbatch)) == _counts(all_reduce=1)
+    counted = count_collectives(f16.lower(f16.init(params, tx), microbatch))
+    assert counted == _counts(all_reduce=2)
 
 
 # ----------------------------------------------------------------------------- multi-process
@@ -270,10 +261,8 @@ def test_two_process_scan_matches_single_process(tmp_path, layout):
 
     # Reference in this process: the same scan-mode steps on one device, whole batch.
     x, y, params = worker.problem()
-    state = accumjax.TrainState.create(
-        apply_fn=None, params=params, tx=worker.make_tx(), mode="scan"
-    )
     step = accumjax.make_train_step(worker.loss_fn, mode="scan")
+    state = step.init(params, worker.make_tx())
     losses = []
     for _ in range(worker.NUM_STEPS):
         state, metrics = step(state, {"x": jnp.asarray(x), "y": jnp.asarray(y)})
@@ -287,6 +276,7 @@ def test_two_process_scan_matches_single_process(tmp_path, layout):
         # a few ulps after 3 momentum steps.
         np.testing.assert_allclose(results[0][key], state.params[key], rtol=1e-5, atol=1e-6)
     assert int(results[0]["step"]) == worker.NUM_STEPS
-    # Each process reports the mean of its devices' losses (equal rows per device).
-    mean_loss = (results[0]["loss"] + results[1]["loss"]) / 2
-    np.testing.assert_allclose(mean_loss, losses, rtol=1e-5)
+    # The loss is global: both processes report the whole batch's (float32 sums, another
+    # order).
+    np.testing.assert_array_equal(results[0]["loss"], results[1]["loss"])
+    np.testing.assert_allclose(results[0]["loss"], losses, rtol=1e-5)
