@@ -23,6 +23,7 @@ from accumjax.batch_norm import (
     convert_batch_norm_variables,
     sync_batch_norm,
 )
+from accumjax.checkpoint import restore_checkpoint
 from accumjax.clipping import (
     adaptive_clip,
     adaptive_clip_grad,
@@ -42,6 +43,7 @@ from accumjax.loss_scale import (
 from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
 from accumjax.nnx_train_step import (
     NNXTrainState,
+    NNXTrainStep,
     make_nnx_train_step,
     nnx_train_state,
     nnx_update,
@@ -54,7 +56,7 @@ from accumjax.planner import (
     scan_step_for_k,
 )
 from accumjax.train_state import TrainState, with_mode
-from accumjax.train_step import make_train_step
+from accumjax.train_step import TrainStep, make_train_step
 
 __version__ = "0.3.0"
 
@@ -66,7 +68,9 @@ __all__ = [
     "MicrobatchPlan",
     "NNXAccumBatchNorm",
     "NNXTrainState",
+    "NNXTrainStep",
     "TrainState",
+    "TrainStep",
     "accumulate",
     "accumulated_gradients",
     "adaptive_clip",
@@ -89,6 +93,7 @@ __all__ = [
     "plan_microbatches_for",
     "replicate",
     "reset",
+    "restore_checkpoint",
     "scale_loss",
     "scan_step_for_k",
     "should_update",

@@ -210,16 +210,18 @@ def _read_tree(read: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:
     return root
 
 
-def _as_stored(node: Any, stored: Any, skip: Any) -> Any:
+def _as_stored(node: Any, stored: Any) -> Any:
     """The read plan ``node`` (nested dicts) shaped as the stored tree: its lists as lists,
-    and ``skip`` (orbax's placeholder) for a stored array that is not read."""
+    and a stored array that is not needed (a window a scan-mode target drops) read on one
+    device (orbax's standard checkpointer reads every array)."""
     if isinstance(stored, list | tuple):
-        return [_as_stored((node or {}).get(i), s, skip) for i, s in enumerate(stored)]
+        return [_as_stored((node or {}).get(i), s) for i, s in enumerate(stored)]
     if isinstance(stored, dict):
-        return {k: _as_stored((node or {}).get(k), v, skip) for k, v in stored.items()}
-    if stored is None:
-        return None
-    return skip if node is None else node
+        return {k: _as_stored((node or {}).get(k), v) for k, v in stored.items()}
+    if stored is None or node is not None:
+        return node
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return _like(tuple(stored.shape), stored.dtype, one)
 
 
 def restore_checkpoint(
@@ -260,7 +262,7 @@ def restore_checkpoint(
     makers = [
         (plan.window if _is_window(node) else plan.leaf)(tuple(path), node) for path, node in nodes
     ]
-    wanted = _as_stored(_read_tree(plan.read), stored, ocp.PLACEHOLDER)
+    wanted = _as_stored(_read_tree(plan.read), stored)
     restored = checkpointer.restore(directory, wanted)
     read = {path: _stored_at(restored, path) for path in plan.read}
     return jax.tree.unflatten(treedef, [make(read) for make in makers])
