@@ -15,17 +15,20 @@ The collective counts come from the compiled HLO (``accumjax.count_collectives``
 instructions in the program and instructions executed per step (loop bodies times their
 trip count).
 
-1. accumjax scan mode with ``mesh=``/``axis_name=`` (``shard_map``) against a naive
-   ``shard_map`` whose scan ``pmean``s every microbatch gradient (all-reduces only).
+1. accumjax scan mode with ``mesh=``/``axis_name=`` (the step runs under ``jit`` on that
+   mesh; its state from ``step.init``, replicated there) against a naive ``shard_map`` whose
+   scan ``pmean``s every microbatch gradient (all-reduces only).
 2. ``sharded``: plain ``jit`` on arrays sharded over a ``jax.make_mesh`` mesh (no
    ``shard_map`` written by the user), parameters replicated (``P()``) or FSDP-sharded
    (``P("data", None)``), batch ``P("data")``. Side by side, per layout:
 
    * ``accumjax_scan``: ``make_train_step(mode="scan")``, one call per window (state from
-     ``TrainState.create(..., mode="scan")``); the reference of the time ratios.
+     the step's ``step.init(params, tx)``); the reference of the time ratios.
    * ``accumjax_stream``: ``make_train_step(mode="stream")``, K calls per window, on the
-     per-device window ``TrainState.create`` builds for parameters on a mesh (each call adds
-     its device's gradient locally; the closing call all-reduces once).
+     window ``step.init`` builds for parameters on a mesh (an ``accumjax.window.DeviceWindow``,
+     one partial sum per data shard: each call adds its devices' gradient locally, the
+     closing call all-reduces once; an FSDP-sharded kernel's gradient is reduce-scattered
+     into its shards on every call).
    * ``accumjax_stream_jit``: ``accumjax.accumulate`` in a user's jitted per-microbatch step,
      state ``tx.init(params)`` (the per-call behaviour: XLA reduces every call's gradient).
    * ``multisteps_jit``: ``optax.MultiSteps`` in the same per-microbatch step.
@@ -37,10 +40,14 @@ trip count).
    trip count left out (the at-most-once window close of accumjax stream, and of
    ``accumjax.accumulate``'s ``update`` in the user's step) plus one closing call counted
    with them run once; ``optax.MultiSteps`` has no such loop (its per-call count times K).
-   Then per-device memory of one call (argument, output, temp: ``memory_analysis``), and the
-   wall time of a window (K calls, or one scan call; blocked on at its end): fastest, median
-   and slowest of interleaved rounds, and the fastest and median as ratios to
-   ``accumjax_scan``. No step donates its buffers.
+   The same counts for collectives of at least ``GRADIENT_BYTES`` bytes
+   (``per_window_gradient_sized``) leave out the few scalars a step reduces on every call
+   (accumjax stream's loss and window counts: one small all-reduce per call), so that a
+   window's gradient reductions can be read apart from them. Then per-device memory of one
+   call (argument, output, temp: ``memory_analysis``), and the wall time of a window (K
+   calls, or one scan call; blocked on at its end): fastest, median and slowest of
+   interleaved rounds, and the fastest and median as ratios to ``accumjax_scan``. No step
+   donates its buffers.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import accumjax
+from accumjax.window import DeviceWindow
 from benchmarks import common
 
 DIMS = (64, 256, 256, 10)
@@ -114,12 +122,21 @@ def _memory(compiled: Any) -> dict[str, float]:
     }
 
 
-def _call_counts(compiled: Any) -> dict[str, dict[str, int]]:
+# A collective whose result holds fewer bytes carries a few scalars (metrics, window counts),
+# not a gradient (the smallest gradient here, one 10-entry bias, is 40 bytes and is reduced
+# with the others in one variadic collective).
+GRADIENT_BYTES = 64
+
+
+def _call_counts(compiled: Any, min_bytes: int = 0) -> dict[str, dict[str, int]]:
     """Collectives executed by one call: every call's (a loop of unknown trip count, such as
-    the stream window's close, left out) and a closing call's (such a loop run once)."""
+    the stream window's close, left out) and a closing call's (such a loop run once); only
+    those whose result holds at least ``min_bytes`` bytes."""
 
     def count(trips: int) -> dict[str, int]:
-        c = accumjax.count_collectives(compiled, per_execution=True, default_trip_count=trips)
+        c = accumjax.count_collectives(
+            compiled, per_execution=True, default_trip_count=trips, min_bytes=min_bytes
+        )
         return {op: c[op] for op in OPS}
 
     return {"every_call": count(0), "closing_call": count(1)}
@@ -237,20 +254,12 @@ def sharded_table(kind: str = "explicit", rounds: int = TIMING_ROUNDS) -> dict[s
             }
             acc_tx = accumjax.accumulate(tx, K)
             ms_tx = optax.MultiSteps(tx, every_k_schedule=K)
-            scan_state = accumjax.TrainState.create(
-                apply_fn=None,  # type: ignore[arg-type]
-                params=params,
-                tx=acc_tx,
-                mode="scan",
-            )
-            # On mesh parameters (no model state), a per-device stream window.
-            stream_state = accumjax.TrainState.create(
-                apply_fn=None,  # type: ignore[arg-type]
-                params=params,
-                tx=acc_tx,
-            )
             scan = accumjax.make_train_step(_loss, mode="scan", donate=False)
             stream = accumjax.make_train_step(_loss, mode="stream", donate=False)
+            scan_state = scan.init(params, acc_tx)  # no accumulator
+            # On mesh parameters, one partial sum per data shard (a DeviceWindow).
+            stream_state = stream.init(params, acc_tx)
+            assert isinstance(stream_state.opt_state.window, DeviceWindow)
             acc_step = _per_microbatch_step(acc_tx)
             ms_step = _per_microbatch_step(ms_tx)
             naive = _naive_scan(tx)
@@ -260,13 +269,13 @@ def sharded_table(kind: str = "explicit", rounds: int = TIMING_ROUNDS) -> dict[s
             # name: (compiled, calls per window, window function, its first carry)
             cases = {
                 "accumjax_scan": (
-                    scan.lower(scan_state, window).compile(),  # type: ignore[attr-defined]
+                    scan.lower(scan_state, window).compile(),
                     1,
                     lambda s, _scan=scan: _scan(s, window)[0],
                     scan_state,
                 ),
                 "accumjax_stream": (
-                    stream.lower(stream_state, micro).compile(),  # type: ignore[attr-defined]
+                    stream.lower(stream_state, micro).compile(),
                     K,
                     _window_of(lambda s, mb, _stream=stream: _stream(s, mb)[0], micros),
                     stream_state,
@@ -302,6 +311,9 @@ def sharded_table(kind: str = "explicit", rounds: int = TIMING_ROUNDS) -> dict[s
                 rows[layout][name] = {
                     "calls_per_window": calls,
                     "per_window": per_window,
+                    "per_window_gradient_sized": _window_counts(
+                        _call_counts(c, GRADIENT_BYTES), calls
+                    ),
                     "per_call_executed": per_call,
                     "per_call_in_program": {op: accumjax.count_collectives(c)[op] for op in OPS},
                     "memory_per_device": _memory(c),
@@ -314,6 +326,7 @@ def sharded_table(kind: str = "explicit", rounds: int = TIMING_ROUNDS) -> dict[s
         "K": K,
         "dims": list(DIMS),
         "per_device_rows": PER_DEVICE,
+        "gradient_bytes": GRADIENT_BYTES,
         **rows,
     }
 
@@ -337,14 +350,9 @@ def gather_params_memory() -> dict[str, Any]:
         }
         batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, PartitionSpec("data")))
         for gather in ("window", "microbatch"):
-            state = accumjax.TrainState.create(
-                apply_fn=None,  # type: ignore[arg-type]
-                params=params,
-                tx=accumjax.accumulate(optax.adam(1e-3), K),
-                mode="scan",
-            )
             step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
-            compiled = step.lower(state, batch).compile()  # type: ignore[attr-defined]
+            state = step.init(params, accumjax.accumulate(optax.adam(1e-3), K))
+            compiled = step.lower(state, batch).compile()
             out[f"temp_mib_{gather}"] = compiled.memory_analysis().temp_size_in_bytes / common.MiB
             new_params[gather] = step(state, batch)[0].params
     out["bit_identical"] = all(
@@ -363,15 +371,10 @@ def run() -> dict[str, Any]:
     x, y = common.batch(8 * K * PER_DEVICE, DIMS[0], DIMS[-1])
     batch = {"x": x, "y": y}
     tx = optax.adam(1e-3)
-    state = accumjax.TrainState.create(
-        apply_fn=None,  # type: ignore[arg-type]
-        params=params,
-        tx=accumjax.accumulate(tx, K),  # scan mode reads K from the optimizer
-        mode="scan",
-    )
     ours = accumjax.make_train_step(_loss, mode="scan", mesh=mesh, axis_name="data", donate=False)
+    state = ours.init(params, accumjax.accumulate(tx, K))  # scan mode reads K from the optimizer
     naive = _naive_step(mesh, tx)
-    ours_hlo = ours.lower(state, batch, None).compile()  # type: ignore[attr-defined]
+    ours_hlo = ours.lower(state, batch).compile()
     naive_hlo = naive.lower(params, tx.init(params), batch).compile()
     count = functools.partial(accumjax.count_collectives)
     return {
