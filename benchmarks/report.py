@@ -73,7 +73,10 @@ def table(r: dict) -> str:
 
 def sharded_table(sharded: dict[str, Any]) -> str:
     """``results["collectives"]["sharded"]`` (``bench_collectives.sharded_table``) as Markdown:
-    collectives per window and per-device memory under ``jit`` on an 8-device mesh."""
+    collectives per window and per-device memory under ``jit`` on an 8-device mesh. Where
+    fewer of a kind are gradient-sized (at least ``gradient_bytes``; recorded since
+    ``step.init``'s stream window, whose calls each all-reduce a few scalars), that count
+    follows in parentheses."""
     lines = [
         f"| {sharded['devices']} devices, K={sharded['K']}, per window | all-reduce | "
         "reduce-scatter | all-gather | MiB per device (arg + out + temp) |",
@@ -83,10 +86,17 @@ def sharded_table(sharded: dict[str, Any]) -> str:
         for name in sharded[layout]:
             r = sharded[layout][name]
             c, m = r["per_window"], r["memory_per_device"]
+            big = r.get("per_window_gradient_sized", c)
+            n = {
+                op: f"{c[op]} ({big[op]} of >= {sharded['gradient_bytes']} B)"
+                if big[op] != c[op]
+                else str(c[op])
+                for op in ("all-reduce", "reduce-scatter", "all-gather")
+            }
             calls = f" ({r['calls_per_window']} calls)" if r["calls_per_window"] > 1 else ""
             lines.append(
-                f"| {layout}: {name}{calls} | {c['all-reduce']} | {c['reduce-scatter']} | "
-                f"{c['all-gather']} | {m['total_mib']:.2f} ({m['argument_mib']:.2f} + "
+                f"| {layout}: {name}{calls} | {n['all-reduce']} | {n['reduce-scatter']} | "
+                f"{n['all-gather']} | {m['total_mib']:.2f} ({m['argument_mib']:.2f} + "
                 f"{m['output_mib']:.2f} + {m['temp_mib']:.2f}) |"
             )
     return "\n".join(lines)
