@@ -5,6 +5,8 @@ once to the concatenated window for running statistics, and ``nnx.Optimizer`` ar
 ``accumjax.accumulate``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,20 @@ class BNNet(nnx.Module):
 
     def __call__(self, x, rngs=None):
         return self.head(self.dropout(nnx.relu(self.norm(self.linear(x))), rngs=rngs))
+
+
+@functools.cache
+def _step(loss, **options):
+    """``make_nnx_train_step(loss, **options)``, made once per module: the tests that use the
+    same step share its compiled programs."""
+    return make_nnx_train_step(loss, **options)
+
+
+@functools.cache
+def _acc(inner=optax.sgd, lr=0.1, k=K):
+    """``accumulate(inner(lr), k)``, one object per arguments (the optimizer is static in the
+    state: the same object compiles once)."""
+    return accumjax.accumulate(inner(lr), k)
 
 
 def mse(model, batch):
@@ -134,9 +150,9 @@ def test_float64_params_equal_nnx_full_batch_reference(mode):
         for window in windows:  # one full-batch step per window
             opt.update(reference, nnx.grad(mse)(reference, window))
 
-        tx = accumjax.accumulate(optax.adam(0.05), K)
-        state = nnx_train_state(MLP(nnx.Rngs(0), jnp.float64), tx, mode=mode)
-        state, metrics = _run(make_nnx_train_step(mse, mode=mode), state, windows, mode)
+        step = make_nnx_train_step(mse, mode=mode)
+        state = step.init(MLP(nnx.Rngs(0), jnp.float64), accumjax.accumulate(optax.adam(0.05), K))
+        state, metrics = _run(step, state, windows, mode)
         assert int(state.step) == WINDOWS and bool(metrics["updated"])
         assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype("float64")}
         _assert_tree_close(state.params, nnx.state(reference, nnx.Param), F64)
@@ -147,8 +163,8 @@ def test_batch_norm_stats_after_one_window_equal_batch_norm_on_whole_window(mode
     window = _windows(seed=1, windows=1)[0]
     model = BNNet(nnx.Rngs(0))
     reference = _reference_batch_norm(model, window)  # before training: the initial linear
-    state = nnx_train_state(model, accumjax.accumulate(optax.adam(1e-2), K), mode=mode)
-    step = make_nnx_train_step(bn_loss, mode=mode)
+    step = _step(bn_loss, mode=mode)
+    state = step.init(model, _acc(optax.adam, 1e-2))
     state, metrics = _run(step, state, [window], mode, jax.random.key(0))
     assert int(state.step) == 1 and bool(metrics["updated"])
     _assert_stats_equal_reference(state, reference)
@@ -160,11 +176,10 @@ def test_batch_norm_stats_after_one_window_equal_batch_norm_on_whole_window(mode
 
 def test_scan_and_stream_agree_with_batch_norm_and_dropout_keys():
     windows = _windows(seed=2, windows=2)
-    tx = lambda: accumjax.accumulate(optax.adam(1e-2), K)
     results = {}
     for mode in ("scan", "stream"):
-        state = nnx_train_state(BNNet(nnx.Rngs(0)), tx(), mode=mode)
-        step = make_nnx_train_step(bn_loss, mode=mode)
+        step = _step(bn_loss, mode=mode)
+        state = step.init(BNNet(nnx.Rngs(0)), _acc(optax.adam, 1e-2))
         results[mode], _ = _run(step, state, windows, mode, jax.random.key(3))
     scan, stream = results["scan"], results["stream"]
     assert int(scan.step) == int(stream.step) == 2
@@ -196,8 +211,9 @@ def test_nnx_optimizer_with_accumulate_updates_once_per_window():
     assert int(accumjax.stats(opt.opt_state).total_cycles) == WINDOWS  # ...accumulate, updates
 
     # The same training with make_nnx_train_step (stream mode: the same calls).
-    state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.adam(0.05), K))
-    state, _ = _run(make_nnx_train_step(mse), state, windows, "stream")
+    step = _step(mse)
+    state = step.init(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.adam(0.05), K))
+    state, _ = _run(step, state, windows, "stream")
     assert int(state.step) == WINDOWS
     _assert_tree_close(state.params, nnx.state(model, nnx.Param), F32)
 
@@ -205,36 +221,38 @@ def test_nnx_optimizer_with_accumulate_updates_once_per_window():
 # ----------------------------------------------------------------------------- features
 
 
-@pytest.mark.parametrize("path", ["mesh", "pmap"])
-def test_data_parallel_pools_batch_norm_over_the_global_window(path):
+def test_data_parallel_pools_batch_norm_over_the_global_window():
     assert jax.device_count() >= N_DEV
     window = _windows(seed=5, rows_per_window=N_DEV * K * 2, windows=1)[0]
     model = BNNet(nnx.Rngs(0))
     reference = _reference_batch_norm(model, window)
-    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K), mode="scan")
-    if path == "mesh":
-        mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
-        step = make_nnx_train_step(bn_loss, mode="scan", axis_name="data", mesh=mesh)
-        state, metrics = step(state, window, jax.random.key(0))
-    else:  # replicated state, per-device batches
-        step = make_nnx_train_step(bn_loss, mode="scan", axis_name="data")
-        per_device = jax.tree.map(lambda a: a.reshape(N_DEV, -1, *a.shape[1:]), window)
-        state, metrics = step(accumjax.replicate(state, N_DEV), per_device, jax.random.key(0))
-        state = accumjax.unreplicate(state)
-    assert isinstance(state, NNXTrainState)
-    assert int(state.step) == 1 and metrics["loss"].shape == (N_DEV,)
-    _assert_stats_equal_reference(state, reference)
+    # On a mesh: the state on the mesh, the global batch split over its data axis.
+    mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
+    step = _step(bn_loss, mode="scan", axis_name="data", mesh=mesh)
+    on_mesh, mesh_metrics = step(step.init(model, _acc()), window, jax.random.key(0))
+    # Under pmap: replicated state (step.init replicates it), per-device batches.
+    step = _step(bn_loss, mode="scan", axis_name="data")
+    per_device = jax.tree.map(lambda a: a.reshape(N_DEV, -1, *a.shape[1:]), window)
+    pmapped, pmap_metrics = step(step.init(model, _acc()), per_device, jax.random.key(0))
+    pmapped = accumjax.unreplicate(pmapped)
+    for state in (on_mesh, pmapped):
+        assert isinstance(state, NNXTrainState)
+        assert int(state.step) == 1
+        _assert_stats_equal_reference(state, reference)
+    # Metrics on a mesh are global (the window's loss); under pmap, per device. Each device
+    # draws the same dropout keys on both paths (the device index is folded in).
+    assert mesh_metrics["loss"].shape == () and pmap_metrics["loss"].shape == (N_DEV,)
+    np.testing.assert_allclose(mesh_metrics["loss"], np.mean(pmap_metrics["loss"]), rtol=1e-6)
 
 
 def test_bfloat16_keeps_float32_master_params_and_follows_float32_training():
     windows = _windows(seed=6, windows=1)
     results = {}
     for precision in (None, "bfloat16"):
-        state = nnx_train_state(
-            MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K), mode="scan"
+        step = _step(mse, mode="scan", mixed_precision=precision)
+        results[precision], metrics = _run(
+            step, step.init(MLP(nnx.Rngs(0)), _acc()), windows, "scan"
         )
-        step = make_nnx_train_step(mse, mode="scan", mixed_precision=precision)
-        results[precision], metrics = _run(step, state, windows, "scan")
         assert bool(metrics["updated"])
     assert {leaf.dtype for leaf in jax.tree.leaves(results["bfloat16"].params)} == {
         jnp.dtype("float32")
@@ -257,9 +275,9 @@ def test_has_aux_and_model_held_dropout_rngs():
         return jnp.mean((pred - batch["y"]) ** 2), pred == 0  # aux: the dropout mask
 
     window = _windows(seed=7, windows=1)[0]
-    state = nnx_train_state(Held(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K), mode="scan")
-    count = int(state.model_state["dropout"]["rngs"]["count"][...])
     step = make_nnx_train_step(loss, mode="scan", has_aux=True)
+    state = step.init(Held(nnx.Rngs(0)), _acc())
+    count = int(state.model_state["dropout"]["rngs"]["count"][...])
     state, metrics = step(state, window)
     masks = np.asarray(metrics["aux"])
     assert masks.shape == (K, MICRO, OUT)
@@ -269,8 +287,8 @@ def test_has_aux_and_model_held_dropout_rngs():
 
 def test_model_stays_usable_after_nnx_update_and_later_steps():
     model = MLP(nnx.Rngs(0))
-    state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), K), mode="scan")
-    step = make_nnx_train_step(mse, mode="scan")
+    step = _step(mse, mode="scan")
+    state = step.init(model, _acc())
     windows = _windows(seed=8, windows=2)
     state, _ = step(state, windows[0])
     nnx_update(model, state)
@@ -290,6 +308,8 @@ def test_errors():
         make_nnx_train_step(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"flax\.nnx\.Module"):
         nnx_train_state({"w": jnp.zeros(2)}, optax.sgd(0.1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"flax\.nnx\.Module"):
+        _step(mse).init({"w": jnp.zeros(2)}, optax.sgd(0.1))  # type: ignore[arg-type]
     plain = accumjax.TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1))
     with pytest.raises(TypeError, match="NNXTrainState"):
         make_nnx_train_step(mse)(plain, {"x": jnp.ones((2, FEATURES))})
@@ -303,6 +323,18 @@ def test_errors():
         make_nnx_train_step(mse, has_aux=True)(state, window)
 
 
+def test_nnx_train_state_mode_is_deprecated_and_builds_the_step_init_state():
+    deprecated = r"nnx_train_state\(mode=\.\.\.\) is deprecated.*step\.init\(model, tx\)"
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        old = nnx_train_state(MLP(nnx.Rngs(0)), _acc(), mode="scan")
+    step = _step(mse, mode="scan")
+    new = step.init(MLP(nnx.Rngs(0)), _acc())
+    assert jax.tree.structure(old) == jax.tree.structure(new)
+    window = _windows(seed=10, windows=1)[0]
+    (old, _), (new, _) = step(old, window), step(new, window)
+    jax.tree.map(np.testing.assert_array_equal, _pure(old.params), _pure(new.params))
+
+
 # ----------------------------------------------------------------------------- misuse: clear errors
 
 
@@ -313,19 +345,20 @@ def test_multisteps_tx_is_refused(where, mode):
     tx = (
         multi if where == "alone" else optax.chain(optax.clip(1.0), multi.gradient_transformation())
     )
-    state = nnx_train_state(MLP(nnx.Rngs(0)), tx)  # type: ignore[arg-type]
+    step = _step(mse, mode=mode)
+    state = step.init(MLP(nnx.Rngs(0)), tx)  # type: ignore[arg-type]
     window = _windows(seed=9, windows=1)[0]
     with pytest.raises(
         TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
     ):
-        make_nnx_train_step(mse, mode=mode)(state, window)
+        step(state, window)
 
 
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 def test_rng_given_to_a_loss_without_key_names_rng(mode):
-    state = nnx_train_state(MLP(nnx.Rngs(0)), accumjax.accumulate(optax.sgd(0.1), K), mode=mode)
+    step = _step(mse, mode=mode, donate=False)
+    state = step.init(MLP(nnx.Rngs(0)), _acc())
     window = _windows(seed=9, windows=1)[0]
-    step = make_nnx_train_step(mse, mode=mode, donate=False)
     with pytest.raises(TypeError, match=r"loss_fn takes no key argument but step.* rng=.*`key`"):
         step(state, window, jax.random.key(0))
     with pytest.raises(TypeError, match="loss_fn takes no key argument"):
