@@ -286,11 +286,17 @@ def expand(tree: Any) -> Any:
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, mesh: AnyMesh | None, spec: Any) -> jax.Array:
-    """Zeros made where they live (no host or one-device copy of the whole array)."""
+    """Zeros laid out as ``spec`` on ``mesh``, eagerly or inside a trace (an ``Explicit``
+    axis is resharded, an ``Auto`` one constrained: a nested ``jit``'s ``out_shardings``
+    would be dropped under ``jax.set_mesh``)."""
+    zeros = jnp.zeros(shape, dtype)
     if mesh is None:
-        return jnp.zeros(shape, dtype)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))
-    return make()
+        return zeros
+    sharding = NamedSharding(mesh, spec)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(types[a] == jax.sharding.AxisType.Explicit for e in spec for a in names(e)):
+        return jax.sharding.reshard(zeros, sharding)
+    return jax.lax.with_sharding_constraint(zeros, sharding)
 
 
 def split_dims(params: Any, axis: str | None) -> tuple[int | None, ...]:
