@@ -106,7 +106,7 @@ def test_guide_code_runs(guide):
 # class a field holds. ``state`` may be a TrainState or an AccumulationState.
 _HOLDS = {
     "opt_state": accumjax.AccumulationState,
-    "window": accumjax.window.Window,
+    "window": (accumjax.window.Window, accumjax.window.DeviceWindow),
     "loss_scale": accumjax.DynamicLossScale,
 }
 _STATES = (accumjax.TrainState, accumjax.NNXTrainState, accumjax.AccumulationState)
@@ -125,6 +125,8 @@ def _resolves(path: list[str]) -> bool:
     def walk(cls, names):
         if not names or names[0].startswith("_"):  # the end, or a NamedTuple method
             return True
+        if isinstance(cls, tuple):  # a field that holds one of several classes
+            return any(walk(c, names) for c in cls)
         if names[0] not in _fields(cls):
             return False
         held = _HOLDS.get(names[0])
