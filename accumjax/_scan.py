@@ -110,50 +110,54 @@ BLIND, INSPECT, ADD, DONE = 0, 1, 2, 3
 
 
 class _Passes(NamedTuple):
-    """Where `_passes` stands after a microbatch (its loop carry)."""
+    """Where `_passes` stands after a pass (its outer loop's carry)."""
 
-    stage: jax.Array  # BLIND, INSPECT, ADD or DONE
-    t: jax.Array  # microbatches run in this stage's current segment
-    j: jax.Array  # INSPECT: the microbatch inspected next
-    carry: Carry  # the current segment's
-    ys: Any  # the aux of every microbatch as last computed, stacked
+    stage: jax.Array  # the next pass: BLIND, INSPECT, ADD or DONE
+    j: jax.Array  # INSPECT: the microbatch the next pass decides about
+    carry: Carry  # the last pass's window and model state (INSPECT: the decisions' state)
+    ys: Any  # the aux of every microbatch as last computed for itself, stacked
     added: jax.Array  # INSPECT's decision about every microbatch: bool[K]
     nonfinite: jax.Array  # how many microbatches INSPECT found non-finite
-    norm: jax.Array  # the global norm of the last finished segment's sum
+    norm: jax.Array  # the global norm of the last pass's sum
+
+
+class _Plan(NamedTuple):
+    """What one pass does with each of the K microbatches (traced values)."""
+
+    use: jax.Array  # bool[K]: its gradient goes into the pass's sum, its model state is kept
+    unit: jax.Array  # its gradient goes in unweighted (INSPECT: the decision reads it alone)
+    count_nonfinite: jax.Array  # its invalid weight counts as non-finite (not in ADD)
 
 
 def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
-    """The window in passes that all run one jitted microbatch step (`_microbatch`: the model's
-    gradient is traced and compiled once): ``(carry, stacked aux)``.
+    """The window in passes that each run the K microbatches in one loop of K trips (a known
+    trip count: no data-dependent control flow per microbatch): ``(carry, stacked aux)``.
 
-    BLIND adds every gradient blindly. Only when the sum is not finite, INSPECT computes each
-    microbatch alone and takes the policy's decision on it (the model state following the
-    decisions), then ADD adds the accepted microbatches blindly (the others are not computed).
-    One ``lax.while_loop`` runs one microbatch per trip (`_trip`); the passes are segments
-    of trips, each from an empty window and closed by one norm of it: no pass holds more
-    memory than BLIND, and a finite window costs its K trips and one norm. Unrolled, BLIND is
-    a ``lax.scan`` of its own (XLA:CPU runs convolutions far slower in a loop).
+    BLIND adds every gradient blindly; its sum's one norm decides. Only when it is not
+    finite, INSPECT decides about each microbatch alone, one pass per microbatch (the
+    others' gradients are computed and left out), the model state following the decisions;
+    then ADD adds the accepted microbatches (the skipped ones only counted). The passes run
+    in one data-dependent loop over passes (one trip for a finite window), so the model's
+    gradient is traced and compiled once; no pass holds more memory than BLIND. Unrolled,
+    BLIND is a loop of its own outside (XLA:CPU runs convolutions far slower in a loop).
     """
     axis = ctx.setup.axis_name
     start = pvary(start._replace(window=window_lib.empty_like(start.window)), axis)
     zero = pvary(jnp.zeros((), jnp.int32), axis)
     run = jax.jit(partial(_microbatch, ctx, take))
-    ys = _zeros((ctx.k,), jax.eval_shape(run, zero, zero, start)[1], axis)  # the aux
+    plan = _plan(BLIND, zero, jnp.zeros((ctx.k,), bool))
+    ys = _zeros((ctx.k,), jax.eval_shape(run, plan, zero, start)[1], axis)  # the aux
     norm = pvary(jnp.zeros((), jnp.float32), axis)
     stage = jnp.where(window_k(ctx) > 0, BLIND, DONE).astype(jnp.int32) + zero
     added = pvary(jnp.zeros((ctx.k,), bool), axis)
-    at = _Passes(stage, zero, zero, start, ys, added, zero, norm)
+    at = _Passes(stage, zero, start, ys, added, zero, norm)
     unroll = ctx.setup.unroll
-    if ctx.n_real is None and (unroll is True or unroll > 1):
-        body = lambda carry, i: run(zero + BLIND, i, carry)[:2]
-        carry, ys = jax.lax.scan(body, start, jnp.arange(ctx.k, dtype=jnp.int32), unroll=unroll)
-        norm = window_lib.global_norm(carry.window.grad_sum)
-        stage = jnp.where(jnp.isfinite(norm), DONE, INSPECT).astype(jnp.int32) + zero
-        at = at._replace(stage=stage, carry=carry, ys=ys, norm=norm)
-    at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_trip, ctx, run, start), at)
+    if ctx.n_real is None and (unroll is True or unroll > 1):  # BLIND unrolled, outside
+        at = _next(ctx, run, start, at, unroll)
+    at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_next, ctx, run, start), at)
     # Nothing accepted: ADD never ran, the window is empty but for its counts.
     none = ~jnp.any(at.added) & (at.nonfinite > 0)
-    carry = window_lib.run_once(none, lambda _: _first(ctx, start, at, ADD), at.carry)
+    carry = window_lib.run_once(none, lambda _: _nothing_added(ctx, start, at), at.carry)
     return carry._replace(sum_norm=jnp.where(none, 0.0, at.norm)), at.ys
 
 
@@ -163,94 +167,120 @@ def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
     return pvary(jax.tree.map(zeros, shapes), axis_name)
 
 
-def _first(ctx: Context, start: Carry, at: _Passes, stage: Any) -> Carry:
-    """The carry a segment of ``stage`` starts from: an empty window (ADD: the skipped
-    microbatches counted) and the model state it runs on (INSPECT: the last one's)."""
-    add = stage == ADD
-    skipped = jnp.where(add, window_k(ctx) - jnp.sum(at.added, dtype=jnp.int32), 0)
-    nonfinite = jnp.where(add, at.nonfinite, 0)
-    window = start.window._replace(
-        micro_step=skipped, window_nonfinite=nonfinite, window_skipped=skipped
-    )
-    first = start._replace(window=window)
-    if start.model_state is not None:  # INSPECT threads it from one microbatch to the next
-        threaded = (stage == INSPECT) & (at.j > 0)
-        first = first._replace(
-            model_state=optax.tree.where(threaded, at.carry.model_state, start.model_state)
-        )
-    return first
+def _plan(stage: jax.Array, j: jax.Array, added: jax.Array) -> _Plan:
+    """The `_Plan` of a pass of ``stage``: BLIND every microbatch, INSPECT microbatch ``j``
+    alone (unweighted), ADD the ``added`` ones."""
+    index = jnp.arange(added.shape[0])
+    use = jnp.where(stage == INSPECT, index == j, jnp.where(stage == ADD, added, True))
+    return _Plan(use, stage == INSPECT, stage != ADD)
 
 
-def _trip(ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes) -> _Passes:
-    """One microbatch of the current segment; at the segment's end, its norm and the next stage.
+def _add_start(start: Carry, at: _Passes) -> Carry:
+    """The window ADD starts from: empty, the non-finite microbatches INSPECT found counted
+    (ADD's trips count the skipped ones); the model state the window started on."""
+    return start._replace(window=start.window._replace(window_nonfinite=at.nonfinite))
 
-    A segment is the whole of BLIND, one microbatch of INSPECT (decided on the window it
-    leaves) or the accepted microbatches of ADD (the skipped ones only counted).
-    """
-    n = window_k(ctx)
+
+def _nothing_added(ctx: Context, start: Carry, at: _Passes) -> Carry:
+    """INSPECT accepted no microbatch: an empty window, every microbatch skipped."""
+    n = window_k(ctx) + jnp.zeros_like(at.nonfinite)
+    window = start.window._replace(micro_step=n, window_nonfinite=at.nonfinite, window_skipped=n)
+    return start._replace(window=window)
+
+
+def _next(
+    ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes, unroll: Any = 1
+) -> _Passes:
+    """One pass over the K microbatches, its sum's norm, and the pass that follows."""
     inspect, add = at.stage == INSPECT, at.stage == ADD
-    accepted = jnp.sum(at.added, dtype=jnp.int32)
-    # ADD's t-th microbatch: the first whose count of accepted ones up to it exceeds t.
-    nth_accepted = jnp.argmax(jnp.cumsum(at.added, dtype=jnp.int32) > at.t).astype(jnp.int32)
-    i = jnp.where(inspect, at.j, jnp.where(add, nth_accepted, at.t))
-    first = _first(ctx, start, at, at.stage)
-    carry = optax.tree.where(at.t == 0, first, at.carry)
-    carry, aux, weight = run(at.stage, i, carry)
-    ys = jax.tree.map(lambda buf, x: buf.at[i].set(x), at.ys, aux)
-    t = at.t + 1
-    ends = t == jnp.where(inspect, 1, jnp.where(add, accepted, n))
-    grad_sum = carry.window.grad_sum
-    # The close's norm, if this segment is the last; taken only where a segment ends.
-    norm = jax.lax.cond(ends, window_lib.global_norm, lambda _: at.norm, grad_sum)
-    weight = None if weight is None else jnp.where(inspect, weight, 1.0)  # INSPECT: i is j
-    found = window_lib.inspect_microbatch(ctx.config.policy, grad_sum, weight, norm=norm)
+    plan = _plan(at.stage, at.j, at.added)
+    first = start
+    if start.model_state is not None:  # INSPECT runs on the model state of its decisions
+        threaded = inspect & (at.j > 0)
+        state = optax.tree.where(threaded, at.carry.model_state, start.model_state)
+        first = first._replace(model_state=state)
+    first = optax.tree.where(add, _add_start(start, at), first)
+    body = lambda carry, i: _unstack(run(plan, i, carry))
+    carry, (aux, weight) = _loop_over(ctx, body, first, unroll)
+    ys = jax.tree.map(lambda old, new: _rows_where(plan.use, new, old), at.ys, aux)
+    norm = window_lib.global_norm(carry.window.grad_sum)  # one pass over the sum, at its end
+    # The decision: BLIND's about the sum (weight 1), INSPECT's about microbatch j.
+    weight_j = None if weight is None else jnp.where(inspect, weight[at.j], 1.0)
+    found = window_lib.inspect_microbatch(
+        ctx.config.policy, carry.window.grad_sum, weight_j, norm=norm
+    )
     if carry.model_state is not None:  # INSPECT: the model state follows the decision
         kept = ~inspect | found.added
         carry = carry._replace(
             model_state=optax.tree.where(kept, carry.model_state, first.model_state)
         )
-    added = at.added.at[at.j].set(jnp.where(inspect, found.added, at.added[at.j]))
+    added = jnp.where(inspect, at.added.at[at.j].set(found.added), at.added)
     nonfinite = at.nonfinite + (inspect & found.nonfinite).astype(jnp.int32)
-    last = at.j + 1 >= n
+    last = at.j + 1 >= window_k(ctx)
     after_inspect = jnp.where(last, jnp.where(jnp.any(added), ADD, DONE), INSPECT)
     blind = jnp.where(found.nonfinite, INSPECT, DONE)  # BLIND's decision is about the sum
-    following = jnp.where(inspect, after_inspect, jnp.where(add, DONE, blind))
-    stage = jnp.where(ends, following, at.stage)
-    j = jnp.where(inspect, at.j + 1, 0)
-    t = jnp.where(ends, 0, t)
-    stage, j = stage.astype(jnp.int32), j.astype(jnp.int32)
-    return _Passes(stage, t, j, carry, ys, added, nonfinite, norm)
+    stage = jnp.where(inspect, after_inspect, jnp.where(add, DONE, blind)).astype(jnp.int32)
+    j = jnp.where(inspect, at.j + 1, 0).astype(jnp.int32)
+    return _Passes(stage, j, carry, ys, added, nonfinite, norm)
 
 
-def _microbatch(ctx: Context, take: Take, stage: jax.Array, i: jax.Array, carry: Carry) -> Any:
-    """Microbatch ``i`` added blindly (as ``"propagate"`` adds it): ``(carry, aux, weight)``.
+def _unstack(out: tuple[Carry, Any, Any]) -> tuple[Carry, tuple[Any, Any]]:
+    carry, aux, weight = out
+    return carry, (aux, weight)
+
+
+def _rows_where(use: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    """``new[i]`` where ``use[i]``, else ``old[i]``, along the leading (microbatch) axis."""
+    return jnp.where(use.reshape(use.shape + (1,) * (new.ndim - 1)), new, old)
+
+
+def _microbatch(ctx: Context, take: Take, plan: _Plan, i: jax.Array, carry: Carry) -> Any:
+    """Microbatch ``i`` added blindly (as ``"propagate"`` adds it) when the pass uses it:
+    ``(carry, aux, weight)``.
 
     Its model state is kept as `accumjax._loop.microbatch` keeps it; in pass INSPECT its
-    gradient is added as it is (unweighted), for the decision on it.
+    gradient is added as it is (unweighted), for the decision on it. Microbatches a pass does
+    not use are computed (a loop of K trips has no branch) and left out.
     """
     p, mb = take(i)
     computed = gradient(ctx, p, carry.model_state, mb, i)
     blind = ctx._replace(config=ctx.config._replace(policy=_blind(ctx.config.policy)))
     grads, weight = computed[3], computed[4]
     m = window_lib.inspect_microbatch(blind.config.policy, grads, weight, p)  # reads no gradient
+    use = plan.use[i]
+    m = m._replace(
+        added=m.added & use,
+        nonfinite=m.nonfinite & use & plan.count_nonfinite,
+        weight=jnp.where(use, m.weight, 0.0),
+    )
     if m.factor is not None:
-        m = m._replace(factor=jnp.where(stage == INSPECT, 1.0, m.factor))
+        m = m._replace(factor=jnp.where(plan.unit, 1.0, m.factor))
     outcome = add_gradient(blind, carry, p, computed, inspected=m)
     return outcome.carry, outcome.aux, weight
 
 
 def _blind(policy: window_lib.Policy) -> window_lib.Policy:
-    """The policy that adds every microbatch as it comes (non-finite ones too)."""
-    return policy._replace(on_nonfinite="propagate")
+    """The policy that adds every microbatch as it comes, non-finite ones too, unless the
+    pass leaves it out: its ``skip_fn`` never skips, but makes the window select rather
+    than add (a left-out gradient may be NaN; a select reads no more memory than the add)."""
+    return policy._replace(on_nonfinite="propagate", skip_fn=_never)
+
+
+def _never(grads: Any, params: Any) -> jax.Array:
+    """A ``skip_fn`` that skips nothing (reads neither argument)."""
+    del grads, params
+    return jnp.zeros((), bool)
 
 
 def _loop_over(
-    ctx: Context, body: Callable[[Any, jax.Array], tuple[Any, Any]], init: Any
+    ctx: Context, body: Callable[[Any, jax.Array], tuple[Any, Any]], init: Any, unroll: Any = None
 ) -> tuple[Any, Any]:
-    """``lax.scan(body, init, arange(K))``, or, with ``ctx.n_real``, a loop that stops after
-    the real microbatches and stacks their outputs into K slots (zeros in the padded ones)."""
+    """``lax.scan(body, init, arange(K))`` (a loop of known trip count K), or, with
+    ``ctx.n_real``, a loop that stops after the real microbatches and stacks their outputs
+    into K slots (zeros in the padded ones)."""
     if ctx.n_real is None:
-        return jax.lax.scan(body, init, jnp.arange(ctx.k), unroll=ctx.setup.unroll)
+        unroll = ctx.setup.unroll if unroll is None else unroll
+        return jax.lax.scan(body, init, jnp.arange(ctx.k, dtype=jnp.int32), unroll=unroll)
     shapes = jax.eval_shape(body, init, jnp.zeros((), jnp.int32))[1]
     stacked = jax.tree.map(lambda s: jnp.zeros((ctx.k, *s.shape), s.dtype), shapes)
 
