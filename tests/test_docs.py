@@ -9,7 +9,10 @@ import inspect
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import accumjax
 
@@ -87,17 +90,161 @@ def _python_blocks(path: Path) -> list[str]:
     ]
 
 
+def _run_guide(guide: Path, blocks: list[str] | None = None) -> dict:
+    """The namespace a reader has after running the guide's Python blocks in order."""
+    namespace: dict = {"__name__": f"guide_{guide.stem}"}
+    for block in _python_blocks(guide) if blocks is None else blocks:
+        exec(compile(block, str(guide), "exec"), namespace)
+    return namespace
+
+
 @pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.stem)
 def test_guide_code_runs(guide):
     """Each guide's Python blocks run in order in one namespace, as a reader would."""
     if not hasattr(accumjax, "with_every_k"):
         pytest.skip("the guides describe the issue-9 API (accumjax.with_every_k and friends)")
-    blocks = _python_blocks(guide)
-    if not blocks:
+    if not _python_blocks(guide):
         pytest.skip(f"{guide.name} has no Python blocks")
-    namespace: dict = {"__name__": f"guide_{guide.stem}"}
-    for block in blocks:
-        exec(compile(block, str(guide), "exec"), namespace)
+    _run_guide(guide)
+
+
+# ----------------------------------------------------------------------------- own loops
+
+# Issue #27: every loop a guide has the reader write around ``accumulate`` (with
+# ``sync_batch_norm``, in ``nnx.Optimizer``) is run with a NaN microbatch in a window: the
+# guide's own step, driven for one more window after the guide has run. The microbatch is
+# left out and counted, the window still closes and updates, and nothing turns NaN: not the
+# parameters, not BatchNorm's running mean and variance.
+
+GUIDE_K = 4  # the K of every guide
+NAN_AT = 1  # the window's second microbatch has NaN inputs
+
+
+def _guide(stem: str) -> dict:
+    return _run_guide(DOCS / "guides" / f"{stem}.md")
+
+
+def _window_with_a_nan(x, y) -> list:
+    """One window of microbatches of 16 rows of the guide's data, the NAN_AT-th with NaN
+    inputs (so its forward pass, BatchNorm statistics and gradient are NaN)."""
+    window = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 16 * GUIDE_K, 16)]
+    xb, yb = window[NAN_AT]
+    window[NAN_AT] = (jnp.full_like(xb, jnp.nan), yb)
+    return window
+
+
+def _finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(tree))
+
+
+def _changed(before, after) -> bool:
+    pairs = zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    return any(not bool(jnp.array_equal(a, b)) for a, b in pairs)
+
+
+def _assert_one_skipped_and_closed(before: accumjax.AccumulationStats, opt_state) -> None:
+    """The window left one microbatch out and counted it, closed, and applied its update."""
+    after = accumjax.stats(opt_state)
+    assert int(after.skipped_microbatches) == int(before.skipped_microbatches) + 1
+    assert int(after.num_nonfinite) == int(before.num_nonfinite) + 1
+    assert int(after.current_step) == 0  # the window closed
+    assert int(after.total_cycles) == int(before.total_cycles) + 1  # with an update
+    assert int(after.skipped_windows) == int(before.skipped_windows)
+
+
+def _named(tree, *names: str) -> dict:
+    """The leaves of a tree of dicts (BatchNorm statistics) under one of ``names``, by path."""
+    return {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if getattr(path[-1], "key", None) in names
+    }
+
+
+def _assert_batch_norm_closed(before, after) -> None:
+    """BatchNorm statistics after the window: the running mean and variance finite and moved
+    (the window applied), the window's accumulators reset."""
+    running = _named(after, "mean", "var")
+    assert running, "no BatchNorm statistics"
+    assert all(_finite(v) for v in running.values()), running
+    assert _changed(_named(before, "mean", "var"), running)
+    assert all(int(jnp.sum(v)) == 0 for v in _named(after, "acc_step", "acc_count").values())
+
+
+def test_modes_own_step_with_a_nan_microbatch():
+    g = _guide("modes")
+    params = start = g["params"]
+    opt_state = g["opt_state"]
+    before = accumjax.stats(opt_state)
+    for batch in _window_with_a_nan(g["x"], g["y"]):
+        params, opt_state = g["train_step"](params, opt_state, batch)
+    _assert_one_skipped_and_closed(before, opt_state)
+    assert _finite(params) and _changed(start, params)
+
+
+def test_mixed_precision_own_step_with_a_nan_microbatch():
+    """Also: the scale is adjusted once, when the window closes (halved: it saw a non-finite
+    microbatch), as the float16 train step does."""
+    g = _guide("mixed_precision")
+    params, opt_state = g["params"], g["opt_state"]
+    ls = accumjax.dynamic_loss_scale(initial=2.0**10)  # no overflow on these microbatches
+    before = accumjax.stats(opt_state)
+    scales = []
+    for batch in _window_with_a_nan(g["x"], g["y"]):
+        params, opt_state, ls = g["train_step"](params, opt_state, ls, batch)
+        scales.append(float(ls.loss_scale))
+    _assert_one_skipped_and_closed(before, opt_state)
+    assert _finite(params)
+    assert scales == [2.0**10] * (GUIDE_K - 1) + [2.0**9]
+
+
+def test_batch_norm_own_step_with_a_nan_microbatch():
+    g = _guide("batch_norm")
+    params, batch_stats, opt_state = g["params"], g["batch_stats"], g["opt_state"]
+    stats_before, before = batch_stats, accumjax.stats(opt_state)
+    for batch in _window_with_a_nan(g["x"], g["y"]):
+        params, batch_stats, opt_state = g["train_step"](params, batch_stats, opt_state, batch)
+    _assert_one_skipped_and_closed(before, opt_state)
+    _assert_batch_norm_closed(stats_before, batch_stats)
+    assert _finite(params)
+
+
+def test_nnx_own_steps_with_a_nan_microbatch():
+    """Both of the NNX guide's ``nnx.Optimizer`` steps: the plain one and BatchNorm's."""
+    g = _guide("nnx")
+    window = _window_with_a_nan(g["x"], g["y"])
+    model, optimizer = g["model"], g["optimizer"]
+    before = accumjax.stats(optimizer.opt_state)
+    for xb, yb in window:
+        g["train_step"](model, optimizer, xb, yb)
+    _assert_one_skipped_and_closed(before, optimizer.opt_state)
+    assert _finite(nnx.state(model, nnx.Param))
+
+    model, optimizer = g["bn_model"], g["bn_optimizer"]
+    stats_before = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    before = accumjax.stats(optimizer.opt_state)
+    for xb, yb in window:
+        g["bn_train_step"](model, optimizer, xb, yb)
+    _assert_one_skipped_and_closed(before, optimizer.opt_state)
+    _assert_batch_norm_closed(stats_before, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+    assert _finite(nnx.state(model, nnx.Param))
+    assert int(model.norm.acc_step[...]) == 0
+
+
+def test_clipping_scheduled_agc_loop_with_a_nan_microbatch():
+    """The scheduled-AGC loop, run again on windows that each hold a NaN microbatch."""
+    guide = DOCS / "guides" / "clipping.md"
+    blocks = _python_blocks(guide)
+    (loop,) = [b for b in blocks if "inject_hyperparams(" in b]
+    g = _run_guide(guide, blocks[: blocks.index(loop)])
+    x, y = g["x"], g["y"]
+    g["microbatches"] = _window_with_a_nan(x, y)
+    exec(compile(loop, str(guide), "exec"), g)
+    s = accumjax.stats(g["opt_state"])
+    windows = int(g["agc_state"].count)
+    assert windows == 3 and int(s.total_cycles) == windows
+    assert int(s.skipped_microbatches) == windows and int(s.current_step) == 0
+    assert _finite(g["params"])
 
 
 # ----------------------------------------------------------------------------- field names
