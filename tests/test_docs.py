@@ -116,7 +116,6 @@ def test_guide_code_runs(guide):
 # left out and counted, the window still closes and updates, and nothing turns NaN: not the
 # parameters, not BatchNorm's running mean and variance.
 
-GUIDE_K = 4  # the K of every guide
 NAN_AT = 1  # the window's second microbatch has NaN inputs
 
 
@@ -124,10 +123,11 @@ def _guide(stem: str) -> dict:
     return _run_guide(DOCS / "guides" / f"{stem}.md")
 
 
-def _window_with_a_nan(x, y) -> list:
-    """One window of microbatches of 16 rows of the guide's data, the NAN_AT-th with NaN
-    inputs (so its forward pass, BatchNorm statistics and gradient are NaN)."""
-    window = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 16 * GUIDE_K, 16)]
+def _window_with_a_nan(guide: dict) -> list:
+    """One window (the guide's K) of microbatches of 16 rows of the guide's ``x`` and ``y``,
+    the NAN_AT-th with NaN inputs (its forward pass, BatchNorm statistics and gradient NaN)."""
+    x, y, k = guide["x"], guide["y"], guide["K"]
+    window = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 16 * k, 16)]
     xb, yb = window[NAN_AT]
     window[NAN_AT] = (jnp.full_like(xb, jnp.nan), yb)
     return window
@@ -176,7 +176,7 @@ def test_modes_own_step_with_a_nan_microbatch():
     params = start = g["params"]
     opt_state = g["opt_state"]
     before = accumjax.stats(opt_state)
-    for batch in _window_with_a_nan(g["x"], g["y"]):
+    for batch in _window_with_a_nan(g):
         params, opt_state = g["train_step"](params, opt_state, batch)
     _assert_one_skipped_and_closed(before, opt_state)
     assert _finite(params) and _changed(start, params)
@@ -190,19 +190,19 @@ def test_mixed_precision_own_step_with_a_nan_microbatch():
     ls = accumjax.dynamic_loss_scale(initial=2.0**10)  # no overflow on these microbatches
     before = accumjax.stats(opt_state)
     scales = []
-    for batch in _window_with_a_nan(g["x"], g["y"]):
+    for batch in _window_with_a_nan(g):
         params, opt_state, ls = g["train_step"](params, opt_state, ls, batch)
         scales.append(float(ls.loss_scale))
     _assert_one_skipped_and_closed(before, opt_state)
     assert _finite(params)
-    assert scales == [2.0**10] * (GUIDE_K - 1) + [2.0**9]
+    assert scales == [2.0**10] * (g["K"] - 1) + [2.0**9]
 
 
 def test_batch_norm_own_step_with_a_nan_microbatch():
     g = _guide("batch_norm")
     params, batch_stats, opt_state = g["params"], g["batch_stats"], g["opt_state"]
     stats_before, before = batch_stats, accumjax.stats(opt_state)
-    for batch in _window_with_a_nan(g["x"], g["y"]):
+    for batch in _window_with_a_nan(g):
         params, batch_stats, opt_state = g["train_step"](params, batch_stats, opt_state, batch)
     _assert_one_skipped_and_closed(before, opt_state)
     _assert_batch_norm_closed(stats_before, batch_stats)
@@ -212,7 +212,7 @@ def test_batch_norm_own_step_with_a_nan_microbatch():
 def test_nnx_own_steps_with_a_nan_microbatch():
     """Both of the NNX guide's ``nnx.Optimizer`` steps: the plain one and BatchNorm's."""
     g = _guide("nnx")
-    window = _window_with_a_nan(g["x"], g["y"])
+    window = _window_with_a_nan(g)
     model, optimizer = g["model"], g["optimizer"]
     before = accumjax.stats(optimizer.opt_state)
     for xb, yb in window:
@@ -237,8 +237,7 @@ def test_clipping_scheduled_agc_loop_with_a_nan_microbatch():
     blocks = _python_blocks(guide)
     (loop,) = [b for b in blocks if "inject_hyperparams(" in b]
     g = _run_guide(guide, blocks[: blocks.index(loop)])
-    x, y = g["x"], g["y"]
-    g["microbatches"] = _window_with_a_nan(x, y)
+    g["microbatches"] = _window_with_a_nan(g)
     exec(compile(loop, str(guide), "exec"), g)
     s = accumjax.stats(g["opt_state"])
     windows = int(g["agc_state"].count)
