@@ -223,7 +223,7 @@ class TrainStep:
 
         Args:
           params: the parameters: arrays (placed as they are to be trained: replicated or
-            sharded on a mesh), or ``jax.ShapeDtypeStruct``s with shardings, for a state of
+            sharded on a mesh), or ``jax.ShapeDtypeStruct`` leaves with shardings, for a state of
             shapes only (an orbax restore target; nothing is allocated).
           tx: the optimizer, ``accumjax.accumulate(inner, K)`` (a plain optax optimizer is
             a window of one microbatch): K and the policies are stated there.
@@ -232,7 +232,7 @@ class TrainStep:
           apply_fn: kept in the state (``state.apply_fn``); the step never calls it.
 
         Returns:
-          An `accumjax.TrainState` (of ``jax.ShapeDtypeStruct``s for abstract ``params``).
+          An `accumjax.TrainState` (of ``jax.ShapeDtypeStruct`` leaves for abstract ``params``).
           Its arrays are new: the step may donate them, and ``params`` stay usable.
         """
         setup = self._setup

@@ -234,7 +234,7 @@ def restore_checkpoint(
       directory: the checkpoint's directory (as given to orbax's ``save``).
       target: the state to restore into: its structure, shapes, dtypes and shardings say
         what is wanted, e.g. ``step.init(params, tx)`` on the new devices (arrays, or
-        ``jax.ShapeDtypeStruct``s from ``step.init`` on abstract parameters; nothing of its
+        ``jax.ShapeDtypeStruct`` leaves from ``step.init`` on abstract parameters; nothing of its
         values is read), or ``jax.eval_shape`` of that call with ``mesh``.
       mesh: the concrete mesh for a target whose shardings name an abstract mesh, or whose
         leaves have none (then placed replicated on it); None: the target's own.

@@ -76,7 +76,7 @@ class Layout(NamedTuple):
         return jax.tree.unflatten(self.treedef, self.dims)
 
     def param_specs(self) -> Any:
-        """The parameters' ``PartitionSpec``s over the data axis, for ``shard_map``."""
+        """The parameters' partition specs over the data axis, for ``shard_map``."""
         return jax.tree.unflatten(self.treedef, [_spec(d, self.axis) for d in self.dims])
 
     def window_specs(self) -> window_lib.DeviceWindow:
@@ -198,7 +198,7 @@ def layout_of(
     """The `Layout` of a call, or None when it runs on one device.
 
     Args:
-      params: the parameters (arrays, ``jax.ShapeDtypeStruct``s or traced values).
+      params: the parameters (arrays, ``jax.ShapeDtypeStruct`` leaves or traced values).
       batch: the batch; its first leaf's sharding names the data axis.
       mesh, axis: the step's own mesh and data axis (``make_train_step(mesh=...,
         axis_name=...)``), or None to read them from the arrays.
