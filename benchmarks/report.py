@@ -1,4 +1,5 @@
-"""Prints the README's benchmark tables from ``benchmarks/results/results.json``."""
+"""Prints the README's benchmark tables from ``benchmarks/results/results.json`` (or the
+results file given: ``python -m benchmarks.report OUT/results.json``)."""
 
 from __future__ import annotations
 
@@ -103,7 +104,10 @@ def sharded_table(sharded: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    results = json.loads((Path(__file__).parent / "results" / "results.json").read_text())
+    import sys
+
+    default = Path(__file__).parent / "results" / "results.json"
+    results = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else default).read_text())
     if all(k in results for k in ("accumulate", "scan", "collectives", "accuracy")):
         print(table(results))
     if "sharded" in results.get("collectives", {}):

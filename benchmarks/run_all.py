@@ -3,11 +3,15 @@
     python -m benchmarks.run_all                          # from the repository root
     python -m benchmarks.run_all --quick                  # fewer timing rounds
     python -m benchmarks.run_all --only transformer       # one benchmark, merged into results.json
-    python -m benchmarks.run_all --device gpu --size large
+    python -m benchmarks.run_all --device gpu --out OUT   # on a GPU: results in OUT
 
 ``--device auto`` (the default) uses a GPU when JAX sees one; on a GPU the transformer
 benchmark also records the device's memory statistics (``memory_stats()``) and the absolute
-step times are those of the GPU. ``--device cpu`` forces the CPU backend.
+step times are those of the GPU, and the transformer is the ``large`` one. ``--device cpu``
+forces the CPU backend. ``--out`` writes ``results.json`` and the plots to another folder
+than ``benchmarks/results`` (a GPU run beside the committed CPU figures);
+``benchmarks/gpu.sh OUT`` is that command, ready for a GPU machine. The collectives
+benchmark runs on 8 host CPU devices on every machine.
 
 Timings are ratios measured side by side in one run (this machine is noisy); memory and
 collective counts come from XLA and are deterministic.
@@ -74,7 +78,7 @@ def _bar(ax, labels, values, title, ylabel, fmt="{:.2f}"):
     ax.tick_params(axis="x", rotation=20)
 
 
-def plot(results: dict[str, Any]) -> list[Path]:
+def plot(results: dict[str, Any], out: Path = RESULTS) -> list[Path]:
     paths = []
     by_mb = results["accumulate"]["by_microbatch"]
     scan = results["scan"]
@@ -104,7 +108,7 @@ def plot(results: dict[str, Any]) -> list[Path]:
         "time / full batch",
     )
     fig.tight_layout()
-    paths.append(RESULTS / "speed.png")
+    paths.append(out / "speed.png")
     fig.savefig(paths[-1], dpi=90)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -127,13 +131,13 @@ def plot(results: dict[str, Any]) -> list[Path]:
     )
     axes[1].legend()
     fig.tight_layout()
-    paths.append(RESULTS / "memory_accuracy.png")
+    paths.append(out / "memory_accuracy.png")
     fig.savefig(paths[-1], dpi=90)
     plt.close("all")
     return paths
 
 
-def plot_transformer(result: dict[str, Any]) -> Path:
+def plot_transformer(result: dict[str, Any], out: Path = RESULTS) -> Path:
     """Temp memory vs K (one line per variant, plus the floor) and time vs optax.microbatch."""
     ks = result["K"]
     timed = "time_vs_optax_microbatch" in result
@@ -161,13 +165,13 @@ def plot_transformer(result: dict[str, Any]) -> Path:
         ax.set(title="Time per update / optax.microbatch", xlabel="K", ylabel="ratio")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = RESULTS / "transformer_memory.png"
+    path = out / "transformer_memory.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
 
-def plot_compile(result: dict[str, Any]) -> Path:
+def plot_compile(result: dict[str, Any], out: Path = RESULTS) -> Path:
     """Scan-mode trace+compile time and run time against optax.microbatch, per model: bars at
     the median ratio, whiskers from the fastest to the slowest round."""
     models = list(result["models"])
@@ -192,7 +196,7 @@ def plot_compile(result: dict[str, Any]) -> Path:
         ax.legend(fontsize=8)
     axes[0].axhline(1.3, color="red", ls="--", lw=0.8)
     fig.tight_layout()
-    path = RESULTS / "compile_time.png"
+    path = out / "compile_time.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -224,13 +228,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="run one benchmark and merge it into an existing results.json",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="where results.json and the plots go"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     _select_device(args.device)
-    RESULTS.mkdir(exist_ok=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     gpu = jax.default_backend() == "gpu"
     size = args.size or ("large" if gpu and not args.quick else "small")
     timing = {"calls": 1, "rounds": 1} if args.quick else {}
@@ -244,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             rounds=2 if args.quick else 5, time_rounds=3 if args.quick else 15
         ),
     }
-    path = RESULTS / "results.json"
+    path = out / "results.json"
     results: dict[str, Any] = {}
     if args.only != "all" and path.exists():
         results = json.loads(path.read_text())
@@ -261,12 +269,12 @@ def main(argv: list[str] | None = None) -> None:
     path.write_text(json.dumps(results, indent=2) + "\n")
     paths = []
     if all(k in results for k in ("accumulate", "scan", "accuracy")):
-        paths += plot(results)
+        paths += plot(results, out)
     if "transformer" in results:
-        paths.append(plot_transformer(results["transformer"]))
+        paths.append(plot_transformer(results["transformer"], out))
         print(bench_transformer.table(results["transformer"]))
     if "compile" in results:
-        paths.append(plot_compile(results["compile"]))
+        paths.append(plot_compile(results["compile"], out))
         print(bench_compile.table(results["compile"]))
     skip = ("accuracy", "transformer", "compile")
     print(json.dumps({k: v for k, v in results.items() if k not in skip}, indent=2))
