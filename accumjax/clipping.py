@@ -420,11 +420,11 @@ def adaptive_clip_grad(
       >>> import jax.numpy as jnp
       >>> from accumjax import adaptive_clip_grad
       >>> params = {"w": jnp.array([[3.0, 0.0], [4.0, 10.0]]), "b": jnp.zeros(2)}
-      >>> grads = {"w": jnp.array([[0.6, 0.0], [0.8, 0.05]]), "b": jnp.ones(2)}
+      >>> grads = {"w": jnp.array([[0.0, 0.0], [2.0, 0.05]]), "b": jnp.ones(2)}
       >>> clipped = adaptive_clip_grad(params, grads, clip_factor=0.1)
-      >>> clipped["w"]  # Column 0 had norm 1.0 > 0.1 * 5 and is scaled to 0.5.
-      Array([[0.3 , 0.  ],
-             [0.4 , 0.05]], dtype=float32)
+      >>> clipped["w"]  # Column 0 had norm 2 > 0.1 * 5 and is scaled to 0.5 (exactly).
+      Array([[0.  , 0.  ],
+             [0.5 , 0.05]], dtype=float32)
 
     References:
       Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization

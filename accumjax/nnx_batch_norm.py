@@ -141,9 +141,9 @@ class AccumBatchNorm(nnx.Module):
 
     The arguments up to ``scale_metadata`` are ``nnx.BatchNorm``'s, in its order and with
     its defaults. With ``accum_steps=1`` (and no ``axis_name``) the outputs and
-    ``mean``/``var`` are ``nnx.BatchNorm``'s bit for bit, eager or under ``nnx.jit``,
-    masked or not, for float32, float16 and bfloat16 inputs with ``dtype`` None or the
-    input's (tested on CPU). A complex input gives ``nnx.BatchNorm``'s training outputs
+    ``mean``/``var`` are ``nnx.BatchNorm``'s bit for bit eagerly (the same operations) and
+    within 2 ulp under ``nnx.jit`` (two programs XLA fuses each its own way), masked or
+    not, for float32, float16 and bfloat16 inputs with ``dtype`` None or the input's. A complex input gives ``nnx.BatchNorm``'s training outputs
     and ``var``; the running ``mean`` and ``acc_mean`` become complex on the first training
     call, as ``flax.linen.BatchNorm``'s mean does (``nnx.BatchNorm`` keeps its real part).
 
