@@ -315,13 +315,14 @@ def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None
 
 
 def _one_shard(plain: Callable[..., Any], state: TrainState, batch: Any, rng: Any) -> Any:
-    """A `DeviceWindow` of one shard on one device: its partial sum is the window."""
+    """A `DeviceWindow` of one shard on one device: its partial sums are the window (each
+    gradient broadcasts into its leading axis of one: no copy of the sums per call)."""
     opt: AccumulationState = state.opt_state  # pyright: ignore[reportAssignmentType]
-    local = window_lib.local_window(opt.window)
-    new, metrics = plain(state.replace(opt_state=opt._replace(window=local)), batch, rng)
+    window = window_lib.Window(*opt.window)
+    new, metrics = plain(state.replace(opt_state=opt._replace(window=window)), batch, rng)
     new_opt = new.opt_state
     return new.replace(
-        opt_state=new_opt._replace(window=window_lib.with_partial_sums(new_opt.window))
+        opt_state=new_opt._replace(window=window_lib.DeviceWindow(*new_opt.window))
     ), metrics
 
 
@@ -389,9 +390,7 @@ def _local_call(
     devices in one all-reduce."""
     ctx = _local_context(ctx, layout, local)
     params = sharded.gather(local.params, layout)
-    sums, micro_step = local.window
-    if per_shard:
-        sums = jax.tree.map(lambda a: a[0], sums)
+    sums, micro_step = local.window  # per shard: a leading axis of one, which grads broadcast to
     zero = jnp.zeros((), jnp.int32)
     window = window_lib.Window(sums, jnp.zeros((), jnp.float32), micro_step, zero, zero)
     start = None if local.model_state is None else emptied(local.model_state)
@@ -421,8 +420,7 @@ def _local_call(
         model_state = _pooled_model_state(local.model_state, kept, bn, means, all_added)
     loss = loss_parts[0] / loss_parts[1]
     pooled = _Pooled(inc, all_added, model_state, loss, _Aux(split.rows, rest[len(floats) :]))
-    sums = window.grad_sum
-    return (jax.tree.map(lambda a: a[None], sums) if per_shard else sums), pooled
+    return window.grad_sum, pooled
 
 
 def _share(

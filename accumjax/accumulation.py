@@ -396,7 +396,7 @@ def close_and_update(
       state has an empty window and updated counters.
     """
     closed = window_lib.close_window(config.policy, state.window, state.every_k, config.axis_name)
-    dtypes = jax.tree.map(jnp.result_type, grads_like)
+    dtypes = jax.tree.map(_like, grads_like)
 
     def update(operand: Any) -> Any:
         out, inner_state, params, closed, extra_args, norms = operand
@@ -445,7 +445,7 @@ def close_and_apply(
         closed = window_lib.close_window(
             config.policy, state.window, state.every_k, config.axis_name, norm=norm
         )
-    dtypes = jax.tree.map(jnp.result_type, params)
+    dtypes = jax.tree.map(_like, params)
 
     def update(operand: Any) -> Any:
         params, inner_state, closed, norms = operand
@@ -481,7 +481,8 @@ def _inner_update(
     (after the loop XLA would copy the gradient into the loop for it).
     """
     scaled = window_lib.scaled_gradient(closed)
-    grads = jax.tree.map(lambda g, dtype: g.astype(dtype), scaled, dtypes)
+    # In the parameters' shapes (a window kept per data shard has a leading axis of one).
+    grads = jax.tree.map(lambda g, like: g.reshape(like.shape).astype(like.dtype), scaled, dtypes)
     seen = closed.norm
     if transform is not None:
         grads = transform(grads, params)
@@ -491,6 +492,10 @@ def _inner_update(
     # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments), so
     # the state is a fixed pytree type under loop carries.
     return updates, _cast_like(new_inner, inner_state), scaled, norms
+
+
+def _like(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
 def _cast_like(tree: Any, like: Any) -> Any:

@@ -143,7 +143,8 @@ class AccumBatchNorm(nnx.Module):
     its defaults. With ``accum_steps=1`` (and no ``axis_name``) the outputs and
     ``mean``/``var`` are ``nnx.BatchNorm``'s bit for bit eagerly (the same operations) and
     within 2 ulp under ``nnx.jit`` (two programs XLA fuses each its own way), masked or
-    not, for float32, float16 and bfloat16 inputs with ``dtype`` None or the input's. A complex input gives ``nnx.BatchNorm``'s training outputs
+    not, for float32, float16 and bfloat16 inputs with ``dtype`` None or the input's. A
+    complex input gives ``nnx.BatchNorm``'s training outputs
     and ``var``; the running ``mean`` and ``acc_mean`` become complex on the first training
     call, as ``flax.linen.BatchNorm``'s mean does (``nnx.BatchNorm`` keeps its real part).
 
