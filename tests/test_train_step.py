@@ -39,7 +39,10 @@ def _data(seed=0, rows=K * MICRO * WINDOWS):
 
 def _params(seed=1):
     rng = np.random.default_rng(seed)
-    return {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.full((3,), 0.5)}
+    return {
+        "w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32),
+        "b": jnp.full((3,), 0.5, jnp.float32),
+    }
 
 
 def loss_fn(params, batch):
