@@ -456,6 +456,19 @@ def test_a_norm_taken_already_is_used_as_it_is_and_only_on_one_device():
     assert not bool(m.added) and bool(m.nonfinite)
 
 
+def _positive_rows(microbatch):
+    return jnp.sum(microbatch["y"] > 0).astype(jnp.float32)
+
+
+def _never(grads, params):
+    return jnp.asarray(False)
+
+
+@functools.cache
+def _rerun_tx(scaling, skip_fn):
+    return accumulate(optax.adam(1e-2), K, scaling=scaling, skip_fn=skip_fn)
+
+
 @pytest.mark.parametrize(
     "case", ["first", "two", "all", "padded", "unrolled", "weighted", "float16"]
 )
@@ -465,18 +478,19 @@ def test_scan_rerun_of_a_nonfinite_window_equals_inspecting_every_microbatch(cas
     # that never skips puts the step on that path, with the same decisions.
     rows = {"first": [0], "two": [1, 3], "all": [0, 1, 2, 3]}.get(case, [2])
     scaling = "weighted" if case == "weighted" else "count"
-    step_kwargs: dict = {"donate": False, "unroll": case == "unrolled"}
+    step_kwargs: dict = {"donate": False}
+    if case == "unrolled":
+        step_kwargs["unroll"] = True
     if case == "weighted":
-        step_kwargs["weight_fn"] = lambda mb: jnp.sum(mb["y"] > 0).astype(jnp.float32)
+        step_kwargs["weight_fn"] = _positive_rows
     if case == "float16":
         step_kwargs["mixed_precision"] = "float16"
     call = {"num_real_microbatches": 3} if case == "padded" else {}
     batch = _nan_rows(_data(), rows)
     out = []
-    for skip_fn in (None, lambda grads, params: jnp.asarray(False)):
-        tx = accumulate(optax.adam(1e-2), K, scaling=scaling, skip_fn=skip_fn)
-        step = _step(mode="scan", **step_kwargs)
-        state = _bn_state(step, tx)
+    for skip_fn in (None, _never):
+        step = _step(mode="scan", **step_kwargs)  # shared by the cases of the same program
+        state = _bn_state(step, _rerun_tx(scaling, skip_fn))
         out.append(step(state, batch, **call))
     (passes, metrics), (inspected, reference) = out
     for tree in ("params", "model_state", "opt_state", "loss_scale"):
