@@ -127,6 +127,13 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec) -> Any:
         now = sharded.sharding_of(x)
         if isinstance(now, NamedSharding) and now.mesh == mesh:
             return x
+        if isinstance(now, NamedSharding) and len(now.device_set) > 1:
+            raise ValueError(
+                f"an array lies on the {_where(x)}, but the step runs on the mesh "
+                f"{dict(mesh.shape)} of devices {sorted(d.id for d in mesh.devices.flat)}: a "
+                "step's arrays must lie on one mesh (moving a sharded array would replicate "
+                "it behind your back). Put the state and the batch on the same mesh."
+            )
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         return jax.device_put(x, sharding)
@@ -148,6 +155,7 @@ class TrainStep:
         self._pmapped = pmapped
         self._scan = setup.mode == "scan"
         self._returned: list[Any] = []  # the optimizer state of the last call's output
+        self._builders: dict[Any, Any] = {}  # (id(tx), where) -> (tx, init's build function)
         self.__wrapped__ = jitted
 
     # ------------------------------------------------------------------------- calls
@@ -245,22 +253,33 @@ class TrainStep:
             )
         if setup.mesh is not None:
             params, model_state = _on_mesh((params, model_state), setup.mesh, PartitionSpec())
-        build = partial(_build, setup.mode, tx, self._mesh_and_axis(params))
-        if self._pmapped:
-            state = build(params, model_state, loss_scale)
+        if self._pmapped:  # each device's copy holds its own window: tx.init's layout
+            state = _build(setup.mode, tx, (None, None, None), params, model_state, loss_scale)
+            state = state.replace(opt_state=opt_state_for(tx, params, setup.mode))
             return replicate(state).replace(apply_fn=apply_fn)
+        build, jitted = self._builder(tx, self._mesh_and_axis(params))
         args = (params, model_state, loss_scale)
         if _abstract(params):
             shapes = jax.eval_shape(build, *args)
-            shardings = jax.jit(build).lower(*args).compile().output_shardings
+            shardings = jitted.lower(*args).compile().output_shardings
             state = jax.tree.map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
             )
         elif _traced(args):
             state = build(*args)
         else:
-            state = unalias(jax.jit(build)(*args))
+            state = unalias(jitted(*args))
         return state.replace(apply_fn=apply_fn)
+
+    def _builder(self, tx: Any, where: tuple[Any, str | None, Any]) -> tuple[Any, Any]:
+        """`_build` for ``tx`` and ``where``, and its jitted form: one pair per ``tx`` and
+        layout, so that a second ``init`` compiles nothing."""
+        key = (id(tx), where)
+        found = self._builders.get(key)
+        if found is None or found[0] is not tx:
+            build = partial(_build, self._setup.mode, tx, where)
+            found = self._builders[key] = (tx, build, jax.jit(build))
+        return found[1], found[2]
 
     def _mesh_and_axis(self, params: Any) -> tuple[Any, str | None, Any]:
         """Where a stream window's partial sums are laid out: the step's mesh and data
@@ -291,13 +310,14 @@ def _build(
     else:
         window = sharded.device_window(params, config.policy.accumulator_dtype, *where)
         opt_state = init_state(config, params, accumulator=False)._replace(window=window)
-    return TrainState(
+    strong = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.result_type(x)), tree)
+    return TrainState(  # strongly typed, as the step returns them: one program per step
         step=jnp.zeros((), jnp.int32),
         apply_fn=None,  # pyright: ignore[reportArgumentType]
-        params=params,
+        params=strong(params),
         tx=tx,
         opt_state=opt_state,
-        model_state=model_state,
+        model_state=strong(model_state),
         loss_scale=loss_scale,
     )
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import accumjax
 from accumjax import TrainState, accumulate, make_train_step
-from accumjax.distributed import replicate, unreplicate
+from accumjax.distributed import unreplicate
 
 K = 4  # microbatches per window
 MICRO = 8  # rows per microbatch
@@ -547,9 +547,7 @@ def test_data_parallel_stream_mesh_and_pmap_match_full_batch():
     mesh_step = _step(axis_name="data", mesh=_mesh())
     mesh_state = mesh_step.init(_params(), inner())
     pmap_step = _step(axis_name="data")
-    # Not pmap_step.init: under pmap, stream-mode step.init builds a per-shard window
-    # (DeviceWindow) that the pmap step refuses. TrainState.create's window, replicated.
-    pmap_state = replicate(TrainState.create(apply_fn=None, params=_params(), tx=inner()))
+    pmap_state = pmap_step.init(_params(), inner())  # tx.init's window, replicated
     for window in windows:
         for global_batch, local in _stream_dp_microbatches(window):
             before = _host(mesh_state.params)
@@ -1076,11 +1074,6 @@ def _two_meshes():
     return Mesh(np.array(devices[:4]), ("data",)), Mesh(np.array(devices[4:8]), ("data",))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library: TrainStep._args puts the state on the batch's mesh (_on_mesh) instead of "
-    "refusing params and batch on different meshes, as make_train_step documents",
-)
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 @pytest.mark.parametrize("params_spec", [_P(), _P("data")])
 def test_params_and_batch_on_different_meshes_is_refused(mode, params_spec):
@@ -1097,7 +1090,7 @@ def test_params_and_batch_on_different_meshes_is_refused(mode, params_spec):
     batch = jax.device_put(batch, _Named(second, _P("data")))
     with pytest.raises(
         ValueError,
-        match=r"(?s)batch\['x'\].*devices \[4, 5, 6, 7\].*params.*devices \[0, 1, 2, 3\]",
+        match=r"(?s)batch\['x'\].*devices \[4, 5, 6, 7\].*state.*devices \[0, 1, 2, 3\]",
     ):
         step(state, batch)
     assert not state.params["w"].is_deleted()  # refused before anything ran
