@@ -249,12 +249,31 @@ def restore_checkpoint(
     Raises:
       ValueError: for an open window restored into a scan-mode target, and for any other
         leaf whose stored shape differs from the target's, naming it.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, accumjax
+      >>> step = accumjax.make_train_step(lambda p, b: jnp.sum((p["w"] - b) ** 2))
+      >>> tx = accumjax.accumulate(optax.sgd(0.25), 2)
+      >>> state, _ = step(step.init({"w": jnp.zeros(2)}, tx), jnp.ones(2))  # mid-window
+      >>> path = tempfile.mkdtemp() + "/ckpt"
+      >>> with ocp.StandardCheckpointer() as checkpointer:  # waits for the save
+      ...     checkpointer.save(path, state)
+      >>> restored = accumjax.restore_checkpoint(path, step.init({"w": jnp.zeros(2)}, tx))
+      >>> state, _ = step(restored, jnp.ones(2))  # closes the window
+      >>> state.params["w"]
+      Array([0.5, 0.5], dtype=float32)
     """
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer() if checkpointer is None else checkpointer
     metadata = checkpointer.metadata(directory)
     stored = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+    if not isinstance(stored, (dict, list, tuple)):
+        raise ValueError(
+            f"no saved tree found in {directory}: is the save finished? (orbax saves "
+            "asynchronously: call checkpointer.wait_until_finished() or use it as a context "
+            "manager before restoring)"
+        )
     plan = _Plan(stored, mesh)
     nodes, treedef = jax.tree_util.tree_flatten_with_path(
         target, is_leaf=lambda x: x is None or _is_window(x)

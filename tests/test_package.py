@@ -91,3 +91,18 @@ def test_each_module_imports_only_what_the_design_map_allows_from_above(row):
     above = {n for n, _ in rows[:row]}
     assert allowed <= above, f"{name} may import only modules above it in the map"
     assert _imports(ROOT / "accumjax" / f"{name}.py") <= allowed
+
+
+def test_one_version_from_one_source():
+    """``accumjax.__version__`` is the installed distribution's and the CHANGELOG's newest
+    release: pyproject.toml reads it (``dynamic = ["version"]``), so they cannot drift."""
+    import re
+    from importlib.metadata import version
+
+    import accumjax
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'path = "accumjax/__init__.py"' in pyproject
+    assert version("accumjax") == accumjax.__version__
+    releases = re.findall(r"^## \[?(\d+\.\d+\.\d+)\]?", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases[0] == accumjax.__version__
