@@ -6,8 +6,9 @@
 #
 # It runs from this checkout (PYTHONPATH), with the jax, flax, optax, orbax-checkpoint and
 # matplotlib the machine has (no network needed), and prints the tables at the end. The
-# collectives benchmark runs on 8 host CPU devices, as on a CPU machine. About 25 minutes on
-# one H200 is not measured: nothing has run on an accelerator yet.
+# collectives benchmark runs on 8 host CPU devices, as on a CPU machine. Nothing has run on
+# an accelerator yet, so how long it takes there is not known (about 15 minutes on the
+# 2-core CPU machine with --device cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/results/gpu}"
