@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

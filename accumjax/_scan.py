@@ -167,9 +167,10 @@ def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
     return pvary(jax.tree.map(zeros, shapes), axis_name)
 
 
-def _plan(stage: jax.Array, j: jax.Array, added: jax.Array) -> _Plan:
+def _plan(stage: jax.Array | int, j: jax.Array, added: jax.Array) -> _Plan:
     """The `_Plan` of a pass of ``stage``: BLIND every microbatch, INSPECT microbatch ``j``
     alone (unweighted), ADD the ``added`` ones."""
+    stage = jnp.asarray(stage)
     index = jnp.arange(added.shape[0])
     use = jnp.where(stage == INSPECT, index == j, jnp.where(stage == ADD, added, True))
     return _Plan(use, stage == INSPECT, stage != ADD)

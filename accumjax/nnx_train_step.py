@@ -23,12 +23,15 @@ real updates is ``accumjax.stats(opt.opt_state).total_cycles``, and
 >>> from flax import nnx
 >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
 >>> opt = nnx.Optimizer(model, accumjax.accumulate(optax.adam(1e-2), 4), wrt=nnx.Param)
->>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+>>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
 >>> loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
->>> for i in range(8):  # 8 microbatches of 1 row: two windows of 4
-...     _ = opt.update(model, nnx.grad(loss_fn)(model, x[i : i + 1], y[i : i + 1]))
+>>> @nnx.jit
+... def train_step(model, opt, x, y):
+...     opt.update(model, nnx.grad(loss_fn)(model, x, y))
+>>> for i in range(4):  # 4 microbatches of 1 row: one window
+...     train_step(model, opt, x[i : i + 1], y[i : i + 1])
 >>> int(opt.step[...]), int(accumjax.stats(opt.opt_state).total_cycles)
-(8, 2)
+(4, 1)
 >>> bool(accumjax.has_updated(opt.opt_state)), bool(accumjax.should_update(opt.opt_state))
 (True, False)
 
@@ -112,8 +115,8 @@ def nnx_train_state(
       >>> import optax, accumjax
       >>> from flax import nnx
       >>> from accumjax.nnx_train_step import nnx_train_state
-      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
-      ...                        accumjax.NNXAccumBatchNorm(4, rngs=nnx.Rngs(0)))
+      >>> model = nnx.Sequential(nnx.Linear(3, 16, rngs=nnx.Rngs(0)),
+      ...                        accumjax.NNXAccumBatchNorm(16, rngs=nnx.Rngs(0)))
       >>> state = nnx_train_state(model, accumjax.accumulate(optax.sgd(0.1), 2))
       >>> sorted(state.params["layers"][0]), sorted(state.model_state["layers"][1])[:2]
       (['bias', 'kernel'], ['acc_count', 'acc_m2'])
@@ -158,10 +161,10 @@ def nnx_update(model: nnx.Module, state: NNXTrainState) -> None:
       >>> import jax.numpy as jnp, optax
       >>> from flax import nnx
       >>> from accumjax.nnx_train_step import make_nnx_train_step, nnx_train_state, nnx_update
-      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
       >>> state = nnx_train_state(model, optax.sgd(0.5))
       >>> step = make_nnx_train_step(lambda m, b: jnp.mean(m(b) ** 2))
-      >>> state, _ = step(state, jnp.ones((4, 2)))
+      >>> state, _ = step(state, jnp.ones((4, 3)))
       >>> nnx_update(model, state)
       >>> bool(jnp.all(model.kernel[...] == state.params["kernel"][...]))
       True
@@ -310,10 +313,10 @@ def make_nnx_train_step(
       >>> from accumjax.nnx_train_step import make_nnx_train_step, nnx_train_state, nnx_update
       >>> class Model(nnx.Module):
       ...     def __init__(self, rngs):
-      ...         self.linear = nnx.Linear(3, 4, rngs=rngs)
-      ...         self.norm = accumjax.NNXAccumBatchNorm(4, rngs=rngs)  # closed by the step
+      ...         self.linear = nnx.Linear(3, 16, rngs=rngs)
+      ...         self.norm = accumjax.NNXAccumBatchNorm(16, rngs=rngs)  # closed by the step
       ...         self.dropout = nnx.Dropout(0.1)  # its key comes with the call
-      ...         self.head = nnx.Linear(4, 1, rngs=rngs)
+      ...         self.head = nnx.Linear(16, 1, rngs=rngs)
       ...     def __call__(self, x, rngs=None):
       ...         x = self.dropout(nnx.relu(self.norm(self.linear(x))), rngs=rngs)
       ...         return self.head(x)
@@ -322,7 +325,7 @@ def make_nnx_train_step(
       ...     return jnp.mean((model(batch["x"], rngs=nnx.Rngs(dropout=key)) - batch["y"]) ** 2)
       >>> step = make_nnx_train_step(loss_fn, mode="scan")
       >>> state = step.init(model, accumjax.accumulate(optax.adam(1e-2), 4))
-      >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.ones((16, 1))}  # 4 microbatches of 4
+      >>> batch = {"x": jnp.ones((64, 3)), "y": jnp.ones((64, 1))}  # 4 microbatches of 16
       >>> state, metrics = step(state, batch, jax.random.key(1))
       >>> int(state.step), bool(metrics["updated"])
       (1, True)

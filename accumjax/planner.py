@@ -372,7 +372,7 @@ def plan_microbatches(
       >>> def loss_fn(params, batch):
       ...     h = jnp.tanh(batch["x"] @ params["w"])
       ...     return jnp.mean((h @ params["v"] - batch["y"]) ** 2)
-      >>> state = accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+      >>> state = accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
       >>> batch = {"x": jnp.ones((256, 64)), "y": jnp.ones((256, 1))}
       >>> big = plan_microbatches(loss_fn, state, batch, memory_budget=2**40)
       >>> big.accum_steps, big.microbatch_size

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 

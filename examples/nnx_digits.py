@@ -21,8 +21,10 @@ digits, and check that
   statistics of 4 microbatches are those of the whole batch);
 - both reach a high test accuracy, within 2 percentage points of each other.
 
-Run: python examples/nnx_digits.py
+Run: python examples/nnx_digits.py  (--quick: 8 epochs, for the tests)
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ import accumjax
 from accumjax.nnx_train_step import make_nnx_train_step, nnx_update
 
 BATCH, MICRO = 128, 32  # examples per update, per microbatch
-EPOCHS = 25
+EPOCHS = 8 if "--quick" in sys.argv[1:] else 25
 SEED = 0
 
 # --- Data: 1797 grey 8x8 digits as 64 features in [0, 1] ----------------------------------------

@@ -72,11 +72,12 @@ def accumulated_gradient(scaling):
     """
     tx = accumjax.accumulate(optax.identity(), K, scaling=scaling)
     state = tx.init(params)
+    update = jax.jit(tx.update)  # one compiled program, not one per operation
     for i in range(K):
         g = grad_fn(params, inputs[i], targets[i], mask[i])
         # The weighted strategy needs each microbatch's weight: its number of tokens.
         kwargs = {"weight": n_tokens[i]} if scaling == "weighted" else {}
-        updates, state = tx.update(g, state, params, **kwargs)
+        updates, state = update(g, state, params, **kwargs)
     assert bool(accumjax.has_updated(state)), "the K-th call should close the window"
     return updates
 
@@ -90,7 +91,7 @@ with jax.enable_x64(True):
     params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
     # Treat the K microbatches as one batch of K * SEQS sequences.
     full = [a.reshape(K * SEQS, MAX_LEN) for a in (inputs, targets, mask.astype(np.float64))]
-    reference = jax.grad(microbatch_loss)(params64, *full)
+    reference = grad_fn(params64, *full)  # traced again, for float64
     reference = jax.tree.map(np.asarray, reference)
 
 

@@ -14,6 +14,7 @@ one (``accumjax.restore_checkpoint``).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -35,8 +36,10 @@ def _setup_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
+@functools.cache
 def build():
-    """``(model, loss_fn, params, batches)``: the model and its data (host arrays)."""
+    """``(model, loss_fn, params, batches)``: the model and its data (host arrays), made once
+    (the steps copy the parameters into states of their own)."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -74,8 +77,21 @@ def build():
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(ids) - SEQ - 1, size=(STEPS, BATCH))
     batches = [np.stack([ids[s : s + SEQ + 1] for s in row]) for row in starts]
-    params = model.init(jax.random.key(0), batches[0][:1, :-1])["params"]
+    # Jitted: one compiled program, not one per initializer.
+    params = jax.jit(model.init)(jax.random.key(0), batches[0][:1, :-1])["params"]
     return model, loss_fn, params, batches
+
+
+@functools.cache
+def make_step(mode: str):
+    """``(step, tx)``: the train step for ``mode`` and its optimizer, made once. Every run in
+    the mode calls this step, on 1 device or on N (each placement is compiled once)."""
+    import optax
+
+    import accumjax
+
+    _, loss_fn, _, _ = build()
+    return accumjax.make_train_step(loss_fn, mode=mode), accumjax.accumulate(optax.adam(3e-3), K)
 
 
 def train(mode: str, mesh=None, checkpoint_at: int | None = None):
@@ -83,18 +99,18 @@ def train(mode: str, mesh=None, checkpoint_at: int | None = None):
     ``"data"``): ``(state, losses, metrics)``. With ``checkpoint_at``, the state is saved
     after that many calls and training goes on from its restored copy (on one device)."""
     import jax
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import accumjax
-
-    _, loss_fn, params, batches = build()
+    _, _, params, batches = build()
     if mode == "stream":  # the same rows, one microbatch per call
         batches = [b[i::K] for b in batches for i in range(K)]
-    step = accumjax.make_train_step(loss_fn, mode=mode)
-    tx = accumjax.accumulate(optax.adam(3e-3), K)
-    if mesh is not None:  # where the arrays lie: the only change for N devices
+    step, tx = make_step(mode)
+    # Where the arrays lie, the only change for N devices: the first device (where a restored
+    # checkpoint lies too: the same compiled program goes on) or the mesh.
+    if mesh is None:
+        params = jax.device_put(params, jax.devices()[0])
+    else:
         params = jax.device_put(params, NamedSharding(mesh, P()))
         batches = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
     state = step.init(params, tx)

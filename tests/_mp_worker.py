@@ -1,9 +1,12 @@
 """One process of the two-process data-parallel test (tests/test_distributed.py).
 
-Run as ``python tests/_mp_worker.py PROCESS_ID PORT OUT.npz LAYOUT``; the test sets
-``XLA_FLAGS`` for it. LAYOUT is ``mesh`` (``make_train_step(axis_name=..., mesh=...)``, state
-replicated) or ``fsdp`` (scan mode under ``jit``: the kernel sharded over the 8 devices of
-both processes). Importing this module only defines the shared problem.
+Run as ``python tests/_mp_worker.py PROCESS_ID PORT OUT_PREFIX LAYOUT[,LAYOUT...]``; the
+test sets ``XLA_FLAGS`` for it. Each LAYOUT is trained from the start in turn, in the one
+``jax.distributed`` session, and written to ``OUT_PREFIX-LAYOUT.npz``: ``mesh``
+(``make_train_step(axis_name=..., mesh=...)``, state replicated) or ``fsdp`` (scan mode under
+``jit``: the kernel sharded over the 8 devices of both processes). One pair of processes runs
+every layout (a launch costs more than a layout's training). Importing this module only
+defines the shared problem.
 """
 
 import sys
@@ -41,7 +44,7 @@ def make_tx():
     return accumjax.accumulate(optax.sgd(0.05, momentum=0.9), ACCUM_STEPS)
 
 
-def main(process_id: int, port: int, out: str, layout: str) -> None:
+def main(process_id: int, port: int, out_prefix: str, layouts: list[str]) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
@@ -49,21 +52,30 @@ def main(process_id: int, port: int, out: str, layout: str) -> None:
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
     )
+    assert jax.process_count() == 2 and jax.device_count() == 2 * LOCAL_DEVICES
+    for layout in layouts:
+        train(process_id, layout, f"{out_prefix}-{layout}.npz")
+    jax.distributed.shutdown()
+
+
+def train(process_id: int, layout: str, out: str) -> None:
+    import jax
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import accumjax
     from accumjax.distributed import data_sharding
 
-    assert jax.process_count() == 2 and jax.device_count() == 2 * LOCAL_DEVICES
     mesh = Mesh(np.array(jax.devices()), ("data",))
     x, y, params = problem()
     if layout == "fsdp":
         specs = {"w": PartitionSpec("data", None), "b": PartitionSpec()}
         params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
         step = accumjax.make_train_step(loss_fn, mode="scan")
-    else:
+    elif layout == "mesh":
         step = accumjax.make_train_step(loss_fn, mode="scan", axis_name="data", mesh=mesh)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
     state = step.init(params, make_tx())
     rows = GLOBAL_BATCH // jax.process_count()
     local = slice(process_id * rows, (process_id + 1) * rows)
@@ -91,8 +103,7 @@ def main(process_id: int, port: int, out: str, layout: str) -> None:
         step=whole(state.step),
         loss=np.asarray(losses),
     )
-    jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(","))

@@ -7,6 +7,8 @@ hold no window and restore through orbax's own route too. Reference: the uninter
 on one device.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,14 @@ def _batches(batch, mode, mesh):
 
 
 FSDP = {"w1": P("data", None), "w2": P(None, None), "b1": P()}
+# One optimizer object and one step per mode for the module: a run on the same devices and
+# layout as an earlier one reuses its compiled program (the optimizer is static in the state).
+ADAM = accumjax.accumulate(optax.adam(1e-2), K)
+
+
+@functools.cache
+def _step(mode):
+    return accumjax.make_train_step(_loss, mode=mode, donate=False)
 
 
 def _run(mode, fsdp, tmp_path, save_on, save_after, load_on, tx):
@@ -69,7 +79,7 @@ def _run(mode, fsdp, tmp_path, save_on, save_after, load_on, tx):
     devices and finish: the final parameters."""
     params, batch = _problem()
     specs = FSDP if fsdp else {}
-    step = accumjax.make_train_step(_loss, mode=mode, donate=False)
+    step = _step(mode)
     mesh = _mesh(save_on)
     state = step.init(_place(params, mesh, specs), tx)
     calls = _batches(batch, mode, mesh)
@@ -95,8 +105,8 @@ def uninterrupted():
     params, batch = _problem()
     out = {}
     for mode in ("stream", "scan"):
-        step = accumjax.make_train_step(_loss, mode=mode, donate=False)
-        state = step.init(params, accumjax.accumulate(optax.adam(1e-2), K))
+        step = _step(mode)
+        state = step.init(params, ADAM)
         for b in _batches(batch, mode, None):
             state, _ = step(state, b)
         out[mode] = state.params
@@ -111,8 +121,7 @@ def test_a_stream_checkpoint_restores_on_another_number_of_devices(
     uninterrupted, tmp_path, fsdp, save_on, load_on, save_after
 ):
     # Mid-window (after 2 of K calls: the partial sums move) and at a boundary (after K).
-    tx = accumjax.accumulate(optax.adam(1e-2), K)
-    restored, metrics = _run("stream", fsdp, tmp_path, save_on, save_after, load_on, tx)
+    restored, metrics = _run("stream", fsdp, tmp_path, save_on, save_after, load_on, ADAM)
     assert int(restored.step) == 2 and metrics["loss"].shape == ()
     for key, want in uninterrupted["stream"].items():
         # The partial sums regrouped: float32 sums in another order (rtol 1e-6 of the issue;
@@ -124,8 +133,7 @@ def test_a_stream_checkpoint_restores_on_another_number_of_devices(
 def test_a_scan_checkpoint_restores_on_another_number_of_devices(
     uninterrupted, tmp_path, save_on, load_on
 ):
-    tx = accumjax.accumulate(optax.adam(1e-2), K)
-    restored, _ = _run("scan", True, tmp_path, save_on, 1, load_on, tx)
+    restored, _ = _run("scan", True, tmp_path, save_on, 1, load_on, ADAM)
     for key, want in uninterrupted["scan"].items():
         np.testing.assert_allclose(restored.params[key], want, rtol=1e-6, atol=1e-7)
 
@@ -133,8 +141,7 @@ def test_a_scan_checkpoint_restores_on_another_number_of_devices(
 def test_windows_move_between_layouts_and_an_open_one_is_not_dropped(tmp_path):
     params, batch = _problem()
     tx = accumjax.accumulate(optax.sgd(0.1), K, scaling="count")
-    stream = accumjax.make_train_step(_loss, donate=False)
-    scan = accumjax.make_train_step(_loss, mode="scan", donate=False)
+    stream, scan = _step("stream"), _step("scan")
     created = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)  # one sum
     calls = _batches(batch, "stream", None)
     opened, _ = stream(created, calls[0])

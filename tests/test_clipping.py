@@ -587,7 +587,7 @@ def test_placement_on_accumulated_gradient_equals_full_batch():
             jax.jit(jax.grad(lambda p, xs, ys: _loss(p, xs, ys) / K))(params, xs, ys)
             for xs, ys in zip(np.split(x, K), np.split(y, K), strict=True)
         ]
-        accumulated = jax.tree.map(lambda *g: sum(g), *micro)
+        accumulated = jax.tree.map(lambda *g: sum(np.asarray(a) for a in g), *micro)  # numpy
         tx = optax.chain(adaptive_clip(clip_factor))
         got, _ = jax.jit(tx.update)(accumulated, tx.init(params), params)
         for k in params:
@@ -614,7 +614,7 @@ def test_placement_per_microbatch_differs_from_accumulated():
             clip(params, grad_fn(params, xs, ys))
             for xs, ys in zip(np.split(x, K), np.split(y, K), strict=True)
         ]
-        got = jax.tree.map(lambda *g: sum(g) / K, *clipped)
+        got = jax.tree.map(lambda *g: sum(np.asarray(a) for a in g) / K, *clipped)  # numpy
         for k in params:
             np.testing.assert_allclose(got[k], want[k], rtol=F64_RTOL, err_msg=k)
         # Clipping is nonlinear: the two placements differ by far more than rounding.
@@ -633,7 +633,7 @@ def test_placement_per_microbatch_differs_from_accumulated():
             )
         )(params, g)
         for k in params:
-            np.testing.assert_array_equal(small[k], loose[k] / K)
+            np.testing.assert_array_equal(small[k], np.asarray(loose[k]) / K)
         assert any(not np.allclose(loose[k], tight[k], rtol=1e-3) for k in params)
 
 
@@ -654,13 +654,25 @@ class _Conv3DNet(nn.Module):
         return nn.Dense(3, param_dtype=self.param_dtype)(x)
 
 
-@functools.cache  # one model init per dtype for the module (the float64 one under x64)
+@functools.cache  # one problem per dtype for the module (the float64 one under x64)
 def _conv3d_problem(dtype):
     rng = np.random.default_rng(31)
     x = jnp.asarray(rng.normal(size=(8, 4, 5, 3, 2)), dtype)  # (B, D, H, W, C)
     y = jnp.asarray(rng.normal(size=(8, 3)) * 3.0, dtype)
     model = _Conv3DNet(param_dtype=dtype)
-    params = model.init(jax.random.key(0), x[:1])["params"]
+    # Parameters like flax's defaults, drawn in numpy: normal kernels of variance 1 / fan_in
+    # (lecun_normal, untruncated) and zero biases. model.init compiles each random kernel
+    # draw, and XLA:CPU takes about a second for the rank-5 one alone.
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x[:1])["params"]
+    draw = np.random.default_rng(32)
+
+    def fill(path, leaf):
+        if path[-1].key == "bias":
+            return jnp.asarray(np.zeros(leaf.shape, leaf.dtype))
+        fan_in = np.prod(leaf.shape[:-1])
+        return jnp.asarray((draw.normal(size=leaf.shape) / np.sqrt(fan_in)).astype(leaf.dtype))
+
+    params = jax.tree_util.tree_map_with_path(fill, shapes)
 
     def loss(p, xs, ys):
         return 0.5 * jnp.mean(jnp.sum((model.apply({"params": p}, xs) - ys) ** 2, axis=-1))
@@ -677,11 +689,11 @@ def test_agc_on_conv3d_model_clips_per_output_channel():
     @jax.jit
     def run(p):
         g = jax.grad(loss)(p, x, y)
-        return g, adaptive_clip_grad(p, g, clip_factor)
+        clipped = adaptive_clip_grad(p, g, clip_factor)
+        return g, clipped, unitwise_norm(clipped["Conv_0"]["kernel"])
 
-    grads, clipped = run(params)
+    grads, clipped, norms = run(params)
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(clipped))
-    norms = unitwise_norm(clipped["Conv_0"]["kernel"])
     assert norms.shape == (1, 1, 1, 1, 4)
     g_kernel, p_kernel = np.asarray(grads["Conv_0"]["kernel"]), np.asarray(kernel)
     threshold = clip_factor * np.maximum(ref_unit_norms(p_kernel)[0, 0, 0, 0], 1e-3)
@@ -703,11 +715,11 @@ def test_agc_on_accumulated_gradient_equals_full_batch_float64():
         x, y, params, loss = _conv3d_problem(jnp.float64)
         grad_fn = jax.jit(jax.grad(loss))
         full = grad_fn(params, x, y)
-        # Microbatch gradients of the mean loss, summed and divided by K.
-        micro = [
-            grad_fn(params, xs, ys) for xs, ys in zip(jnp.split(x, K), jnp.split(y, K), strict=True)
-        ]
-        accumulated = jax.tree.map(lambda *g: sum(g) / K, *micro)
+        # Microbatch gradients of the mean loss, summed and divided by K (in numpy: the same
+        # float64 operations as jnp's, none of them compiled on its own).
+        xs_ys = zip(np.split(np.asarray(x), K), np.split(np.asarray(y), K), strict=True)
+        micro = [grad_fn(params, xs, ys) for xs, ys in xs_ys]
+        accumulated = jax.tree.map(lambda *g: sum(np.asarray(a) for a in g) / K, *micro)
         assert all(leaf.dtype == jnp.float64 for leaf in jax.tree.leaves(accumulated))
         # float64 sums of the same terms in a different order: ~1e-16 relative.
         jax.tree.map(
@@ -719,7 +731,8 @@ def test_agc_on_accumulated_gradient_equals_full_batch_float64():
         clip_factor = float(np.sqrt(ratios.min() * ratios.max()))  # clips some units only
         clip = jax.jit(lambda p, g: adaptive_clip_grad(p, g, clip_factor))
         on_accumulated, on_full = clip(params, accumulated), clip(params, full)
-        kept = np.asarray(on_full["Conv_0"]["kernel"] == full["Conv_0"]["kernel"]).all((0, 1, 2, 3))
+        kept = np.asarray(on_full["Conv_0"]["kernel"]) == np.asarray(full["Conv_0"]["kernel"])
+        kept = kept.all((0, 1, 2, 3))
         assert kept.any() and not kept.all()
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=F64_RTOL, atol=1e-15),
@@ -731,18 +744,20 @@ def test_agc_on_accumulated_gradient_equals_full_batch_float64():
 def test_conv3d_model_trains_with_adaptive_clip_in_both_modes():
     x, y, params, loss = _conv3d_problem(jnp.float32)
     batch_loss = lambda p, b: loss(p, b[0], b[1])
-    before = float(batch_loss(params, (x, y)))
+    evaluate = jax.jit(batch_loss)  # one program, not the model's every op compiled eagerly
+    before = float(evaluate(params, (x, y)))
     # AGC of the window gradient: adaptive_clip first in the inner chain.
     tx = accumjax.accumulate(optax.chain(adaptive_clip(0.05), optax.sgd(0.5)), 2)
+    # The stream mode's two microbatches, sliced in numpy: nothing to compile.
+    halves = [tuple(jnp.asarray(np.asarray(a)[i::2]) for a in (x, y)) for i in (0, 1)]
     for mode in ("scan", "stream"):
         step = accumjax.make_train_step(batch_loss, mode=mode, donate=False)
         state = step.init(params, tx)
         for _ in range(10):
-            calls = [(x, y)] if mode == "scan" else [(x[i::2], y[i::2]) for i in range(2)]
-            for b in calls:
+            for b in [(x, y)] if mode == "scan" else halves:
                 state, _ = step(state, b)
         assert int(state.step) == 10
-        assert float(batch_loss(state.params, (x, y))) < before  # it trains, clipped
+        assert float(evaluate(state.params, (x, y))) < before  # it trains, clipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -966,7 +981,7 @@ def test_inject_hyperparams_schedule_matches_fixed_values_step_by_step():
     sched = optax.linear_schedule(0.07, 0.004, transition_steps=4)
     tx = optax.inject_hyperparams(accumjax.adaptive_clip)(clipping=sched, eps=1e-3)
     upstream = optax.inject_hyperparams(optax.adaptive_grad_clip)(clipping=sched, eps=1e-3)
-    update, upstream_update = jax.jit(tx.update), jax.jit(upstream.update)
+    update, upstream_update, schedule = jax.jit(tx.update), jax.jit(upstream.update), jax.jit(sched)
     state, upstream_state = tx.init(params), upstream.init(params)
     kept_per_step = []
     for t in range(6):
@@ -974,14 +989,14 @@ def test_inject_hyperparams_schedule_matches_fixed_values_step_by_step():
         got, state = update(grads, state, params)
         by_upstream, upstream_state = upstream_update(grads, upstream_state, params)
         clip = float(state.hyperparams["clipping"])  # The float32 value this step used.
-        np.testing.assert_allclose(clip, float(sched(t)), rtol=1e-6)
+        np.testing.assert_allclose(clip, float(schedule(t)), rtol=1e-6)
         fixed = adaptive_clip(clipping=clip, eps=1e-3)
         want, _ = jax.jit(fixed.update)(grads, fixed.init(params), params)
         for k in params:
             # The same float32 operations on the same values (an argument against a constant).
             np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {t}: {k}")
             assert max_ulp_diff(got[k], by_upstream[k]) <= 2, (t, k)  # jit: see above.
-        kept_per_step.append(sum(int((got[k] == grads[k]).sum()) for k in params))
+        kept_per_step.append(sum(int(np.sum(np.equal(got[k], grads[k]))) for k in params))
     # The schedule really drives the clipping: fewer units kept as the factor falls.
     assert kept_per_step[0] > kept_per_step[2] > kept_per_step[4] == kept_per_step[5]
 

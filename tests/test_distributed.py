@@ -135,7 +135,8 @@ def test_scan_step_all_reduces_once_per_window_vs_naive():
     (line,) = _all_reduce_lines(lowered)
     assert "f32[5,3]" in line and "f32[3]" in line
 
-    naive = _naive_step(mesh, tx).lower(params, tx.init(params), batch)
+    naive_step = _naive_step(mesh, tx)
+    naive = naive_step.lower(params, tx.init(params), batch)
     naive_counts = count_collectives(naive, per_execution=True)
     # XLA keeps the naive all-reduce inside the loop: one instruction, run K times.
     assert naive_counts["all-reduce"] == K
@@ -144,7 +145,7 @@ def test_scan_step_all_reduces_once_per_window_vs_naive():
     # Same update: averaging the sum once equals averaging every microbatch (sgd is linear;
     # float32 sums in a different order, a few ulps).
     new_state, _ = step(jax.tree.map(jnp.copy, state), batch)
-    naive_params, _ = _naive_step(mesh, tx)(params, tx.init(params), batch)
+    naive_params, _ = naive_step(params, tx.init(params), batch)
     for key in params:
         np.testing.assert_allclose(new_state.params[key], naive_params[key], rtol=1e-5, atol=1e-6)
 
@@ -224,9 +225,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["mesh", "fsdp"])
-def test_two_process_scan_matches_single_process(tmp_path, layout):
+LAYOUTS = ("mesh", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """One pair of jax.distributed workers trains every layout (a launch costs more than a
+    layout's training); (per layout, the two processes' results, or why there are none) and
+    the single-process reference."""
     sys.path.insert(0, str(HERE))
     try:
         import _mp_worker as worker
@@ -235,10 +241,22 @@ def test_two_process_scan_matches_single_process(tmp_path, layout):
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    outs = [tmp_path / f"out{i}.npz" for i in range(2)]
+    # conftest's autouse fixture sets these per test, after a module fixture runs: the
+    # workers get the same deprecation errors from here.
+    warnings = "error::DeprecationWarning,error::FutureWarning"
+    if warnings not in env.get("PYTHONWARNINGS", ""):
+        env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), warnings]))
+    prefixes = [tmp_path_factory.mktemp("two_process") / f"out{i}" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port), str(outs[i]), layout],
+            [
+                sys.executable,
+                str(HERE / "_mp_worker.py"),
+                str(i),
+                str(port),
+                str(prefixes[i]),
+                ",".join(LAYOUTS),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -246,6 +264,7 @@ def test_two_process_scan_matches_single_process(tmp_path, layout):
         )
         for i in range(2)
     ]
+    failure = None
     logs = []
     for i, proc in enumerate(procs):
         try:
@@ -254,10 +273,11 @@ def test_two_process_scan_matches_single_process(tmp_path, layout):
             for p in procs:
                 p.kill()
             _, err = proc.communicate()
-            pytest.fail(f"worker {i} timed out after 120 s; stderr:\n{err[-4000:]}")
+            failure = failure or f"worker {i} timed out after 120 s; stderr:\n{err[-4000:]}"
         logs.append(err)
     for i, proc in enumerate(procs):
-        assert proc.returncode == 0, f"worker {i} failed ({proc.returncode}):\n{logs[i][-4000:]}"
+        if proc.returncode != 0:
+            failure = failure or f"worker {i} failed ({proc.returncode}):\n{logs[i][-4000:]}"
 
     # Reference in this process: the same scan-mode steps on one device, whole batch.
     x, y, params = worker.problem()
@@ -267,15 +287,28 @@ def test_two_process_scan_matches_single_process(tmp_path, layout):
     for _ in range(worker.NUM_STEPS):
         state, metrics = step(state, {"x": jnp.asarray(x), "y": jnp.asarray(y)})
         losses.append(float(metrics["loss"]))
+    results = {
+        layout: [np.load(f"{prefix}-{layout}.npz") for prefix in prefixes]
+        for layout in LAYOUTS
+        if failure is None
+    }
+    return results, failure, state.params, losses, worker.NUM_STEPS
 
-    results = [np.load(out) for out in outs]
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_process_scan_matches_single_process(two_process_run, layout):
+    results, failure, params, losses, num_steps = two_process_run
+    if failure is not None:
+        pytest.fail(failure)
+    results = results[layout]
     for key in ("w", "b"):
         # Both processes hold the same replicated parameters, bit for bit.
         np.testing.assert_array_equal(results[0][key], results[1][key])
         # Per-device sums all-reduced across processes vs one sequential float32 sum:
         # a few ulps after 3 momentum steps.
-        np.testing.assert_allclose(results[0][key], state.params[key], rtol=1e-5, atol=1e-6)
-    assert int(results[0]["step"]) == worker.NUM_STEPS
+        np.testing.assert_allclose(results[0][key], params[key], rtol=1e-5, atol=1e-6)
+    assert int(results[0]["step"]) == num_steps
     # The loss is global: both processes report the whole batch's (float32 sums, another
     # order).
     np.testing.assert_array_equal(results[0]["loss"], results[1]["loss"])

@@ -7,7 +7,9 @@ CI builds the site itself with warnings as errors (``make -C docs html``).
 import importlib.util
 import inspect
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,37 +92,63 @@ def _python_blocks(path: Path) -> list[str]:
     ]
 
 
-def _run_guide(guide: Path, blocks: list[str] | None = None) -> dict:
-    """The namespace a reader has after running the guide's Python blocks in order."""
+class GuideRun(NamedTuple):
+    """A guide run as a reader runs it: its Python blocks and the namespace after them."""
+
+    blocks: list[str]
+    namespace: dict
+    before: list[dict]  # before[i]: a shallow copy of the namespace before block i ran
+
+
+def _run_guide(guide: Path) -> GuideRun:
+    """The guide's Python blocks, run in order in one namespace."""
+    blocks = _python_blocks(guide)
     namespace: dict = {"__name__": f"guide_{guide.stem}"}
-    for block in _python_blocks(guide) if blocks is None else blocks:
+    before = []
+    for block in blocks:
+        before.append(dict(namespace))
         exec(compile(block, str(guide), "exec"), namespace)
-    return namespace
+    return GuideRun(blocks, namespace, before)
 
-
-@pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.stem)
-def test_guide_code_runs(guide):
-    """Each guide's Python blocks run in order in one namespace, as a reader would."""
-    if not hasattr(accumjax, "with_every_k"):
-        pytest.skip("the guides describe the issue-9 API (accumjax.with_every_k and friends)")
-    if not _python_blocks(guide):
-        pytest.skip(f"{guide.name} has no Python blocks")
-    _run_guide(guide)
-
-
-# ----------------------------------------------------------------------------- own loops
 
 # Issue #27: every loop a guide has the reader write around ``accumulate`` (with
 # ``sync_batch_norm``, in ``nnx.Optimizer``) is run with a NaN microbatch in a window: the
 # guide's own step, driven for one more window after the guide has run. The microbatch is
 # left out and counted, the window still closes and updates, and nothing turns NaN: not the
-# parameters, not BatchNorm's running mean and variance.
+# parameters, not BatchNorm's running mean and variance. Each check runs in its guide's test,
+# on that run's namespace, so that no guide runs twice (a test of its own would run the
+# guide again: pytest-xdist may give it to another worker).
+OWN_LOOPS: dict[str, Callable[[Path, GuideRun], None]] = {}
+
+
+def _own_loop(stem: str):
+    def register(check):
+        OWN_LOOPS[stem] = check
+        return check
+
+    return register
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.stem)
+def test_guide_code_runs(guide):
+    """Each guide's Python blocks run in order in one namespace, as a reader would; then the
+    loop of the reader's own that the guide shows, if any, meets a NaN microbatch."""
+    if not hasattr(accumjax, "with_every_k"):
+        pytest.skip("the guides describe the issue-9 API (accumjax.with_every_k and friends)")
+    if not _python_blocks(guide):
+        pytest.skip(f"{guide.name} has no Python blocks")
+    run = _run_guide(guide)
+    if guide.stem in OWN_LOOPS:
+        OWN_LOOPS[guide.stem](guide, run)
+
+
+def test_every_own_loop_check_has_its_guide():
+    assert set(OWN_LOOPS) <= {guide.stem for guide in GUIDES}
+    assert len(OWN_LOOPS) == 5
+
 
 NAN_AT = 1  # the window's second microbatch has NaN inputs
-
-
-def _guide(stem: str) -> dict:
-    return _run_guide(DOCS / "guides" / f"{stem}.md")
 
 
 def _window_with_a_nan(guide: dict) -> list:
@@ -171,8 +199,9 @@ def _assert_batch_norm_closed(before, after) -> None:
     assert all(int(jnp.sum(v)) == 0 for v in _named(after, "acc_step", "acc_count").values())
 
 
-def test_modes_own_step_with_a_nan_microbatch():
-    g = _guide("modes")
+@_own_loop("modes")
+def modes_own_step_with_a_nan_microbatch(guide: Path, run: GuideRun) -> None:
+    g = run.namespace
     params = start = g["params"]
     opt_state = g["opt_state"]
     before = accumjax.stats(opt_state)
@@ -182,10 +211,11 @@ def test_modes_own_step_with_a_nan_microbatch():
     assert _finite(params) and _changed(start, params)
 
 
-def test_mixed_precision_own_step_with_a_nan_microbatch():
+@_own_loop("mixed_precision")
+def mixed_precision_own_step_with_a_nan_microbatch(guide: Path, run: GuideRun) -> None:
     """Also: the scale is adjusted once, when the window closes (halved: it saw a non-finite
     microbatch), as the float16 train step does."""
-    g = _guide("mixed_precision")
+    g = run.namespace
     params, opt_state = g["params"], g["opt_state"]
     ls = accumjax.dynamic_loss_scale(initial=2.0**10)  # no overflow on these microbatches
     before = accumjax.stats(opt_state)
@@ -198,8 +228,9 @@ def test_mixed_precision_own_step_with_a_nan_microbatch():
     assert scales == [2.0**10] * (g["K"] - 1) + [2.0**9]
 
 
-def test_batch_norm_own_step_with_a_nan_microbatch():
-    g = _guide("batch_norm")
+@_own_loop("batch_norm")
+def batch_norm_own_step_with_a_nan_microbatch(guide: Path, run: GuideRun) -> None:
+    g = run.namespace
     params, batch_stats, opt_state = g["params"], g["batch_stats"], g["opt_state"]
     stats_before, before = batch_stats, accumjax.stats(opt_state)
     for batch in _window_with_a_nan(g):
@@ -209,9 +240,10 @@ def test_batch_norm_own_step_with_a_nan_microbatch():
     assert _finite(params)
 
 
-def test_nnx_own_steps_with_a_nan_microbatch():
+@_own_loop("nnx")
+def nnx_own_steps_with_a_nan_microbatch(guide: Path, run: GuideRun) -> None:
     """Both of the NNX guide's ``nnx.Optimizer`` steps: the plain one and BatchNorm's."""
-    g = _guide("nnx")
+    g = run.namespace
     window = _window_with_a_nan(g)
     model, optimizer = g["model"], g["optimizer"]
     before = accumjax.stats(optimizer.opt_state)
@@ -231,14 +263,14 @@ def test_nnx_own_steps_with_a_nan_microbatch():
     assert int(model.norm.acc_step[...]) == 0
 
 
-def test_clipping_scheduled_agc_loop_with_a_nan_microbatch():
-    """The scheduled-AGC loop, run again on windows that each hold a NaN microbatch."""
-    guide = DOCS / "guides" / "clipping.md"
-    blocks = _python_blocks(guide)
-    (loop,) = [b for b in blocks if "inject_hyperparams(" in b]
-    g = _run_guide(guide, blocks[: blocks.index(loop)])
+@_own_loop("clipping")
+def clipping_scheduled_agc_loop_with_a_nan_microbatch(guide: Path, run: GuideRun) -> None:
+    """The scheduled-AGC loop, run again, from the namespace it first ran in, on windows that
+    each hold a NaN microbatch."""
+    (at,) = [i for i, block in enumerate(run.blocks) if "inject_hyperparams(" in block]
+    g = dict(run.before[at])  # the guide's later blocks rebind names, mutate nothing
     g["microbatches"] = _window_with_a_nan(g)
-    exec(compile(loop, str(guide), "exec"), g)
+    exec(compile(run.blocks[at], str(guide), "exec"), g)
     s = accumjax.stats(g["opt_state"])
     windows = int(g["agc_state"].count)
     assert windows == 3 and int(s.total_cycles) == windows

@@ -141,21 +141,35 @@ def _assert_stats_equal_reference(state, reference):
 # ----------------------------------------------------------------------------- equivalence
 
 
-@pytest.mark.parametrize("mode", ["scan", "stream"])
-def test_float64_params_equal_nnx_full_batch_reference(mode):
+@functools.cache
+def _float64_reference():
+    """The windows and an ``nnx.Optimizer`` full-batch step per window on them, in float64
+    (both modes compare with it: it is computed once)."""
     with jax.enable_x64(True):
         windows = _windows(dtype=np.float64)
         reference = MLP(nnx.Rngs(0), jnp.float64)
         opt = nnx.Optimizer(reference, optax.adam(0.05), wrt=nnx.Param)
-        for window in windows:  # one full-batch step per window
-            opt.update(reference, nnx.grad(mse)(reference, window))
 
+        @nnx.jit
+        def full_batch_step(model, opt, window):
+            opt.update(model, nnx.grad(mse)(model, window))
+
+        for window in windows:  # one full-batch step per window
+            full_batch_step(reference, opt, window)
+        return windows, nnx.state(reference, nnx.Param)
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_float64_params_equal_nnx_full_batch_reference(mode):
+    windows, reference = _float64_reference()
+    with jax.enable_x64(True):
         step = make_nnx_train_step(mse, mode=mode)
         state = step.init(MLP(nnx.Rngs(0), jnp.float64), accumjax.accumulate(optax.adam(0.05), K))
         state, metrics = _run(step, state, windows, mode)
         assert int(state.step) == WINDOWS and bool(metrics["updated"])
         assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype("float64")}
-        _assert_tree_close(state.params, nnx.state(reference, nnx.Param), F64)
+        assert {leaf.dtype for leaf in jax.tree.leaves(reference)} == {jnp.dtype("float64")}
+        _assert_tree_close(state.params, reference, F64)
 
 
 @pytest.mark.parametrize("mode", ["scan", "stream"])
@@ -221,6 +235,7 @@ def test_nnx_optimizer_with_accumulate_updates_once_per_window():
 # ----------------------------------------------------------------------------- features
 
 
+@pytest.mark.slow
 def test_data_parallel_pools_batch_norm_over_the_global_window():
     assert jax.device_count() >= N_DEV
     window = _windows(seed=5, rows_per_window=N_DEV * K * 2, windows=1)[0]

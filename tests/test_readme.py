@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,6 +20,7 @@ def _blocks():
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run():
     blocks = _blocks()
     assert len(blocks) >= 4
@@ -47,6 +49,7 @@ def _quick_start(mesh):
     return namespace
 
 
+@pytest.mark.slow
 def test_the_quick_start_is_the_same_program_on_one_device_and_eight():
     # Auto axes: the quick start slices x with basic indexing, which JAX refuses on an
     # Explicit axis (jax.make_mesh's default) without out_sharding, a matter of JAX's.

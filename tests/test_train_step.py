@@ -57,11 +57,15 @@ def _step(loss=loss_fn, **kwargs):
     return make_train_step(loss, **kwargs)
 
 
-@functools.cache
 def _sgd(lr=0.1, k=K, **kwargs):
-    """``accumulate(optax.sgd(lr), k, **kwargs)``, one object per arguments (the optimizer is
-    static in the state: the same object compiles once)."""
-    return accumulate(optax.sgd(lr), k, **kwargs)
+    """``accumulate(optax.sgd(lr), k, **kwargs)``, one object per arguments however they are
+    spelled (the optimizer is static in the state: the same object compiles once)."""
+    return _sgd_object(float(lr), k, tuple(sorted(kwargs.items())))
+
+
+@functools.cache
+def _sgd_object(lr, k, kwargs):
+    return accumulate(optax.sgd(lr), k, **dict(kwargs))
 
 
 def _windows(x, y):
@@ -268,18 +272,31 @@ def _bn_loss(params, model_state, batch):
     return jnp.mean((pred - batch["y"]) ** 2), new_state
 
 
+@functools.cache
+def _bn_variables():
+    """The model's initial variables on the host, initialised once for the module."""
+    x, _ = _data()
+    return jax.tree.map(np.asarray, _BN_MODEL.init(jax.random.key(0), x[:2]))
+
+
 def _bn_setup():
     x, y = _data()
-    variables = _BN_MODEL.init(jax.random.key(0), x[:2])
+    variables = jax.tree.map(jnp.asarray, _bn_variables())  # the test's own arrays
     params = variables["params"]
     model_state = {"batch_stats": variables["batch_stats"]}
     return _bn_loss, params, model_state, _windows(x, y)
 
 
+@functools.cache
+def _jit_grad(loss):
+    """``jax.jit(jax.grad(loss, has_aux=True))``, one per loss (the references share it)."""
+    return jax.jit(jax.grad(loss, has_aux=True))
+
+
 def _bn_reference(bn_loss, tx, params, model_state, windows, devices=1):
     """Each device threads the model state through its K microbatches; states are averaged
     over devices, gradients over all device-microbatches, then one optax update."""
-    grad_fn = jax.jit(jax.grad(bn_loss, has_aux=True))
+    grad_fn = _jit_grad(bn_loss)
     opt_state = tx.init(params)
     for window in windows:
         rows = len(window["x"]) // devices
@@ -865,12 +882,15 @@ def _digits():
     return train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
 
 
+@pytest.mark.slow
 def test_dropout_mlp_on_digits_k4_reaches_the_accuracy_of_k1():
     """Same examples per update (K=4 x 32 vs K=1 x 128), same init and batch order; only
     the dropout masks differ (per microbatch vs per batch)."""
     x_train, x_test, y_train, y_test = _digits()
     model = _DropoutMLP()
     params = model.init(jax.random.key(0), x_train[:1], train=False)["params"]
+    # Evaluated under jit: one compiled program, not one per operation.
+    predict = jax.jit(lambda params, x: model.apply({"params": params}, x, train=False))
 
     def loss(params, batch, key):
         logits = model.apply({"params": params}, batch["x"], train=True, rngs={"dropout": key})
@@ -887,7 +907,7 @@ def test_dropout_mlp_on_digits_k4_reaches_the_accuracy_of_k1():
                 idx = perm[s : s + batch]
                 state, _ = step(state, {"x": x_train[idx], "y": y_train[idx]}, jax.random.key(1))
         assert int(state.step) == epochs * (len(x_train) // batch)
-        logits = model.apply({"params": state.params}, x_test, train=False)
+        logits = predict(state.params, x_test)
         return float(np.mean(np.argmax(logits, -1) == y_test))
 
     full, accumulated = accuracy(1), accuracy(4)
@@ -900,6 +920,7 @@ def _temp_bytes(step, *args):
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_scan_temp_memory_at_most_optax_microbatch_and_the_full_batch():
     """XLA's own temp figure for a parameter-heavy MLP (0.59M parameters, small activations).
 

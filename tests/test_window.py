@@ -28,6 +28,17 @@ def _data(seed=0, rows=K * ROWS):
     return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
 
 
+def _microbatches(batch):
+    """The K strided microbatches of ``batch`` (microbatch i holds rows i, i + K, ...), sliced
+    in numpy: eagerly, each slice would be compiled on its own."""
+    host = jax.tree.map(np.asarray, batch)
+    return [jax.tree.map(lambda a, i=i: jnp.asarray(a[i::K]), host) for i in range(K)]
+
+
+def _all_finite(tree):
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
+
+
 class _Net(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -51,9 +62,18 @@ def _step(loss=_bn_loss, **kwargs):
     return make_train_step(loss, **kwargs)
 
 
+@functools.cache
+def _bn_variables():
+    """`_MODEL`'s variables, made once for the module (one program, not each op of the init
+    compiled on its own) and kept in numpy: every state gets fresh buffers, which a donating
+    step may consume. An "rbg" key: its kernel draws compile faster than threefry's."""
+    init = jax.jit(_MODEL.init)(jax.random.key(0, impl="rbg"), np.ones((2, 5), np.float32))
+    return jax.tree.map(np.asarray, init)
+
+
 def _bn_state(step, tx):
     """The step's state for `_MODEL`, with a loss scale (used by float16 steps only)."""
-    variables = _MODEL.init(jax.random.key(0), jnp.ones((2, 5)))
+    variables = jax.tree.map(jnp.asarray, _bn_variables())
     return step.init(
         variables["params"],
         tx,
@@ -72,6 +92,20 @@ def _equal(a, b):
     jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
 
 
+def _same_decisions(a, b):
+    """Counters and flags exactly; floats within float32 rounding (two compiled programs,
+    which XLA may fuse differently on another machine)."""
+
+    def check(u, v):
+        u, v = np.asarray(u), np.asarray(v)
+        if np.issubdtype(u.dtype, np.inexact):
+            np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(u, v)
+
+    jax.tree.map(check, a, b)
+
+
 # float16 (loss scaling, overflow as non-finite) and full precision; bfloat16 takes the
 # full-precision path with a cast, which test_train_step.py covers.
 PRECISIONS = [None, "float16"]
@@ -82,8 +116,7 @@ PRECISIONS = [None, "float16"]
 def test_stream_nan_microbatch_changes_nothing_and_is_counted(policy, precision):
     step = _step(mixed_precision=precision, donate=False)
     state = _bn_state(step, accumulate(optax.adam(1e-2), K, on_nonfinite=policy))
-    batch = _data()
-    micro = [jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)]
+    micro = _microbatches(_data())
     state, _ = step(state, micro[0])
     before = state
     after, metrics = step(state, _nan_rows(micro[1], slice(0, 1)))
@@ -97,8 +130,7 @@ def test_stream_nan_microbatch_changes_nothing_and_is_counted(policy, precision)
         after, metrics = step(after, mb)
     s = accumjax.stats(after.opt_state)
     assert int(s.num_nonfinite) == 1 and int(s.skipped_microbatches) == 1
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after.params))
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after.model_state))
+    assert _all_finite(after.params) and _all_finite(after.model_state)
     if policy == "skip_window":  # nothing applied: as before the window
         assert not bool(metrics["updated"]) and int(after.step) == 0
         assert int(s.skipped_windows) == 1
@@ -106,7 +138,7 @@ def test_stream_nan_microbatch_changes_nothing_and_is_counted(policy, precision)
         _equal(after.opt_state.inner_tx_state, before.opt_state.inner_tx_state)
         stats = after.model_state["batch_stats"]["AccumBatchNorm_0"]
         _equal(stats["mean"], before.model_state["batch_stats"]["AccumBatchNorm_0"]["mean"])
-        assert float(jnp.sum(stats["acc_count"])) == 0.0  # window reset
+        assert float(np.sum(stats["acc_count"])) == 0.0  # window reset
     else:
         assert bool(metrics["updated"]) and int(after.step) == 1
 
@@ -122,7 +154,7 @@ def test_scan_nan_microbatch(policy, precision):
     s = accumjax.stats(after.opt_state)
     assert int(s.num_nonfinite) == 1 and int(s.skipped_microbatches) == 1
     for tree in (after.params, after.model_state, after.opt_state):
-        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+        assert _all_finite(tree)
     if policy == "skip_window":
         assert not bool(metrics["updated"]) and int(after.step) == 0
         _equal(after.params, state.params)
@@ -134,8 +166,9 @@ def test_scan_nan_microbatch(policy, precision):
     assert bool(metrics["updated"])
     stream = _step(mixed_precision=precision)
     stream_state = _bn_state(stream, accumulate(optax.adam(1e-2), K - 1, scaling="count"))
+    micro = _microbatches(batch)
     for i in (0, 2, 3):
-        stream_state, _ = stream(stream_state, jax.tree.map(lambda a, i=i: a[i::K], batch))
+        stream_state, _ = stream(stream_state, micro[i])
     tol = {"rtol": 1e-6, "atol": 1e-6} if precision is None else {"rtol": 1e-2, "atol": 1e-3}
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), b, **tol),
@@ -154,8 +187,9 @@ def test_overflowing_sum_of_finite_microbatches_skips_the_window():
     tx = accumulate(optax.sgd(1.0), 2, scaling="sum", accumulator_dtype=None)
     params = {"a": jnp.zeros(1, jnp.float16)}
     state = tx.init(params)
+    update = jax.jit(tx.update)  # one program, not each op of the update compiled
     for _ in range(2):
-        updates, state = tx.update({"a": big}, state, params)
+        updates, state = update({"a": big}, state, params)
     assert not bool(accumjax.has_updated(state)) and int(state.skipped_windows) == 1
     assert int(state.nonfinite_count) == 0  # no microbatch was bad; the sum was
     assert float(optax.apply_updates(params, updates)["a"][0]) == 0.0
@@ -176,8 +210,8 @@ def test_scan_zero_weights_never_apply_and_negative_weights_are_skipped():
     _equal(after.params, params)
     assert int(after.opt_state.skipped_windows) == 1
     weights = iter([1.0, -1.0, 1.0, 1.0])
-    w = jnp.asarray([next(weights) for _ in range(K)])
-    batch = {**batch, "w": jnp.tile(w, ROWS)}  # strided: microbatch i has weight w[i]
+    w = np.asarray([next(weights) for _ in range(K)], np.float32)
+    batch = {**batch, "w": jnp.asarray(np.tile(w, ROWS))}  # strided: microbatch i has weight w[i]
     step = make_train_step(_loss, mode="scan", weight_fn=lambda b: b["w"][0], donate=False)
     after, metrics = step(state, batch)
     assert bool(metrics["updated"]) and int(after.opt_state.nonfinite_count) == 1
@@ -185,17 +219,15 @@ def test_scan_zero_weights_never_apply_and_negative_weights_are_skipped():
 
 def test_float64_stays_float64_end_to_end():
     with jax.enable_x64(True):
-        batch = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), _data())
-        params = {"w": jnp.ones((5, 3), jnp.float64)}
-        grad = jax.grad(_loss)(params, batch)
-        ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, grad)
+        batch = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), _data())
+        params = {"w": jnp.asarray(np.ones((5, 3)))}
+        grad = jax.jit(jax.grad(_loss))(params, batch)  # one program, not op by op
+        ref = {"w": np.asarray(params["w"]) - 0.1 * np.asarray(grad["w"])}  # numpy float64
         for mode in ("scan", "stream"):
             tx = accumulate(optax.sgd(0.1), K)
             step = make_train_step(_loss, mode=mode, donate=False)
             state = step.init(params, tx)
-            calls = [batch] if mode == "scan" else [
-                jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)
-            ]  # fmt: skip
+            calls = [batch] if mode == "scan" else _microbatches(batch)
             if mode == "scan":  # the accumulator lives inside the step: read its program
                 program = step.lower(state, batch).as_text()
                 assert "tensor<5x3xf64>" in program and "tensor<5x3xf32>" not in program
@@ -217,16 +249,17 @@ def test_complex_parameters_stay_complex():
     step = make_train_step(loss, donate=False)
     state = step.init(params, tx)
     for _ in range(2):
-        state, metrics = step(state, jnp.full(3, 1j, jnp.complex64))
+        state, metrics = step(state, jnp.asarray(np.full(3, 1j, np.complex64)))
     assert state.params["z"].dtype == jnp.complex64 and bool(metrics["updated"])
-    assert float(jnp.abs(jnp.imag(state.params["z"][0]))) > 0.0
+    assert abs(np.imag(np.asarray(state.params["z"])[0])) > 0.0
 
 
 def test_step_counts_updates_whichever_way_the_state_advances():
     tx = accumulate(optax.sgd(0.1), K)
     state = TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=tx)
+    apply_gradients = jax.jit(lambda s, g: s.apply_gradients(grads=g))  # one program
     for _ in range(2 * K + 1):
-        state = state.apply_gradients(grads={"w": jnp.ones(2)})
+        state = apply_gradients(state, {"w": jnp.ones(2)})
     assert int(state.step) == 2
 
 
@@ -252,8 +285,10 @@ def test_grad_through_update_matches_multisteps():
             p = optax.apply_updates(p, updates)
         return jnp.sum(p["w"] ** 2)
 
-    ours = jax.grad(meta)(0.1, lambda lr: accumulate(optax.sgd(lr), 2))
-    theirs = jax.grad(meta)(0.1, lambda lr: optax.MultiSteps(optax.sgd(lr), 2))
+    # Jitted: one program each, not every op of two updates compiled on its own.
+    grad = jax.jit(jax.grad(meta), static_argnums=1)
+    ours = grad(0.1, lambda lr: accumulate(optax.sgd(lr), 2))
+    theirs = grad(0.1, lambda lr: optax.MultiSteps(optax.sgd(lr), 2))
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
     assert abs(float(ours)) > 0.1
 
@@ -262,8 +297,9 @@ def test_skip_fn_skips_and_counts():
     tx = accumulate(optax.sgd(1.0), 2, skip_fn=lambda g, p: optax.tree.norm(g) > 10.0)
     params = {"a": jnp.zeros(2)}
     state = tx.init(params)
-    _, state = tx.update({"a": jnp.array([100.0, 0.0])}, state, params)
-    updates, state = tx.update({"a": jnp.array([2.0, 2.0])}, state, params)
+    update = jax.jit(tx.update)  # one program, not each op of the update compiled
+    _, state = update({"a": jnp.array([100.0, 0.0])}, state, params)
+    updates, state = update({"a": jnp.array([2.0, 2.0])}, state, params)
     np.testing.assert_allclose(updates["a"], [-1.0, -1.0])  # mean over K = 2: only one added
     assert int(state.skipped_microbatches) == 1 and int(state.nonfinite_count) == 0
 
@@ -349,7 +385,7 @@ def test_shard_map_nan_on_one_device_keeps_replicas_identical():
     for leaf in (after.params["w"], s.nonfinite_count, s.skipped_microbatches):
         shards = [np.asarray(shard.data) for shard in leaf.addressable_shards]
         assert len(shards) == 8 and all(np.array_equal(shards[0], x) for x in shards)
-    assert int(s.nonfinite_count) == 1 and bool(jnp.all(jnp.isfinite(after.params["w"])))
+    assert int(s.nonfinite_count) == 1 and _all_finite(after.params)
 
 
 def test_data_parallel_batch_norm_window_pools_the_global_batch_exactly():
@@ -362,7 +398,8 @@ def test_data_parallel_batch_norm_window_pools_the_global_batch_exactly():
     rows = 8 * 2 * 3  # 8 devices x K=2 microbatches x 3 rows
     x = np.random.default_rng(0).normal(size=(rows, 5)).astype(np.float32)
     x += np.repeat(np.arange(8.0, dtype=np.float32), rows // 8)[:, None]  # device offsets
-    variables = model.init(jax.random.key(0), x[:2])
+    # One program, with an "rbg" key (as _bn_variables): not each op of the init compiled.
+    variables = jax.jit(model.init)(jax.random.key(0, impl="rbg"), x[:2])
     momentum = 0.99  # AccumBatchNorm's default
 
     def loss_fn(params, model_state, batch):
@@ -399,6 +436,34 @@ def test_data_parallel_batch_norm_window_pools_the_global_batch_exactly():
     )
 
 
+def _masked_loss(p, b):  # masked mean over the (micro)batch's valid rows
+    err = jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=-1)
+    return jnp.sum(err * b["m"]) / jnp.sum(b["m"])
+
+
+@functools.cache
+def _float64_problem():
+    """A ragged float64 batch, parameters, and the window gradient each scaling makes of it
+    (with its AGC for "sum"): computed once for the module, in one program under x64, and
+    kept in numpy (float64)."""
+    batch = jax.tree.map(lambda a: np.asarray(a, np.float64), _data(seed=4))
+    batch["m"] = ((np.arange(K * ROWS) % 3 != 0) | (np.arange(K * ROWS) < K)).astype(np.float64)
+    params = {"w": np.random.default_rng(5).normal(size=(5, 3))}
+
+    def window_gradients(params, batch):
+        grad = jax.grad(_masked_loss)
+        micro = [grad(params, jax.tree.map(lambda a, i=i: a[i::K], batch)) for i in range(K)]
+        total = jax.tree.map(lambda *g: sum(g), *micro)  # "sum": K times the mean's
+        mean = jax.tree.map(lambda g: g / K, total)  # the mean of the microbatch gradients
+        # "weighted": sum_i n_i g_i / sum_i n_i, the full-batch masked mean
+        grads = {"mean": mean, "count": mean, "sum": total, "weighted": grad(params, batch)}
+        return grads, accumjax.adaptive_clip_grad(params, total, 0.05, 1e-3)
+
+    with jax.enable_x64(True):
+        grads, clipped_sum = jax.jit(window_gradients)(params, batch)
+    return batch, params, jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, clipped_sum)
+
+
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 @pytest.mark.parametrize(
     ("scaling", "agc"),
@@ -407,38 +472,26 @@ def test_data_parallel_batch_norm_window_pools_the_global_batch_exactly():
 def test_every_scaling_matches_a_float64_full_batch_reference(scaling, mode, agc):
     # AGC (adaptive_clip first in the inner chain) clips the window gradient the scaling
     # made: checked with "sum", whose gradient is K times the mean's.
+    batch, params, grads, clipped_sum = _float64_problem()
+    grad = grads[scaling]
+    clipped = clipped_sum if agc else grad
+    ref = params["w"] - 0.1 * clipped["w"]  # numpy float64
+    assert agc != np.allclose(clipped["w"], grad["w"])  # AGC is active when asked
     with jax.enable_x64(True):
-        batch = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), _data(seed=4))
-        mask = (np.arange(K * ROWS) % 3 != 0) | (np.arange(K * ROWS) < K)  # ragged
-        batch["m"] = jnp.asarray(mask, jnp.float64)
-        params = {"w": jnp.asarray(np.random.default_rng(5).normal(size=(5, 3)), jnp.float64)}
-
-        def loss(p, b):  # masked mean over the (micro)batch's valid rows
-            err = jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=-1)
-            return jnp.sum(err * b["m"]) / jnp.sum(b["m"])
-
-        micro = [jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)]
-        if scaling == "weighted":  # sum_i n_i g_i / sum_i n_i: the full-batch masked mean
-            grad = jax.grad(loss)(params, batch)
-        else:  # mean of the microbatch gradients (times K for "sum")
-            grads = [jax.grad(loss)(params, mb) for mb in micro]
-            grad = jax.tree.map(lambda *g: sum(g) / (1 if scaling == "sum" else K), *grads)
-        clipped = accumjax.adaptive_clip_grad(params, grad, 0.05, 1e-3) if agc else grad
-        ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, clipped)
-        assert agc != np.allclose(clipped["w"], grad["w"])  # AGC is active when asked
-
+        params = jax.tree.map(jnp.asarray, params)
         inner = optax.sgd(0.1)
         if agc:
             inner = optax.chain(accumjax.adaptive_clip(0.05, 1e-3), inner)
         tx = accumulate(inner, K, scaling=scaling)
         weight_fn = (lambda b: jnp.sum(b["m"])) if scaling == "weighted" else None
-        step = make_train_step(loss, mode=mode, weight_fn=weight_fn, donate=False)
+        step = make_train_step(_masked_loss, mode=mode, weight_fn=weight_fn, donate=False)
         state = step.init(params, tx)
-        for b in [batch] if mode == "scan" else micro:
+        batch = jax.tree.map(jnp.asarray, batch)
+        for b in [batch] if mode == "scan" else _microbatches(batch):
             state, _ = step(state, b)
         assert int(state.step) == 1
         # float64 sums in another order: ~1e-16 relative per operation.
-        np.testing.assert_allclose(state.params["w"], ref["w"], rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(state.params["w"], ref, rtol=1e-12, atol=1e-13)
 
 
 def test_a_norm_taken_already_is_used_as_it_is_and_only_on_one_device():
@@ -494,9 +547,9 @@ def test_scan_rerun_of_a_nonfinite_window_equals_inspecting_every_microbatch(cas
         out.append(step(state, batch, **call))
     (passes, metrics), (inspected, reference) = out
     for tree in ("params", "model_state", "opt_state", "loss_scale"):
-        _equal(getattr(passes, tree), getattr(inspected, tree))
+        _same_decisions(getattr(passes, tree), getattr(inspected, tree))
     assert int(passes.opt_state.skipped_microbatches) == len(rows)
     assert bool(metrics["updated"]) == (case != "all")
-    np.testing.assert_array_equal(metrics["grad_norm"], reference["grad_norm"])
+    np.testing.assert_allclose(metrics["grad_norm"], reference["grad_norm"], rtol=1e-6)
     # The loss metric sums the same per-microbatch losses; XLA may order that sum otherwise.
     np.testing.assert_allclose(metrics["loss"], reference["loss"], rtol=1e-6)
