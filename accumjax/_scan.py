@@ -170,7 +170,7 @@ def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
 def _plan(stage: jax.Array | int, j: jax.Array, added: jax.Array) -> _Plan:
     """The `_Plan` of a pass of ``stage``: BLIND every microbatch, INSPECT microbatch ``j``
     alone (unweighted), ADD the ``added`` ones."""
-    stage = jnp.asarray(stage)
+    stage = jnp.asarray(stage, jnp.int32)  # not weakly typed: one trace of the pass
     index = jnp.arange(added.shape[0])
     use = jnp.where(stage == INSPECT, index == j, jnp.where(stage == ADD, added, True))
     return _Plan(use, stage == INSPECT, stage != ADD)
@@ -289,7 +289,8 @@ def _loop_over(
         carry, ys = body(val[0], i)
         return carry, jax.tree.map(lambda buf, y: buf.at[i].set(y), val[1], ys)
 
-    return jax.lax.fori_loop(0, ctx.n_real, step, (init, stacked))
+    first = jnp.zeros((), jnp.int32)  # a strong int32 index: the loop reuses the trace above
+    return jax.lax.fori_loop(first, ctx.n_real, step, (init, stacked))
 
 
 def _microbatch_loop(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:

@@ -110,3 +110,29 @@ def test_the_microbatches_run_in_a_loop_of_known_trip_count_k(k, where):
     for count, names in loops:
         if count is None and _matmuls(computations, names):
             assert microbatches <= names  # the loop over passes: it runs the known loop
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["skip_microbatch", "propagate", "unroll=True", "unroll=2", "num_real_microbatches", "aux"],
+)
+def test_the_loss_is_traced_once(case):
+    """Issue 28: trace and compile time. The scan step traces the model's loss (and so its
+    gradient) once in every configuration; a second trace is a second copy of the model's
+    tracing time (the passes' shapes were once taken from a trace of their own, a weakly
+    typed argument made the loop's trace miss its cache)."""
+    params, batch = _problem(4)
+    traces = []
+
+    def loss(params, batch):
+        traces.append(None)
+        value = _loss(params, batch)
+        return (value, {"loss": value}) if case == "aux" else value
+
+    policy = "propagate" if case == "propagate" else "skip_microbatch"
+    unroll = {"unroll=True": True, "unroll=2": 2}.get(case, 1)
+    step = accumjax.make_train_step(loss, mode="scan", unroll=unroll, has_aux=case == "aux")
+    state = step.init(params, accumjax.accumulate(optax.adam(1e-3), 4, on_nonfinite=policy))
+    extra = {"num_real_microbatches": jnp.int32(3)} if case == "num_real_microbatches" else {}
+    step.lower(state, batch, **extra)
+    assert len(traces) == 1
