@@ -121,8 +121,13 @@ def make_evaluate(model: MLP) -> EvalFn:
 
 def max_abs_diff(a: Params, b: Params) -> float:
     """The largest ``|a - b|`` over all leaves of two parameter trees."""
+    return float(_max_abs_diff(a, b))
+
+
+@jax.jit  # one compiled program, not one per operation and leaf shape
+def _max_abs_diff(a: Params, b: Params) -> jax.Array:
     diffs = jax.tree.leaves(jax.tree.map(lambda u, v: jnp.max(jnp.abs(u - v)), a, b))
-    return float(jnp.max(jnp.stack(diffs)))
+    return jnp.max(jnp.stack(diffs))
 
 
 @dataclass
@@ -201,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     train, test = load_data()
     model = MLP()
     evaluate = make_evaluate(model)
-    params = model.init(jax.random.key(SEED), train["x"][:1])["params"]
+    # Jitted: one compiled program, not one per initializer and operation.
+    params = jax.jit(model.init)(jax.random.key(SEED), train["x"][:1])["params"]
     full = new_run(model, params, optax.adam(LEARNING_RATE))  # one batch per update
     accum = new_run(model, params, accumjax.accumulate(optax.adam(LEARNING_RATE), args.k))
     example = next(batches(train, args.batch))

@@ -40,6 +40,7 @@ print("tokens per microbatch:", n_tokens.astype(int).tolist())
 
 
 # --- Model: embedding -> tanh -> linear next-token logits -----------------------------------
+@jax.jit  # one compiled program, not one per initializer and operation
 def init_params(key):
     k1, k2 = jax.random.split(key)
     return {
@@ -88,7 +89,7 @@ mean = accumulated_gradient("mean")
 
 # --- Reference: the token-mean loss over the whole batch, in float64 -------------------------
 with jax.enable_x64(True):
-    params64 = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
+    params64 = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
     # Treat the K microbatches as one batch of K * SEQS sequences.
     full = [a.reshape(K * SEQS, MAX_LEN) for a in (inputs, targets, mask.astype(np.float64))]
     reference = grad_fn(params64, *full)  # traced again, for float64

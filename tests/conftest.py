@@ -2,8 +2,13 @@
 
 import os
 
+# The suite is compile-bound (hundreds of small programs, each run a few times): XLA:CPU's
+# LLVM backend without its optimization passes compiles them about a third faster (the
+# suite's CPU time: 396 s against 530). XLA's own HLO passes (fusion, buffer assignment: the
+# memory figures the tests read) run as before, and no fast math is enabled at any level.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 
 import jax

@@ -242,8 +242,10 @@ def test_a_loss_with_a_key_is_planned_with_the_key(setup):
     assert keyed.predicted_bytes == _compiled_bytes(_keyed_loss, state, batch, 4, key)
     # A budget the key-free step fits at K=4 but the keyed one does not: a larger K.
     budget = free.predicted_bytes
+    # No K=8 among the candidates: it does not fit either (on XLA:CPU here) and would only
+    # add a compile (about 1.5 s); the claim is a K above 4 that fits.
     plan = plan_microbatches(
-        _keyed_loss, state, batch, memory_budget=budget, candidates=[4, 8, 16, 32], rng=key
+        _keyed_loss, state, batch, memory_budget=budget, candidates=[4, 16, 32], rng=key
     )
     assert plan.accum_steps > 4
     assert _compiled_bytes(_keyed_loss, state, batch, plan.accum_steps, key) <= budget
@@ -287,7 +289,7 @@ def test_model_state_is_planned():
     x = jnp.ones((256, 16))
     batch = {"x": x, "y": jnp.zeros((256,), jnp.int32)}
     net = Net()
-    variables = net.init(jax.random.key(0), x)
+    variables = jax.jit(net.init)(jax.random.key(0), x)  # one program, not one per op
     state = accumjax.TrainState.create(
         apply_fn=net.apply,
         params=variables["params"],

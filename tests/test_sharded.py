@@ -414,7 +414,7 @@ def test_stream_with_batch_norm_pools_statistics_per_call_and_reduces_gradients_
     # one device; the gradient is reduced once per window.
     model = _BatchNormNet()
     _, batch = _problem()
-    variables = model.init(jax.random.key(0), batch["x"][:N])
+    variables = jax.jit(model.init)(jax.random.key(0), batch["x"][:N])  # one program
 
     def loss(params, model_state, b):
         out, new = model.apply({"params": params, **model_state}, b["x"], mutable=["batch_stats"])
@@ -520,7 +520,8 @@ def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
     xent = optax.softmax_cross_entropy_with_integer_labels
     linen = _LinenEmbed()
     linen_loss = lambda p, b: xent(linen.apply({"params": p}, b), b[:, 0]).mean()
-    params = linen.init(jax.random.key(0), ids[:1])["params"]
+    init = jax.jit(linen.init)  # one program, not each op of the init compiled on its own
+    params = init(jax.random.key(0), ids[:1])["params"]
     params = jax.device_put(params, NamedSharding(mesh, P()))
     tx = accumjax.accumulate(optax.sgd(0.5), K)
     step = accumjax.make_train_step(linen_loss)
@@ -528,14 +529,14 @@ def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
     for mb in micro:
         state, _ = step(state, mb)
     with jax.set_mesh(mesh):
-        model = _NNXEmbed(nnx.Rngs(0))
+        model = nnx.jit(lambda: _NNXEmbed(nnx.Rngs(0)))()  # one program, as init above
     nnx_step = accumjax.make_nnx_train_step(lambda m, b: xent(m(b), b[:, 0]).mean())
     nnx_state = nnx_step.init(model, accumjax.accumulate(optax.sgd(0.5), K))
     for mb in micro:
         nnx_state, _ = nnx_step(nnx_state, mb)
     assert int(state.step) == 2 and int(nnx_state.step) == 2
     # One device, each window's rows at once: the same SGD steps.
-    ref = jax.device_get(linen.init(jax.random.key(0), ids[:1])["params"])
+    ref = jax.device_get(init(jax.random.key(0), ids[:1])["params"])
     full_batch_grad = jax.jit(jax.grad(linen_loss))  # one program, not one per operation
     for w in range(2):
         grads = full_batch_grad(ref, ids[w * K * N : (w + 1) * K * N])

@@ -146,7 +146,7 @@ def test_with_mode_converts_create_and_init_states_and_refuses_an_open_window():
 
 def test_a_checkpoint_with_the_accumulator_converts_for_scan_mode(tmp_path):
     """A 0.2 scan-mode checkpoint held the accumulator: restored as saved, then converted."""
-    params, batch = _problem(width=16)
+    params, batch = _problem(width=32)  # the scan step of the test above: compiled once
     old = _create(params)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "old", old)

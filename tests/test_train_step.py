@@ -276,7 +276,8 @@ def _bn_loss(params, model_state, batch):
 def _bn_variables():
     """The model's initial variables on the host, initialised once for the module."""
     x, _ = _data()
-    return jax.tree.map(np.asarray, _BN_MODEL.init(jax.random.key(0), x[:2]))
+    # Under jit: one program, not one per operation.
+    return jax.tree.map(np.asarray, jax.jit(_BN_MODEL.init)(jax.random.key(0), x[:2]))
 
 
 def _bn_setup():
@@ -309,17 +310,28 @@ def _bn_reference(bn_loss, tx, params, model_state, windows, devices=1):
                 g, ms = grad_fn(params, ms, mb)
                 grads.append(g)
             states.append(ms)
-        mean = lambda trees: jax.tree.map(lambda *a: sum(a) / len(a), *trees)
-        model_state = mean(states)
-        updates, opt_state = tx.update(mean(grads), opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state, model_state = _jit_window_update(tx)(grads, states, opt_state, params)
     return params, model_state
+
+
+@functools.cache
+def _jit_window_update(tx):
+    """The window's averages and its optax update, as one program per optimizer object (the
+    same float32 operations as run op by op)."""
+
+    def update(grads, states, opt_state, params):
+        mean = lambda trees: jax.tree.map(lambda *a: sum(a) / len(a), *trees)
+        updates, opt_state = tx.update(mean(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, mean(states)
+
+    return jax.jit(update)
 
 
 def test_model_state_threaded_through_scan_and_stream():
     bn_loss, params, model_state, windows = _bn_setup()
     tx = lambda: optax.sgd(0.1, momentum=0.9)
-    ref_params, ref_state = _bn_reference(bn_loss, tx(), params, model_state, windows)
+    ref_tx = tx()  # one object for both references: one compiled update
+    ref_params, ref_state = _bn_reference(bn_loss, ref_tx, params, model_state, windows)
 
     scan = _step(bn_loss, mode="scan")
     scan_state = scan.init(params, accumulate(tx(), K), model_state=model_state)
@@ -335,7 +347,7 @@ def test_model_state_threaded_through_scan_and_stream():
     _assert_tree_close(stream_state.params, ref_params, F32)
     _assert_tree_close(stream_state.model_state, ref_state, F32)
     # Running statistics saw all K * WINDOWS microbatches, not just the first of each window.
-    once = _bn_reference(bn_loss, tx(), params, model_state, [w for w in windows[:1]])[1]
+    once = _bn_reference(bn_loss, ref_tx, params, model_state, [w for w in windows[:1]])[1]
     assert not np.allclose(
         once["batch_stats"]["BatchNorm_0"]["mean"], ref_state["batch_stats"]["BatchNorm_0"]["mean"]
     )
@@ -888,7 +900,8 @@ def test_dropout_mlp_on_digits_k4_reaches_the_accuracy_of_k1():
     the dropout masks differ (per microbatch vs per batch)."""
     x_train, x_test, y_train, y_test = _digits()
     model = _DropoutMLP()
-    params = model.init(jax.random.key(0), x_train[:1], train=False)["params"]
+    init = jax.jit(functools.partial(model.init, train=False))  # one program, not one per op
+    params = init(jax.random.key(0), x_train[:1])["params"]
     # Evaluated under jit: one compiled program, not one per operation.
     predict = jax.jit(lambda params, x: model.apply({"params": params}, x, train=False))
 
