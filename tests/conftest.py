@@ -57,13 +57,19 @@ def pytest_unconfigure(config):
 
 
 # The error filters of pyproject.toml's filterwarnings, for the processes a test starts (the
-# examples, the jax.distributed workers): they inherit the environment, not pytest's filters.
-# Set per test, so that pytest-xdist's workers (started before any test) are not affected.
+# jax.distributed workers): they inherit the environment, not pytest's filters. Set per test,
+# so that pytest-xdist's workers (started before any test) are not affected.
 SUBPROCESS_WARNINGS = "error::DeprecationWarning,error::FutureWarning"
+
+
+def with_subprocess_warnings(current: str | None) -> str:
+    """A ``PYTHONWARNINGS`` value: ``current`` with SUBPROCESS_WARNINGS added."""
+    current = current or ""
+    if SUBPROCESS_WARNINGS in current:
+        return current
+    return ",".join(filter(None, [current, SUBPROCESS_WARNINGS]))
 
 
 @pytest.fixture(autouse=True)
 def _deprecations_are_errors_in_subprocesses(monkeypatch):
-    current = os.environ.get("PYTHONWARNINGS", "")
-    if SUBPROCESS_WARNINGS not in current:
-        monkeypatch.setenv("PYTHONWARNINGS", ",".join(filter(None, [current, SUBPROCESS_WARNINGS])))
+    monkeypatch.setenv("PYTHONWARNINGS", with_subprocess_warnings(os.environ.get("PYTHONWARNINGS")))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import with_subprocess_warnings
 from jax.sharding import Mesh, PartitionSpec
 
 import accumjax
@@ -243,9 +244,7 @@ def two_process_run(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     # conftest's autouse fixture sets these per test, after a module fixture runs: the
     # workers get the same deprecation errors from here.
-    warnings = "error::DeprecationWarning,error::FutureWarning"
-    if warnings not in env.get("PYTHONWARNINGS", ""):
-        env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), warnings]))
+    env["PYTHONWARNINGS"] = with_subprocess_warnings(env.get("PYTHONWARNINGS"))
     prefixes = [tmp_path_factory.mktemp("two_process") / f"out{i}" for i in range(2)]
     procs = [
         subprocess.Popen(
