@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from accumjax import window as window_lib
@@ -136,13 +137,15 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     BLIND adds every gradient blindly; its sum's one norm decides. Only when it is not
     finite, INSPECT decides about each microbatch alone, one pass per microbatch (the
     others' gradients are computed and left out), the model state following the decisions;
-    then ADD adds the accepted microbatches (the skipped ones only counted). The passes run
-    in one data-dependent loop over passes (one trip for a finite window), so the model's
-    gradient is traced and compiled once; no pass holds more memory than BLIND. Unrolled,
-    BLIND is a loop of its own outside (XLA:CPU runs convolutions far slower in a loop).
+    then ADD adds the accepted microbatches (the skipped ones only counted; none accepted,
+    it leaves the window empty). The passes run in one data-dependent loop over passes (one
+    trip for a finite window), so the model's gradient is traced and compiled once; no pass
+    holds more memory than BLIND. Every pass starts from an empty window made inside the
+    loop, so the loop carries only the last pass's window. Unrolled, BLIND is a loop of its
+    own outside (XLA:CPU runs convolutions far slower in a loop).
     """
     axis = ctx.setup.axis_name
-    start = pvary(start._replace(window=window_lib.empty_like(start.window)), axis)
+    start = _empty(ctx, start)
     zero = pvary(jnp.zeros((), jnp.int32), axis)
     run = jax.jit(partial(_microbatch, ctx, take))
     plan = _plan(BLIND, zero, jnp.zeros((ctx.k,), bool))
@@ -152,13 +155,20 @@ def _passes(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
     added = pvary(jnp.zeros((ctx.k,), bool), axis)
     at = _Passes(stage, zero, start, ys, added, zero, norm)
     unroll = ctx.setup.unroll
+    model_state = start.model_state
     if ctx.n_real is None and (unroll is True or unroll > 1):  # BLIND unrolled, outside
-        at = _next(ctx, run, start, at, unroll)
-    at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_next, ctx, run, start), at)
-    # Nothing accepted: ADD never ran, the window is empty but for its counts.
-    none = ~jnp.any(at.added) & (at.nonfinite > 0)
-    carry = window_lib.run_once(none, lambda _: _nothing_added(ctx, start, at), at.carry)
-    return carry._replace(sum_norm=jnp.where(none, 0.0, at.norm)), at.ys
+        at = _next(ctx, run, model_state, at, unroll)
+    at = jax.lax.while_loop(lambda at: at.stage != DONE, partial(_next, ctx, run, model_state), at)
+    return at.carry._replace(sum_norm=at.norm), at.ys
+
+
+def _empty(ctx: Context, like: Carry, model_state: Any = None) -> Carry:
+    """An empty window shaped like ``like``'s (made from its shapes alone: inside a loop it
+    is not a loop input), no loss yet, on ``model_state`` (default: ``like``'s)."""
+    zero = jnp.zeros((), jnp.float32)
+    state = like.model_state if model_state is None else model_state
+    carry = Carry(window_lib.empty_like(like.window), state, zero, zero)
+    return pvary(carry, ctx.setup.axis_name)
 
 
 def _zeros(lead: tuple[int, ...], shapes: Any, axis_name: str | None) -> Any:
@@ -171,36 +181,27 @@ def _plan(stage: jax.Array | int, j: jax.Array, added: jax.Array) -> _Plan:
     """The `_Plan` of a pass of ``stage``: BLIND every microbatch, INSPECT microbatch ``j``
     alone (unweighted), ADD the ``added`` ones."""
     stage = jnp.asarray(stage, jnp.int32)  # not weakly typed: one trace of the pass
-    index = jnp.arange(added.shape[0])
+    index = np.arange(added.shape[0], dtype=np.int32)  # a constant, not a kernel
     use = jnp.where(stage == INSPECT, index == j, jnp.where(stage == ADD, added, True))
     return _Plan(use, stage == INSPECT, stage != ADD)
 
 
-def _add_start(start: Carry, at: _Passes) -> Carry:
-    """The window ADD starts from: empty, the non-finite microbatches INSPECT found counted
-    (ADD's trips count the skipped ones); the model state the window started on."""
-    return start._replace(window=start.window._replace(window_nonfinite=at.nonfinite))
-
-
-def _nothing_added(ctx: Context, start: Carry, at: _Passes) -> Carry:
-    """INSPECT accepted no microbatch: an empty window, every microbatch skipped."""
-    n = window_k(ctx) + jnp.zeros_like(at.nonfinite)
-    window = start.window._replace(micro_step=n, window_nonfinite=at.nonfinite, window_skipped=n)
-    return start._replace(window=window)
-
-
 def _next(
-    ctx: Context, run: Callable[..., Any], start: Carry, at: _Passes, unroll: Any = 1
+    ctx: Context, run: Callable[..., Any], model_state: Any, at: _Passes, unroll: Any = 1
 ) -> _Passes:
-    """One pass over the K microbatches, its sum's norm, and the pass that follows."""
+    """One pass over the K microbatches, its sum's norm, and the pass that follows.
+
+    ``model_state`` is the one the window started on; INSPECT runs on the model state of
+    its decisions, and ADD starts with INSPECT's non-finite microbatches counted (its trips
+    count the skipped ones)."""
     inspect, add = at.stage == INSPECT, at.stage == ADD
     plan = _plan(at.stage, at.j, at.added)
-    first = start
-    if start.model_state is not None:  # INSPECT runs on the model state of its decisions
+    if model_state is not None:
         threaded = inspect & (at.j > 0)
-        state = optax.tree.where(threaded, at.carry.model_state, start.model_state)
-        first = first._replace(model_state=state)
-    first = optax.tree.where(add, _add_start(start, at), first)
+        model_state = optax.tree.where(threaded, at.carry.model_state, model_state)
+    first = _empty(ctx, at.carry, model_state)
+    counted = jnp.where(add, at.nonfinite, first.window.window_nonfinite)
+    first = first._replace(window=first.window._replace(window_nonfinite=counted))
     body = lambda carry, i: _unstack(run(plan, i, carry))
     carry, (aux, weight) = _loop_over(ctx, body, first, unroll)
     ys = jax.tree.map(lambda old, new: _rows_where(plan.use, new, old), at.ys, aux)
@@ -218,7 +219,7 @@ def _next(
     added = jnp.where(inspect, at.added.at[at.j].set(found.added), at.added)
     nonfinite = at.nonfinite + (inspect & found.nonfinite).astype(jnp.int32)
     last = at.j + 1 >= window_k(ctx)
-    after_inspect = jnp.where(last, jnp.where(jnp.any(added), ADD, DONE), INSPECT)
+    after_inspect = jnp.where(last, ADD, INSPECT)
     blind = jnp.where(found.nonfinite, INSPECT, DONE)  # BLIND's decision is about the sum
     stage = jnp.where(inspect, after_inspect, jnp.where(add, DONE, blind)).astype(jnp.int32)
     j = jnp.where(inspect, at.j + 1, 0).astype(jnp.int32)
@@ -281,7 +282,8 @@ def _loop_over(
     into K slots (zeros in the padded ones)."""
     if ctx.n_real is None:
         unroll = ctx.setup.unroll if unroll is None else unroll
-        return jax.lax.scan(body, init, jnp.arange(ctx.k, dtype=jnp.int32), unroll=unroll)
+        index = jnp.asarray(np.arange(ctx.k, dtype=np.int32))  # a constant, not a kernel
+        return jax.lax.scan(body, init, index, unroll=unroll)
     shapes = jax.eval_shape(body, init, jnp.zeros((), jnp.int32))[1]
     stacked = jax.tree.map(lambda s: jnp.zeros((ctx.k, *s.shape), s.dtype), shapes)
 
