@@ -4,9 +4,9 @@
 once per window, so K small microbatches give the update of one big batch. It is a drop-in
 replacement for ``optax.MultiSteps`` with these differences:
 
-- ``inner`` runs only at the end of a window, inside a loop that runs at most once
-  (`accumjax.window.run_once`: XLA updates a loop's carry in place, where ``lax.cond`` would
-  copy the inner state on every microbatch), so a non-update microstep costs a gradient, a
+- ``inner`` runs only at the end of a window, inside `accumjax.window.run_once` (on a CPU a
+  loop that runs at most once, updated in place; on a CUDA GPU a conditional, which the
+  device decides without a host round trip), so a non-update microstep costs a gradient, a
   norm and an add, and the inner state is untouched bit for bit between updates.
 - The accumulator keeps a plain sum (never narrower than float32 by default) and divides once,
   by the strategy's denominator (see `accumjax.scaling`).

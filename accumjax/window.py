@@ -546,10 +546,13 @@ def scaled_gradient(closed: Closed) -> Any:
 def run_once(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
     """``fn(operand)`` if ``pred`` else ``operand``, updating ``operand`` in place.
 
-    A ``lax.while_loop`` that runs at most once: unlike ``lax.cond``, XLA updates a loop's
-    carry in place, so a large operand (an optimizer state) is not copied when ``pred`` is
-    False. Under differentiation the same computation runs as a ``lax.cond`` (loops are not
-    reverse-differentiable), so ``jax.grad`` works through it.
+    On CUDA GPUs a ``lax.cond`` whose false branch passes ``operand`` through: the device
+    decides, so the host can queue the next step. Elsewhere a ``lax.while_loop`` that runs at
+    most once: XLA:CPU updates a loop's carry in place, where its ``lax.cond`` copied a large
+    operand (an optimizer state) when ``pred`` was False; on a GPU such a loop's predicate is
+    read on the host, a round trip per call (see the design notes). Under differentiation
+    the ``lax.cond`` runs everywhere (loops are not reverse-differentiable), so ``jax.grad``
+    works through it.
 
     Args:
       pred: a boolean scalar.
@@ -572,17 +575,27 @@ def run_once(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _run_once(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
+    by_cond, by_loop = functools.partial(_by_cond, fn), functools.partial(_by_loop, fn)
+    return jax.lax.platform_dependent(pred, operand, consts, cuda=by_cond, default=by_loop)
+
+
+def _by_loop(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
+    """`run_once` as a ``lax.while_loop`` of at most one trip."""
+
     def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
         return jnp.zeros((), bool), fn(carry[1], *consts)
 
     return jax.lax.while_loop(lambda carry: carry[0], body, (pred, operand))[1]
 
 
+def _by_cond(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
+    """`run_once` as a ``lax.cond`` (the pass-through is its first branch, which XLA forwards
+    without a copy)."""
+    return jax.lax.cond(pred, lambda o: fn(o, *consts), lambda o: o, operand)
+
+
 @_run_once.defjvp
 def _run_once_jvp(fn: Callable[..., Any], primals: Any, tangents: Any) -> Any:
     pred, operand, consts = primals
-
-    def branch(op: Any, cs: tuple) -> Any:
-        return jax.lax.cond(pred, lambda o: fn(o, *cs), lambda o: o, op)
-
+    branch = lambda op, cs: _by_cond(fn, pred, op, cs)
     return jax.jvp(branch, (operand, consts), (tangents[1], tangents[2]))
