@@ -11,7 +11,9 @@ step times are those of the GPU, and the transformer is the ``large`` one. ``--d
 forces the CPU backend. ``--out`` writes ``results.json`` and the plots to another folder
 than ``benchmarks/results`` (a GPU run beside the committed CPU figures);
 ``benchmarks/gpu.sh OUT`` is that command, ready for a GPU machine. The collectives
-benchmark runs on 8 host CPU devices on every machine.
+benchmark runs on 8 host CPU devices on every machine. ``results.json`` is written after each
+benchmark, so a run cut off by a time limit keeps the benchmarks that finished (the plots and
+the machine's description come at the end).
 
 Timings are ratios measured side by side in one run (this machine is noisy); memory and
 collective counts come from XLA and are deterministic.
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, fn in runs.items():
         if args.only in ("all", name):
             results[name] = fn()
+            path.write_text(json.dumps(results, indent=2) + "\n")  # a cut-off run keeps these
     if args.only == "all":
         results["machine"] = machine
     else:  # merged into results from another run: keep that run's machine at the top
