@@ -314,8 +314,7 @@ def _microbatch_loop(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any
         outcome = microbatch(ctx, carry, p, mb, i)
         return outcome.carry, outcome.aux
 
-    start = pvary(start._replace(window=window_lib.empty_like(start.window)), ctx.setup.axis_name)
-    return _loop_over(ctx, body, start)
+    return _loop_over(ctx, body, _empty(ctx, start))
 
 
 def window_loss(carry: Carry) -> jax.Array:

@@ -589,8 +589,7 @@ def _by_loop(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tupl
 
 
 def _by_cond(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
-    """`run_once` as a ``lax.cond`` (the pass-through is its first branch, which XLA forwards
-    without a copy)."""
+    """`run_once` as a ``lax.cond`` whose first branch passes ``operand`` through."""
     return jax.lax.cond(pred, lambda o: fn(o, *consts), lambda o: o, operand)
 
 

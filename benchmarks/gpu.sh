@@ -7,7 +7,8 @@
 # It runs from this checkout (PYTHONPATH), with the jax, flax, optax, orbax-checkpoint and
 # matplotlib the machine has (no network needed), and prints the tables at the end. The
 # collectives benchmark runs on 8 host CPU devices, as on a CPU machine. On an H200 the
-# whole set did not finish within the 270 s it was given (where it stood was not recorded);
+# whole set did not finish within the 270 s it was given (where it stood was not recorded;
+# OUT/results.partial.json now keeps the benchmarks that finish);
 # the compile benchmark with 4 rounds took about 3 minutes there. The whole set takes about
 # 15 minutes on the 2-core CPU machine with --device cpu.
 set -euo pipefail

@@ -11,9 +11,9 @@ step times are those of the GPU, and the transformer is the ``large`` one. ``--d
 forces the CPU backend. ``--out`` writes ``results.json`` and the plots to another folder
 than ``benchmarks/results`` (a GPU run beside the committed CPU figures);
 ``benchmarks/gpu.sh OUT`` is that command, ready for a GPU machine. The collectives
-benchmark runs on 8 host CPU devices on every machine. ``results.json`` is written after each
-benchmark, so a run cut off by a time limit keeps the benchmarks that finished (the plots and
-the machine's description come at the end).
+benchmark runs on 8 host CPU devices on every machine. After each benchmark what has finished
+is written to ``results.partial.json`` beside ``results.json`` (removed when the run ends), so
+a run cut off by a time limit keeps it without touching ``results.json``.
 
 Timings are ratios measured side by side in one run (this machine is noisy); memory and
 collective counts come from XLA and are deterministic.
@@ -260,16 +260,18 @@ def main(argv: list[str] | None = None) -> None:
         results = json.loads(path.read_text())
     start = time.time()
     machine = {**common.machine(), "gpu": gpu}
+    partial = out / "results.partial.json"  # what a run cut off by a time limit keeps
     for name, fn in runs.items():
         if args.only in ("all", name):
             results[name] = fn()
-            path.write_text(json.dumps(results, indent=2) + "\n")  # a cut-off run keeps these
+            partial.write_text(json.dumps(results, indent=2) + "\n")
     if args.only == "all":
         results["machine"] = machine
     else:  # merged into results from another run: keep that run's machine at the top
         results[args.only]["machine"] = machine
     results["seconds" if args.only == "all" else f"seconds_{args.only}"] = time.time() - start
     path.write_text(json.dumps(results, indent=2) + "\n")
+    partial.unlink(missing_ok=True)
     paths = []
     if all(k in results for k in ("accumulate", "scan", "accuracy")):
         paths += plot(results, out)

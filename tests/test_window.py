@@ -297,10 +297,11 @@ def test_grad_through_update_matches_multisteps():
 
 def test_a_window_end_is_a_loop_on_cpu_and_a_conditional_on_cuda():
     # On an H200 a while loop's data-dependent predicate cost a host round trip per step: the
-    # scan step took 1.43-2.55x optax.microbatch's time with the window's end as a loop and
-    # 1.04-1.35x as a conditional. XLA:CPU updates the loop's carry in place, where its
-    # conditional copied the train step's state (a stream call 17% slower). Lowered for
-    # CUDA on this CPU machine with jax.export: no GPU is needed to read the module.
+    # scan step with on_nonfinite="propagate" took 1.43-2.55x optax.microbatch's time with
+    # the window's end as a loop and 1.04-1.35x as a conditional. XLA:CPU updates the loop's
+    # carry in place, where its conditional copied the train step's state (a stream call 17%
+    # slower). Lowered for CUDA on this CPU machine with jax.export: no GPU is needed to read
+    # the module. An Adam update has no loop of its own.
     from jax import export
 
     tx = accumulate(optax.adam(1e-2), K)
@@ -310,7 +311,8 @@ def test_a_window_end_is_a_loop_on_cpu_and_a_conditional_on_cuda():
     for platform, loop in (("cpu", True), ("cuda", False)):
         module = export.export(update, platforms=[platform])(*args).mlir_module()
         assert ("stablehlo.while" in module) == loop, platform
-        assert "stablehlo.case" in module, platform
+        if not loop:  # the window's end is a conditional
+            assert "stablehlo.case" in module or "stablehlo.if" in module
 
 
 def test_skip_fn_skips_and_counts():
