@@ -149,7 +149,6 @@ class Carry(NamedTuple):
     model_state: Any
     loss_sum: jax.Array
     loss_weight: jax.Array
-    sum_norm: jax.Array | None = None  # the window sum's norm, where the loop took it
 
 
 class Outcome(NamedTuple):
@@ -297,11 +296,13 @@ def add_gradient(
     """Adds a microbatch's `gradient` output (``computed``) to the window of ``carry``.
 
     ``inspected`` is the policy's decision about it, taken by the caller, or None to take it
-    here.
+    here (on a mesh, about the whole microbatch: `accumjax.window.inspect_microbatch`).
     """
     loss, new_model_state, aux, grads, weight = computed
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
-    window, micro = add(ctx.config.policy, carry.window, grads, weight, params, inspected)
+    window, micro = add(
+        ctx.config.policy, carry.window, grads, weight, params, inspected, axis_name=ctx.axis_name
+    )
     model_state = carry.model_state
     if model_state is not None:
         model_state = optax.tree.where(micro.added, new_model_state, model_state)
@@ -319,17 +320,15 @@ def close_fields(
     ctx: Context,
     fields: Fields,
     closed: window_lib.Closed | None = None,
-    norm: jax.Array | None = None,
 ) -> Fields:
     """Closes the window: one reduction, the decision, the update, model state, loss scale.
 
-    With ``closed`` (reduced and decided inside a ``shard_map``, where the model state was
-    closed too) only the update and the loss scale are left. ``norm`` is the window sum's
-    norm when the loop has taken it (one device).
+    With ``closed`` (reduced and decided already, the model state closed too) only the update
+    and the loss scale are left.
     """
     before = fields.opt
     params, opt = close_and_apply(
-        ctx.config, before, fields.params, transform=ctx.setup.transform, closed=closed, norm=norm
+        ctx.config, before, fields.params, transform=ctx.setup.transform, closed=closed
     )
     model_state = fields.model_state
     if closed is None:

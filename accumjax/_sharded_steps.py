@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
@@ -45,7 +44,14 @@ from accumjax._loop import (
     gradient,
     stream_step,
 )
-from accumjax._scan import real_microbatches, scan_finish, scan_step, window_k, window_loop
+from accumjax._scan import (
+    Closing,
+    real_microbatches,
+    scan_finish,
+    scan_step,
+    window_k,
+    window_loop,
+)
 from accumjax.accumulation import window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
@@ -209,6 +215,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         )
         closed_specs = window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
         row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
+
         closed, model_state, loss, aux = _shard_map(
             partial(_local_window, ctx, layout, cell),
             layout,
@@ -216,9 +223,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             out_specs=(closed_specs, WHOLE, WHOLE, _Aux(row_spec, WHOLE)),  # pyright: ignore[reportArgumentType]
         )(local)
         aux = None if not cell else _join_aux(aux, cell, layout.shards)
-        window = acc.window._replace(window_nonfinite=closed.nonfinite_count)
-        carry = Carry(window, model_state, jnp.zeros(()), jnp.zeros(()))
-        return scan_finish(ctx, state, acc, Outcome(carry, loss, aux), closed)
+        return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, aux))
 
     return step
 
@@ -226,8 +231,9 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 def _local_window(
     ctx: Context, layout: sharded.Layout, cell: list[Any], local: _Local
 ) -> tuple[window_lib.Closed, Any, jax.Array, _Aux]:
-    """One device's part of a window: its rows' gradients summed locally, then the window's
-    one reduction (which also carries the loss and the aux means)."""
+    """One device's part of a window: its rows' gradients summed locally (each microbatch
+    decided by all devices together), then the window's one reduction (which also carries
+    the loss and the aux means)."""
     zero = jnp.zeros((), jnp.float32)
     config = ctx.config
     shapes = jax.eval_shape(partial(sharded.gather, layout=layout), local.params)
@@ -240,7 +246,8 @@ def _local_window(
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         setup = setup._replace(materialize=gather)
     ctx = _local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
-    carry, aux = window_loop(ctx, params, Carry(like, local.model_state, zero, zero), local.batch)
+    start = Carry(like, local.model_state, zero, zero)
+    carry, aux = window_loop(ctx, params, start, local.batch)
     split = _split_aux(aux, 0 if setup.aux_rows else 1, cell) if aux is not None else _Aux([], [])
     extras = [carry.loss_sum, carry.loss_weight, *split.means]
     closed = window_lib.close_window(
@@ -398,28 +405,37 @@ def _local_call(
         ctx, params, start, local.batch, window.micro_step
     )
     policy = ctx.config.policy
-    m = _share(policy, window_lib.inspect_microbatch(policy, grads, weight, params), layout)
+    # The decision is the whole microbatch's. A policy that reads the gradient sees the whole
+    # gradient (one gradient-sized all-reduce); otherwise each device's verdict on its rows
+    # travels in the call's one small all-reduce below, and the gradient is added after it.
+    reads = policy.max_norm is not None or policy.skip_fn is not None
+    axis = layout.axis if reads else None
+    m = window_lib.inspect_microbatch(policy, grads, weight, params, axis_name=axis)
+    m = _share(policy, m, layout)
+    metric_weight = jnp.ones((), jnp.float32) if weight is None else weight
+    split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
+    floats = [] if new_state is None else _floats(new_state)[1]
+    bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
+    verdict = jnp.stack([m.weight, ~m.added]).astype(jnp.float32)
+    loss_parts, verdict, bn, *rest = psum_together(
+        [jnp.stack([metric_weight * loss, metric_weight]), verdict, bn, *floats, *split.means],
+        layout.axis,
+    )
+    added = verdict[1] == 0  # every device accepted its rows
+    nonfinite = m.nonfinite if reads else ~added  # without skip_fn, only non-finite is refused
+    m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, m.weight, 0.0))
     reduce = _reduce(layout, whole=not per_shard)
     window, _ = window_lib.add_microbatch(
         policy, window, grads, weight, params, inspected=m, reduce=reduce
     )
-    kept = None if start is None else optax.tree.where(m.added, new_state, start)
-    metric_weight = jnp.ones((), jnp.float32) if weight is None else weight
-    split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
-    counts = jnp.stack([m.weight, m.nonfinite, ~m.added]).astype(jnp.float32)
-    floats = [] if kept is None else _floats(kept)[1]
-    bn = jnp.zeros(1) if kept is None else call_sums(kept)
-    loss_parts, inc, bn, *rest = psum_together(
-        [jnp.stack([metric_weight * loss, metric_weight]), counts, bn, *floats, *split.means],
-        layout.axis,
-    )
-    all_added = inc[2] == 0
+    inc = jnp.stack([jnp.where(added, verdict[0], 0.0), nonfinite, ~added]).astype(jnp.float32)
     model_state = None
-    if kept is not None:
+    if new_state is not None:
+        bn = jnp.where(added, bn, jnp.zeros_like(bn))
         means = [total / layout.shards for total in rest[: len(floats)]]
-        model_state = _pooled_model_state(local.model_state, kept, bn, means, all_added)
+        model_state = _pooled_model_state(local.model_state, new_state, bn, means, added)
     loss = loss_parts[0] / loss_parts[1]
-    pooled = _Pooled(inc, all_added, model_state, loss, _Aux(split.rows, rest[len(floats) :]))
+    pooled = _Pooled(inc, added, model_state, loss, _Aux(split.rows, rest[len(floats) :]))
     return window.grad_sum, pooled
 
 

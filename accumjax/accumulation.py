@@ -278,7 +278,7 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         state = check_state(config, state)
         _check_grads(grads, state.window)
         window, micro = window_lib.add_microbatch(
-            config.policy, state.window, grads, weight, params
+            config.policy, state.window, grads, weight, params, axis_name=config.axis_name
         )
         state = state._replace(window=window, updated=jnp.zeros((), bool), added=micro.added)
         placeholder = _updates_placeholder(config, grads, state, params, extra_args)
@@ -419,7 +419,6 @@ def close_and_apply(
     *,
     transform: Callable[[Any, Any], Any] | None = None,
     closed: window_lib.Closed | None = None,
-    norm: jax.Array | None = None,
 ) -> tuple[Any, AccumulationState]:
     """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
 
@@ -435,15 +434,13 @@ def close_and_apply(
         ``inner`` (e.g. adaptive gradient clipping), or None.
       closed: the window already closed (reduced and decided, e.g. inside a ``shard_map``
         around the microbatch loop), or None to close ``state.window`` here.
-      norm: the global norm of ``state.window.grad_sum``, when the caller has taken it
-        (`accumjax.window.close_window`'s ``norm``).
 
     Returns:
       ``(params, state)``: the new parameters and the state with an empty window.
     """
     if closed is None:
         closed = window_lib.close_window(
-            config.policy, state.window, state.every_k, config.axis_name, norm=norm
+            config.policy, state.window, state.every_k, config.axis_name
         )
     dtypes = jax.tree.map(_like, params)
 

@@ -51,6 +51,7 @@ __all__ = [
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
+    "whole_gradient",
     "window_sum",
     "with_partial_sums",
 ]
@@ -154,8 +155,9 @@ class Closed(NamedTuple):
       grad_sum: the window's sum after the reduction, in the accumulator dtype.
       denominator: what it is divided by (`scaled_gradient`), float32, > 0.
       apply: whether the window is usable (its update may be applied).
-      nonfinite_count: the window's non-finite microbatches, summed over devices.
-      skipped_count: the window's skipped microbatches, summed over devices.
+      nonfinite_count: the window's non-finite microbatches (each counted once, however many
+        devices its rows are split over).
+      skipped_count: the window's skipped microbatches (as ``nonfinite_count``).
       norm: the global norm of the scaled gradient (float32).
       extras: the caller's values that travelled in the window's reduction
         (`close_window`'s ``extras``), summed over devices, or None.
@@ -277,7 +279,12 @@ def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
 
 
 def inspect_microbatch(
-    policy: Policy, grads: Any, weight: Any = None, params: Any = None, norm: Any = None
+    policy: Policy,
+    grads: Any,
+    weight: Any = None,
+    params: Any = None,
+    norm: Any = None,
+    axis_name: str | None = None,
 ) -> Microbatch:
     """The policy's decision about one microbatch gradient, without adding it.
 
@@ -286,15 +293,23 @@ def inspect_microbatch(
     microbatch's gradient, then computes it again and adds it with this decision, so no
     gradient waits whole for a global norm.
 
+    On a mesh (``axis_name``) a microbatch is one thing: every device takes the same decision,
+    about the whole microbatch, as one device holding all of its rows would. A NaN in any
+    device's rows leaves the whole microbatch out. The devices agree in one all-reduce of two
+    scalars; a policy that reads the gradient's values (``max_norm``, ``skip_fn``) sees the
+    whole microbatch's gradient (`whole_gradient`), so that all-reduce is gradient-sized, once
+    per microbatch.
+
     Args:
       policy: the window's `Policy`.
-      grads: the microbatch gradient.
-      weight: the microbatch weight (``scaling="weighted"`` only).
+      grads: the microbatch gradient (on a mesh, of this device's rows).
+      weight: the microbatch weight (``scaling="weighted"`` only; on a mesh, this device's).
       params: the parameters, passed to ``policy.skip_fn``.
-      norm: the global norm of ``grads`` when the caller has taken it already.
+      norm: the global norm of ``grads`` when the caller has taken it already (one device).
+      axis_name: the mapped axis the microbatch's rows are split over, or None (one device).
 
     Returns:
-      A `Microbatch`.
+      A `Microbatch` (its ``weight`` and ``factor`` are this device's).
 
     Example:
       >>> import jax.numpy as jnp
@@ -305,18 +320,60 @@ def inspect_microbatch(
     """
     w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
     factor = w if policy.scaling == "weighted" else None
+    reads = policy.max_norm is not None or policy.skip_fn is not None
+    seen = grads
+    if axis_name is not None and reads:  # the whole microbatch's gradient; agreed validity
+        seen, invalid = whole_gradient(policy.scaling, grads, w, axis_name, ~w_ok)
+        w_ok, norm = invalid == 0, None
     needs_norm = policy.detects or policy.max_norm is not None
     if norm is None and needs_norm:
-        norm = global_norm(grads)
+        norm = global_norm(seen)
     finite = w_ok if norm is None or not policy.detects else w_ok & jnp.isfinite(norm)
+    if axis_name is not None and not reads and (policy.detects or policy.scaling == "weighted"):
+        finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0  # every device's
     added = finite
     if policy.skip_fn is not None:
-        added = added & ~jnp.asarray(policy.skip_fn(grads, params), bool)
+        added = added & ~jnp.asarray(policy.skip_fn(seen, params), bool)
     if policy.max_norm is not None and norm is not None:
         tiny = jnp.finfo(jnp.float32).tiny
         clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
         factor = clip if factor is None else factor * clip
     return Microbatch(jnp.asarray(added), ~finite, jnp.where(added, w, 0.0), factor)
+
+
+def whole_gradient(
+    scaling: scaling_lib.Scaling,
+    grads: Any,
+    weight: jax.Array,
+    axis_name: str,
+    flags: jax.Array | None = None,
+) -> tuple[Any, jax.Array]:
+    """Inside a map over ``axis_name``: the gradient of the whole microbatch from each
+    device's gradient of its rows, as one device would compute it, and ``flags`` summed.
+
+    The devices' gradients are averaged (``"mean"``, ``"count"``: losses that are means over
+    rows), summed (``"sum"``) or weighted by their weights (``"weighted"``: ``sum_d w_d g_d /
+    sum_d w_d``); ``flags`` travels in the same all-reduce.
+
+    Args:
+      scaling: the window's strategy.
+      grads: this device's gradient.
+      weight: this device's weight (float32; 1 unless weighted).
+      axis_name: the mapped axis.
+      flags: a scalar to sum over the devices with the gradient, or None.
+
+    Returns:
+      ``(whole, summed flags)``.
+    """
+    weighted = scaling == "weighted"
+    scale = lambda g: (weight.astype(g.dtype) * g) if weighted else g
+    extra = jnp.stack([weight, jnp.zeros(()) if flags is None else flags.astype(jnp.float32)])
+    total, extra = jax.lax.psum((jax.tree.map(scale, grads), extra), axis_name)
+    devices = jax.lax.axis_size(axis_name)
+    by = extra[0] if weighted else jnp.float32(1 if scaling == "sum" else devices)
+    by = jnp.where(by > 0, by, 1.0)
+    whole = jax.tree.map(lambda g: g / by.astype(g.dtype), total)
+    return whole, extra[1]
 
 
 def add_microbatch(
@@ -327,6 +384,7 @@ def add_microbatch(
     params: Any = None,
     inspected: Microbatch | None = None,
     reduce: Callable[[Any], Any] | None = None,
+    axis_name: str | None = None,
 ) -> tuple[Window, Microbatch]:
     """Adds one microbatch gradient to the window when it is usable.
 
@@ -341,11 +399,15 @@ def add_microbatch(
       reduce: inside ``shard_map``, maps the microbatch's weighted (zero when skipped)
         gradient before it is added: a per-microbatch reduce-scatter into the shards the
         window keeps; None adds the gradient as it is.
+      axis_name: the mapped axis the microbatch's rows are split over: the decision is the
+        whole microbatch's (`inspect_microbatch`); None on one device.
 
     Returns:
       ``(window, microbatch)``: the new window and what was decided about the microbatch.
     """
-    m = inspect_microbatch(policy, grads, weight, params) if inspected is None else inspected
+    if inspected is None:
+        inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
+    m = inspected
     select = policy.detects or policy.skip_fn is not None or policy.scaling == "weighted"
 
     def part(a: jax.Array, g: jax.Array) -> jax.Array:
@@ -380,6 +442,7 @@ def first_microbatch(
     weight: Any = None,
     params: Any = None,
     inspected: Microbatch | None = None,
+    axis_name: str | None = None,
 ) -> tuple[Window, Microbatch]:
     """Opens a window with its first microbatch: the gradient becomes the accumulator.
 
@@ -393,11 +456,14 @@ def first_microbatch(
       weight: its weight (``scaling="weighted"`` only).
       params: the parameters, passed to ``policy.skip_fn``.
       inspected: as in `add_microbatch`.
+      axis_name: as in `add_microbatch`.
 
     Returns:
       ``(window, microbatch)`` as `add_microbatch`.
     """
-    m = inspect_microbatch(policy, grads, weight, params) if inspected is None else inspected
+    if inspected is None:
+        inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
+    m = inspected
 
     def start(a: jax.Array, g: jax.Array) -> jax.Array:
         g = g.astype(a.dtype)
@@ -521,11 +587,14 @@ def close_window(
         grad_sum, summed = _reduce_window(
             grad_sum, [*own, *([] if extras is None else [extras])], axis_name, scatter
         )
-        if not whole_counts:
-            weight_sum = summed[0]
-            nonfinite, skipped = summed[1].astype(jnp.int32), summed[2].astype(jnp.int32)
-        extras = None if extras is None else summed[len(own) :]
         devices = 1 if whole_counts else jax.lax.axis_size(axis_name)
+        if not whole_counts:
+            # Every device decided the same about each microbatch (`inspect_microbatch`), so
+            # each counted the same; a count only one device has (scan mode's blind pass
+            # counting an invalid weight) still comes back > 0.
+            weight_sum = summed[0]
+            nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
+        extras = None if extras is None else summed[len(own) :]
     denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
