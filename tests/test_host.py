@@ -125,7 +125,7 @@ def test_host_checks_run_on_concrete_values_only():
 def test_a_state_that_is_not_a_train_state_is_a_type_error(mode, state):
     """What is not a TrainState is refused before any of its fields is read, naming the type
     the step takes and how to build one (it was an AttributeError on ``state.params``)."""
-    params, batch = _problem()
+    _, batch = _problem()
     step = accumjax.make_train_step(_loss, mode=mode)
     for call in (step, step.lower):
         with pytest.raises(TypeError, match=r"accumjax\.TrainState.*step\.init\(params, tx\)"):
