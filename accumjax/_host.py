@@ -64,6 +64,16 @@ def _check_alive(state: Any) -> None:
             )
 
 
+def _check_is_state(state: Any) -> None:
+    """Refuses what is not a `accumjax.TrainState` before anything reads its fields."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"step expects an accumjax.TrainState, got {type(state).__name__}: build it with "
+            "state = step.init(params, tx) (or accumjax.TrainState.create(apply_fn=..., "
+            "params=..., tx=...))."
+        )
+
+
 def _where(leaf: jax.Array) -> str:
     """``mesh (data=4) of devices [0, 1, 2, 3]``, or ``devices [...]`` off a mesh."""
     sharding = leaf.sharding
@@ -191,6 +201,7 @@ class TrainStep:
     def __call__(
         self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> tuple[Any, dict[str, Any]]:
+        _check_is_state(state)
         if _traced((state, batch, rng, num_real_microbatches)):
             return self._run(self._jitted, state, batch, rng, num_real_microbatches)
         _check_alive(state)
@@ -207,6 +218,7 @@ class TrainStep:
         self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> Any:
         """``jax.jit(...).lower`` of the step for these inputs (arrays or shapes)."""
+        _check_is_state(state)
         return self._run(self._jitted.lower, state, batch, rng, num_real_microbatches)
 
     # ------------------------------------------------------------------------- the state

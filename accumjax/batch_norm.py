@@ -114,31 +114,13 @@ class AccumBatchNorm(nn.Module):
       times per forward pass simply pools all ``c * K`` inputs.
     - ``accum_steps=K`` (self-closing): the layer, on every ``K``-th training-mode call.
       Calls, not optimizer steps, advance the window, so a layer called ``c`` times per
-      forward pass needs ``accum_steps = K * c``. With ``accum_steps=1`` (and no
-      ``axis_name``) the outputs and ``mean``/``var`` are ``BatchNorm``'s bit for bit
-      eagerly (the same operations) and within 2 ulp under ``jit`` (two programs XLA fuses
-      each its own way), masked or not, for float32, float16, bfloat16 and complex64 inputs.
+      forward pass needs ``accum_steps = K * c``.
 
-    The ``batch_stats`` collection holds, per layer, ``mean`` and ``var`` (as in
-    ``BatchNorm``) plus ``acc_count``, ``acc_mean`` and ``acc_m2`` (per-feature count,
-    mean and sum of squared deviations of the open window, float32, or float64 with
-    ``jax_enable_x64``), ``acc_step`` (int32 scalar: training calls in the open window)
-    and, step-driven only, ``momentum``. A complex input is normalized as ``BatchNorm``
-    does it, with its complex mean and real variance ``E|x - mean|^2``; ``mean`` and
-    ``acc_mean`` are then complex from ``init`` on (``BatchNorm``'s ``mean`` turns complex
-    on its first update), and windows pool with ``|delta|^2`` in ``M2``.
-
-    Window decisions use ``jnp.where``, so the layer works under ``jit``, ``scan``,
-    ``pmap`` and ``shard_map``; thread ``batch_stats`` through the loop carry.
-
-    With ``axis_name``, counts and sums are all-reduced once per call, so the statistics
-    are those of the global microbatch, weighted by each device's unmasked count.
-    ``BatchNorm`` instead averages per-device means, which differs only when devices see
-    different numbers of unmasked elements. Without ``axis_name`` each device normalizes
-    with its own statistics and, step-driven, ``close_batch_norm_windows(..., axis_name)``
-    pools the windows across devices once per step. A microbatch whose elements are all
-    masked contributes nothing (and its output stays finite); a window with no unmasked
-    element leaves the running statistics unchanged. During ``init`` nothing is updated.
+    ``batch_stats`` holds ``mean`` and ``var`` (as in ``BatchNorm``) plus the open window's
+    accumulators (``acc_count``, ``acc_mean``, ``acc_m2``, ``acc_step``) and, step-driven,
+    ``momentum``. Window decisions use ``jnp.where``, so the layer works under ``jit``,
+    ``scan``, ``pmap`` and ``shard_map``. Complex inputs, masks, ``axis_name`` pooling and
+    ``accum_steps=1`` against ``BatchNorm``: :doc:`/guides/batch_norm`.
 
     Example::
 
@@ -160,19 +142,6 @@ class AccumBatchNorm(nn.Module):
       >>> stats = close_batch_norm_windows(stats, apply=True)
       >>> stats["mean"]  # 0.5 * the mean of all six rows
       Array([2.5, 3. ], dtype=float32)
-
-      Self-closing, for use without a train step:
-
-      >>> bn = AccumBatchNorm(accum_steps=2, momentum=0.9)
-      >>> variables = bn.init(jax.random.key(0), x, use_running_average=False)
-      >>> stats = variables["batch_stats"]
-      >>> for micro in (x[:3], x[3:]):
-      ...     _, upd = bn.apply(
-      ...         {**variables, "batch_stats": stats}, micro,
-      ...         use_running_average=False, mutable=["batch_stats"])
-      ...     stats = upd["batch_stats"]
-      >>> stats["mean"]  # 0.1 * the mean of all six rows
-      Array([0.5, 0.6], dtype=float32)
 
     References:
       Ioffe & Szegedy (2015) for batch normalization; Chan, Golub & LeVeque (1979) for

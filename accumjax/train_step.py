@@ -69,132 +69,60 @@ def make_train_step(
     """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` that accumulates.
 
     K and every accumulation policy come from the state's optimizer,
-    ``tx=accumjax.accumulate(inner, K, scaling=..., on_nonfinite=..., max_norm=...,
-    skip_fn=...)``: they mean the same in both modes. A plain optax optimizer is a window of
-    one microbatch (with the default policies, and no counters kept). The step builds the
-    state it takes, ``state = step.init(params, tx, model_state=...)``
-    (`accumjax.TrainStep.init`): laid out for its mode, the mesh it runs on and its
-    precision, so that each is stated once, here or in ``tx``. Its abstract form
-    (``step.init`` of ``jax.ShapeDtypeStruct`` parameters) is an orbax restore target;
-    `accumjax.restore_checkpoint` restores a checkpoint on another number of devices.
-
-    The loss function follows the shape of ``state`` (and ``rng``):
-
-    * ``state.model_state is None``: ``loss_fn(params, batch) -> loss``, or
-      ``(loss, aux)`` with ``has_aux=True``.
-    * otherwise (e.g. ``{"batch_stats": ...}``):
-      ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, or
-      ``(loss, (new_model_state, aux))`` with ``has_aux=True``.
-    * with ``step(state, batch, rng)``, ``loss_fn`` gets one more, last argument: a PRNG key
-      distinct for every microbatch, device and update (``fold_in`` of ``state.step``, the
-      microbatch index and the device index), so a run is reproducible from its seed.
-
-    ``loss`` is a scalar mean over the (micro)batch. Modes:
-
-    * ``"stream"``: ``batch`` is one microbatch; the update is applied when the window
-      closes (on the other calls params are not touched).
-    * ``"scan"``: ``batch`` is the whole batch (leading axis divisible by K, per device);
-      microbatch ``i`` is rows ``i, i + K, ...``, all K added in one loop.
-
-    The mesh is where the arrays lie. Under ``jit``, put the parameters on a mesh
-    (replicated, sharded over the data axis (FSDP), or over other axes) and the batch split
-    over the data axis (``P("data")``): the step runs each device's rows in a ``shard_map``
-    and reduces the gradient once per window, in both modes; the same program on one
-    device gives the same metrics and state structure. Every value it returns is global:
-    ``metrics`` are scalars, ``"aux"`` leaves with rows have every device's.
-
-    A microbatch that is skipped (non-finite, invalid weight, ``skip_fn``) contributes neither
-    its gradient nor its model state. A window that is not usable (see ``accumulate``) leaves
-    params, optimizer state and model state as they were (in stream mode: BatchNorm windows
-    are reset, other mutable collections keep the skipped window's changes), and
-    ``state.step`` counts applied updates only. On a mesh each device decides about its own
-    rows (its share of the microbatch).
-
-    The step composes with JAX's transformations: inside ``jax.jit`` (several steps in one
-    program), ``jax.vmap`` or ``lax.scan`` it runs as called step by step; the host-side
-    checks (a donated array reused, a restored state's K) run only on concrete values.
+    ``accumjax.accumulate(inner, K, ...)`` (a plain optax optimizer is a window of one
+    microbatch); the step builds that state, ``step.init(params, tx, model_state=...)``
+    (`accumjax.TrainStep.init`), laid out for its mode, mesh and precision. On arrays on a
+    mesh the same step runs each device's rows and reduces the gradient once per window.
+    Guides: :doc:`/guides/modes` (the modes, the loss function's forms, the metrics, keys),
+    :doc:`/guides/data_parallel`, :doc:`/guides/mixed_precision`; :doc:`/limits`.
 
     Args:
-      loss_fn: the loss, see above.
-      mode: ``"stream"`` or ``"scan"``; ``step.init`` builds the state for it (a scan-mode
-        state holds no accumulator).
-      accum_steps: deprecated: K is stated once, in ``accumulate(inner, K)``; when given it
-        must equal the optimizer's K.
-      has_aux: whether ``loss_fn`` also returns auxiliary outputs (``metrics["aux"]``;
-        stacked over microbatches in scan mode).
-      use_agc, clip_factor, agc_eps, agc_mask, agc_axis: deprecated: adaptive gradient
-        clipping of the window gradient, the same as `accumjax.adaptive_clip` first in the
-        inner chain, ``accumulate(optax.chain(accumjax.adaptive_clip(clip_factor, agc_eps,
-        agc_mask, axis=agc_axis), inner), K)``, which to use instead.
-      mixed_precision: ``None``; ``"bfloat16"`` (params and float inputs cast to bfloat16
-        for the loss; master params, gradients and accumulator keep the params' dtype); or
-        ``"float16"``: the same with float16 plus dynamic loss scaling (``state.loss_scale``:
-        ``step.init`` makes one; a state without one is refused, as is
-        ``on_nonfinite="propagate"``). An overflowed microbatch is a non-finite
-        microbatch, handled by ``on_nonfinite``; the scale is adjusted once per window
-        (lowered if the window saw an overflow).
-      axis_name: with ``mesh``: the mesh axis the batch is split over (the data axis).
-        Without ``mesh``: the step is ``jax.pmap``-ped over this axis name (``step.init``
-        replicates the state over the local devices; ``rng`` is shared; metrics are per
-        device, as ``pmap``'s convention is). The window's gradient sum, weights and counts
-        are all-reduced once per window; step-closed BatchNorm windows are pooled across
-        devices once per window, and other float model state is averaged once per window
-        (integer and key leaves are left alone).
-      mesh: the mesh the step runs on, with ``axis_name`` its data axis: needed only where
-        the arrays do not say (a mesh with several axes of more than one device, for
-        ``step.init``'s stream window). The step puts arrays that are off the mesh on it
-        (the state replicated, the batch split over ``axis_name``) and keeps those on it as
-        they are.
-      donate: donate the input state's buffers to the output (the arrays ``step.init``
-        returns are its own; do not reuse arrays of a state from elsewhere).
-      weight_fn: ``weight_fn(microbatch) -> scalar`` weight of a microbatch (e.g. its
-        number of valid tokens), for ``accumulate(..., scaling="weighted")``.
-      unroll: scan mode: microbatches per loop iteration, passed to ``lax.scan`` (``True``
-        unrolls the whole window). On CPU, XLA runs convolutions far slower inside a loop
-        body than outside, so convnets want ``unroll=True`` there.
-      gather_params: scan mode with parameters sharded over the data axis (FSDP):
-        ``"window"`` (default, for speed) all-gathers them once per window and keeps the
-        whole copy for the window; ``"microbatch"`` (for memory) all-gathers them in every
-        microbatch, so the whole copy lives only while a microbatch runs (K gathers a
-        window; the gradient is still reduced once).
-      batch_axis: scan mode: the batch axis that is split into microbatches, for every leaf
-        (an int) or per leaf (a pytree prefix of the batch with an int or None at each
-        leaf); a leaf with None is not batched and every microbatch sees it whole (as
-        ``optax.microbatch``'s ``in_axes`` and ``argnums``). Default 0. On a mesh only 0 is
-        supported.
-      aux_rows: scan mode with ``has_aux``: give ``metrics["aux"]`` in the batch's row order
-        (each aux leaf has one entry per row of its microbatch, and the K microbatches' rows
-        are put back where they came from: shape ``(B, ...)``, as ``optax.microbatch``'s
-        ``CONCAT``) instead of stacked per microbatch (``(K, B // K, ...)``, default).
-
-    The step of scan mode also takes ``num_real_microbatches`` (a keyword, or the fourth
-    argument): how many of the K microbatches are real, an int or an int array (traced: no
-    recompile when it changes). The padded tail ones are neither computed nor counted, and
-    ``"mean"`` divides by the real ones, so the update is the full-batch update over the real
-    microbatches (as ``optax.microbatch(..., num_real_microbatches=...)``).
+      loss_fn: ``loss_fn(params, batch) -> loss``, a scalar mean over the (micro)batch; with
+        model state, ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``;
+        ``has_aux=True`` adds an aux output; ``step(state, batch, rng)`` adds a last
+        argument, a key per microbatch, device and update.
+      mode: ``"stream"`` (one microbatch per call; an update on every K-th call) or
+        ``"scan"`` (the whole batch per call, K strided microbatches inside).
+      accum_steps: deprecated: K is ``accumulate(inner, K)``'s; if given, it must equal it.
+      has_aux: ``loss_fn`` also returns auxiliary outputs (``metrics["aux"]``; stacked over
+        microbatches in scan mode).
+      use_agc, clip_factor, agc_eps, agc_mask, agc_axis: deprecated: put
+        `accumjax.adaptive_clip` first in the inner chain instead.
+      mixed_precision: ``None``, ``"bfloat16"`` (the loss runs in bfloat16; params, gradients
+        and accumulator keep their dtype) or ``"float16"`` (the same, with a dynamic loss
+        scale that ``step.init`` makes and the step adjusts once per window).
+      axis_name: with ``mesh``, the mesh's data axis; without, the step is ``jax.pmap``-ped
+        over this axis name (replicated state, per-device metrics).
+      mesh: the mesh the step runs on, needed only where the arrays do not say (a mesh with
+        several axes of more than one device); arrays off it are put on it.
+      donate: donate the input state's buffers to the output.
+      weight_fn: ``weight_fn(microbatch) -> scalar`` weight (e.g. its number of tokens), for
+        ``accumulate(..., scaling="weighted")``.
+      unroll: scan mode: microbatches per loop iteration (``True``: the whole window), as in
+        ``lax.scan``; convnets on CPU want ``True``.
+      gather_params: scan mode with FSDP parameters: ``"window"`` (default) gathers them once
+        per window, ``"microbatch"`` in every microbatch, for less memory.
+      batch_axis: scan mode: the batch axis split into microbatches, an int or a pytree prefix
+        of the batch (``None`` at a leaf leaves it whole); only 0 on a mesh.
+      aux_rows: scan mode with ``has_aux``: aux in the batch's row order, shape ``(B, ...)``,
+        instead of stacked per microbatch, ``(K, B // K, ...)``.
 
     Returns:
-      The `accumjax.TrainStep`. ``metrics`` has ``"loss"`` (the window's weighted mean loss
-      over the added microbatches in scan mode, NaN if none was added; the microbatch's in
-      stream mode), ``"updated"`` (whether an update was applied; then ``state.step`` grows
-      by one), ``"grad_norm"`` (the global norm of the window gradient the inner optimizer
-      saw at this call; NaN on a call that applied no update), ``"grads_finite"`` and
-      ``"loss_scale"`` with float16, and ``"aux"`` with has_aux (on a mesh: a leaf with
-      rows has every device's rows, in the batch's order; a scalar per microbatch is the
-      mean over the devices). A state the step did not return itself (the first call's, a
-      restored checkpoint) is checked against its optimizer on the host (one made with
-      another K or scaling is refused).
+      The `accumjax.TrainStep`: ``step(state, batch, rng=None)`` (scan mode also takes
+      ``num_real_microbatches``, the real microbatches of a padded batch) returns the new
+      state and ``metrics``: ``"loss"`` (the window's mean loss in scan mode, the
+      microbatch's in stream mode), ``"updated"``, ``"grad_norm"`` (of the window gradient
+      the inner optimizer saw; NaN on a call without update), ``"grads_finite"`` and
+      ``"loss_scale"`` with float16, ``"aux"`` with ``has_aux``. On a mesh every metric is
+      global (scalars).
 
     Raises:
-      ValueError / TypeError: naming the argument, for invalid arguments here; at trace time
-      for a batch not divisible by K, an ``accum_steps`` that differs from the optimizer's K,
-      scan mode with a K schedule, or a loss_fn output that does not match ``has_aux``; for
-      a ``tx`` that is or contains ``optax.MultiSteps`` (use ``accumulate(inner, K)``); for
-      an ``rng`` that is not one key (an int seed, a float array, a batch of keys) or is
-      given to a ``loss_fn`` that takes no key; on the call, for a state holding an array
-      that an earlier call donated, or a state and batch on different meshes (or on meshes
-      of the same devices with other axes); at trace time for a state laid out for the other
-      mode, or for another number of devices, naming the fix.
+      ValueError, TypeError: naming the argument: here for invalid arguments; at the call
+        or at trace time for a state that is not a `accumjax.TrainState`, is laid out for the
+        other mode or another number of devices, holds a donated array, or whose optimizer
+        is ``optax.MultiSteps`` or has another K or scaling than it was made with; a batch
+        not divisible by K; an ``rng`` that is not one key; a ``loss_fn`` output that does
+        not match ``has_aux``; a state and batch on different meshes.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, accumjax
@@ -206,32 +134,9 @@ def make_train_step(
       ...     return jnp.mean((pred - batch["y"]) ** 2)
       >>> step = accumjax.make_train_step(loss_fn, mode="scan")
       >>> state = step.init(params, accumjax.accumulate(optax.sgd(0.1), 4))
-      >>> state, metrics = step(state, {"x": x, "y": y})
-      >>> int(state.step), bool(metrics["updated"])
-      (1, True)
-
-      With model state (BatchNorm statistics, closed by the step once per window), dropout
-      keys and stream mode:
-
-      >>> model = nn.Sequential([nn.Dense(4), accumjax.AccumBatchNorm(
-      ...     use_running_average=False), nn.Dense(1)])
-      >>> variables = model.init(jax.random.key(0), x)
-      >>> def loss_fn(params, model_state, batch, key):
-      ...     x = jax.random.bernoulli(key, 0.9, batch["x"].shape) * batch["x"] / 0.9
-      ...     pred, new_model_state = model.apply(
-      ...         {"params": params, **model_state}, x, mutable=list(model_state))
-      ...     return jnp.mean((pred - batch["y"]) ** 2), new_model_state
-      >>> step = accumjax.make_train_step(loss_fn)
-      >>> state = step.init(variables["params"], accumjax.accumulate(optax.adam(1e-3), 4),
-      ...                   model_state={"batch_stats": variables["batch_stats"]})
-      >>> for i in range(4):
-      ...     batch = {"x": x[2 * i : 2 * i + 2], "y": y[:2]}
-      ...     state, metrics = step(state, batch, jax.random.key(1))
-      >>> int(state.step), bool(metrics["updated"])
-      (1, True)
-
-    Reference: the ``GradientAccumulateModel`` of andreped/GradientAccumulator
-    (Pedersen et al., https://github.com/andreped/GradientAccumulator).
+      >>> state, metrics = step(state, {"x": x, "y": y})  # 4 microbatches of 2 rows
+      >>> int(state.step), bool(metrics["updated"]), round(float(metrics["loss"]), 2)
+      (1, True, 8.35)
     """
     check_callable("loss_fn", loss_fn, optional=False)
     compute_dtype = _PRECISIONS[

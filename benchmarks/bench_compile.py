@@ -10,7 +10,7 @@ Variants:
 * ``optax_microbatch``: ``optax.microbatch(jax.grad(loss), ..., accumulator=MEAN)`` then Adam.
 
 Models: ``transformer`` (the character-level GPT of issue 18: 2 layers, d=64, 64 tokens),
-``transformer_small`` (the README's transformer benchmark, `bench_transformer`'s "small":
+``transformer_small`` (the transformer benchmark of docs/limits.md, `bench_transformer`'s "small":
 4 layers, d=256, 256 tokens) and ``mlp`` (256-1024-1024-10, batch 512).
 
 Compile time is ``step.lower(...)`` (trace and lower to StableHLO) plus ``.compile()`` (XLA),

@@ -1,4 +1,4 @@
-"""Prints the README's benchmark tables from ``benchmarks/results/results.json`` (or the
+"""Prints the benchmark tables of docs/limits.md from ``benchmarks/results/results.json`` (or the
 results file given: ``python -m benchmarks.report OUT/results.json``)."""
 
 from __future__ import annotations

@@ -341,3 +341,74 @@ def test_the_field_check_finds_a_field_that_does_not_exist():
     text = "use `state.micro_step` and `opt_state.window.grad_sum`\n| `state.acc_grads` | x | y |"
     assert _state_paths(text) == ["state.micro_step", "opt_state.window.grad_sum"]
     assert not _resolves(["micro_step"]) and _resolves(["opt_state", "window", "grad_sum"])
+
+
+# ----------------------------------------------------------------------------- links
+
+ROOT = DOCS.parent
+PAGES = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *DOCS.rglob("*.md")])
+PAGES = [page for page in PAGES if "_build" not in page.parts]
+_LINK = re.compile(r"!?\[(?:[^\]]|\n)*?\]\(([^)\s]+)\)")  # [text](target), ![alt](target)
+_IMAGE = re.compile(r"^```\{(?:image|figure)\} (\S+)", re.M)
+
+
+def _slug(heading: str) -> str:
+    """The anchor of a heading, as GitHub and MyST (``myst_heading_anchors``) make it."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+def _prose(page: Path) -> str:
+    """The page without its code blocks (MyST directives such as ```{image} are kept)."""
+    kept, fence = [], None
+    for line in page.read_text().splitlines():
+        if fence is None and line.startswith("```"):
+            fence = "directive" if line.startswith("```{") else "code"
+            if fence == "directive":
+                kept.append(line)
+        elif fence is not None and line.strip() == "```":
+            fence = None
+        elif fence != "code":
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _anchors(page: Path) -> set[str]:
+    text = _prose(page)
+    return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def _links(page: Path) -> list[str]:
+    """The relative targets a page links to: Markdown links and images, MyST images."""
+    text = _prose(page)
+    targets = _LINK.findall(text) + _IMAGE.findall(text)
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # no http:, mailto:
+
+
+def _broken(page: Path) -> list[str]:
+    bad = []
+    for target in _links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        missing = anchor and file.suffix == ".md" and anchor not in _anchors(file)
+        if not file.exists() or missing:
+            bad.append(target)
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_internal_links_resolve(page):
+    """Every relative link of the README, the changelog and the docs names a file that exists
+    and, with ``#anchor``, a heading of that page (the Sphinx build checks the docs too)."""
+    assert _broken(page) == []
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## A `code` heading, with commas\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](other.md) [ok](other.md#a-code-heading-with-commas) [ok](#here) [web](https://x.y)\n"
+        "# Here\n[gone](missing.md) [bad anchor](other.md#nowhere) ![img](img.png)\n"
+        "```python\n[not a link](inside_code.md)\n```\n"
+    )
+    assert _broken(page) == ["missing.md", "other.md#nowhere", "img.png"]

@@ -116,3 +116,25 @@ def test_host_checks_run_on_concrete_values_only():
     fresh = step.init(params, accumjax.accumulate(optax.sgd(0.1), K)).replace(tx=other)
     with pytest.raises(ValueError, match=r"every_k=4.*every_k=8"):
         step(fresh, first)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize(
+    "state", [{"params": {"w": np.zeros((5, 3))}}, object()], ids=["dict", "object"]
+)
+def test_a_state_that_is_not_a_train_state_is_a_type_error(mode, state):
+    """What is not a TrainState is refused before any of its fields is read, naming the type
+    the step takes and how to build one (it was an AttributeError on ``state.params``)."""
+    _, batch = _problem()
+    step = accumjax.make_train_step(_loss, mode=mode)
+    for call in (step, step.lower):
+        with pytest.raises(TypeError, match=r"accumjax\.TrainState.*step\.init\(params, tx\)"):
+            call(state, batch)
+
+
+@pytest.mark.parametrize("state", [{"params": {}}, object()], ids=["dict", "object"])
+def test_the_nnx_step_refuses_a_state_that_is_not_an_nnx_train_state(state):
+    step = accumjax.make_nnx_train_step(lambda model, batch: jnp.mean(model(batch) ** 2))
+    for call in (step, step.lower):
+        with pytest.raises(TypeError, match=r"accumjax\.NNXTrainState.*step\.init\(model, tx\)"):
+            call(state, jnp.ones((4, 3)))
