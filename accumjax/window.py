@@ -21,7 +21,6 @@ scales: the policy is a static value, never a chain of ``None`` checks in the ca
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, cast
 
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from accumjax import scaling as scaling_lib
+from accumjax._control import run_once
 from accumjax.clipping import squared_norm
 
 __all__ = [
@@ -108,13 +108,10 @@ class Window(NamedTuple):
 class DeviceWindow(NamedTuple):
     """The open window of a stream-mode train step, kept per data shard: a pytree of arrays.
 
-    A train step on a mesh reduces a window's gradient once, when the window closes, so
-    between calls each data shard (each device along the step's data axis) keeps its own
-    partial sum. ``step.init`` of a stream-mode `accumjax.make_train_step` builds this layout
-    on every topology (one shard on one device), so a state has the same structure on 1
-    device and on N; `accumjax.restore_checkpoint` moves it to another number of devices.
-    Read the window's whole-batch values with `accumjax.accumulated_gradients` and
-    `accumjax.stats`.
+    A step on a mesh reduces a window's gradient once, when it closes, so between calls each
+    data shard keeps its own partial sum. ``step.init`` of a stream-mode step builds this
+    layout on every topology (one shard on one device); `accumjax.restore_checkpoint` moves it
+    to another number of devices, `accumjax.accumulated_gradients` reads its whole sum.
 
     Attributes:
       partial_sums: like the parameters, each leaf with a leading axis of partial sums whose
@@ -288,17 +285,11 @@ def inspect_microbatch(
 ) -> Microbatch:
     """The policy's decision about one microbatch gradient, without adding it.
 
-    `add_microbatch` inspects and adds in one go. Inspecting first lets a caller decide before
-    the gradient that is added exists: scan mode's re-run of a non-finite window inspects a
-    microbatch's gradient, then computes it again and adds it with this decision, so no
-    gradient waits whole for a global norm.
-
-    On a mesh (``axis_name``) a microbatch is one thing: every device takes the same decision,
-    about the whole microbatch, as one device holding all of its rows would. A NaN in any
-    device's rows leaves the whole microbatch out. The devices agree in one all-reduce of two
-    scalars; a policy that reads the gradient's values (``max_norm``, ``skip_fn``) sees the
-    whole microbatch's gradient (`whole_gradient`), so that all-reduce is gradient-sized, once
-    per microbatch.
+    `add_microbatch` inspects and adds in one go. On a mesh (``axis_name``) a microbatch is one
+    thing: every device takes the decision one device holding all its rows would take (a NaN
+    in any device's rows leaves the whole microbatch out), agreed in an all-reduce of one
+    scalar; a policy that reads the gradient's values (``max_norm``, ``skip_fn``) reads the
+    whole microbatch's gradient (`whole_gradient`: a gradient-sized all-reduce).
 
     Args:
       policy: the window's `Policy`.
@@ -348,23 +339,10 @@ def whole_gradient(
     axis_name: str,
     flags: jax.Array | None = None,
 ) -> tuple[Any, jax.Array]:
-    """Inside a map over ``axis_name``: the gradient of the whole microbatch from each
-    device's gradient of its rows, as one device would compute it, and ``flags`` summed.
-
-    The devices' gradients are averaged (``"mean"``, ``"count"``: losses that are means over
-    rows), summed (``"sum"``) or weighted by their weights (``"weighted"``: ``sum_d w_d g_d /
-    sum_d w_d``); ``flags`` travels in the same all-reduce.
-
-    Args:
-      scaling: the window's strategy.
-      grads: this device's gradient.
-      weight: this device's weight (float32; 1 unless weighted).
-      axis_name: the mapped axis.
-      flags: a scalar to sum over the devices with the gradient, or None.
-
-    Returns:
-      ``(whole, summed flags)``.
-    """
+    """Inside a map over ``axis_name``: the whole microbatch's gradient from each device's
+    gradient of its rows, as one device would compute it: their mean (``"mean"``,
+    ``"count"``), sum (``"sum"``) or weighted mean (``"weighted"``), and ``flags`` (a scalar)
+    summed over the devices in the same all-reduce. Returns ``(whole, summed flags)``."""
     weighted = scaling == "weighted"
     scale = lambda g: (weight.astype(g.dtype) * g) if weighted else g
     extra = jnp.stack([weight, jnp.zeros(()) if flags is None else flags.astype(jnp.float32)])
@@ -446,8 +424,8 @@ def first_microbatch(
 ) -> tuple[Window, Microbatch]:
     """Opens a window with its first microbatch: the gradient becomes the accumulator.
 
-    Equal to ``add_microbatch(policy, empty_like(like), ...)`` without the zeros: XLA can
-    reuse the gradient's buffer, so a two-microbatch window holds no extra accumulator.
+    ``add_microbatch(policy, empty_like(like), ...)`` without the zeros (XLA can reuse the
+    gradient's buffer).
 
     Args:
       policy: the window's `Policy`.
@@ -610,60 +588,3 @@ def close_window(
 def scaled_gradient(closed: Closed) -> Any:
     """The window gradient: the (reduced) sum divided by the strategy's denominator."""
     return jax.tree.map(lambda a: a / closed.denominator.astype(a.dtype), closed.grad_sum)
-
-
-def run_once(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
-    """``fn(operand)`` if ``pred`` else ``operand``, updating ``operand`` in place.
-
-    On CUDA GPUs a ``lax.cond`` whose false branch passes ``operand`` through: the device
-    decides, so the host can queue the next step. Elsewhere a ``lax.while_loop`` that runs at
-    most once: XLA:CPU updates a loop's carry in place, where its ``lax.cond`` copied a large
-    operand (an optimizer state) when ``pred`` was False; on a GPU such a loop's predicate is
-    read on the host, a round trip per call (see the design notes). Under differentiation
-    the ``lax.cond`` runs everywhere (loops are not reverse-differentiable), so ``jax.grad``
-    works through it.
-
-    Args:
-      pred: a boolean scalar.
-      fn: a function from ``operand`` to a pytree of the same structure and types. It must
-        not close over traced values that are differentiated (pass them in ``operand``).
-      operand: the pytree.
-
-    Returns:
-      ``fn(operand)`` or ``operand``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from accumjax import window
-      >>> int(window.run_once(jnp.array(True), lambda x: x + 1, jnp.array(1)))
-      2
-    """
-    converted, consts = jax.closure_convert(fn, operand)  # closed-over tracers become inputs
-    return _run_once(converted, pred, operand, tuple(consts))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _run_once(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
-    by_cond, by_loop = functools.partial(_by_cond, fn), functools.partial(_by_loop, fn)
-    return jax.lax.platform_dependent(pred, operand, consts, cuda=by_cond, default=by_loop)
-
-
-def _by_loop(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
-    """`run_once` as a ``lax.while_loop`` of at most one trip."""
-
-    def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
-        return jnp.zeros((), bool), fn(carry[1], *consts)
-
-    return jax.lax.while_loop(lambda carry: carry[0], body, (pred, operand))[1]
-
-
-def _by_cond(fn: Callable[..., Any], pred: jax.Array, operand: Any, consts: tuple) -> Any:
-    """`run_once` as a ``lax.cond`` whose first branch passes ``operand`` through."""
-    return jax.lax.cond(pred, lambda o: fn(o, *consts), lambda o: o, operand)
-
-
-@_run_once.defjvp
-def _run_once_jvp(fn: Callable[..., Any], primals: Any, tangents: Any) -> Any:
-    pred, operand, consts = primals
-    branch = lambda op, cs: _by_cond(fn, pred, op, cs)
-    return jax.jvp(branch, (operand, consts), (tangents[1], tangents[2]))

@@ -51,7 +51,8 @@ def test_token_weighted_sequence():
 @pytest.mark.slow
 def test_data_parallel_8_devices():
     out = run_example("data_parallel_8_devices.py")
-    assert "all-reduce ops per update: accumjax 1," in out
+    assert "gradient all-reduces per update: accumjax 1," in out
+    assert "all-reduces of one int32 per update (the microbatches' decisions): 4" in out
     assert "matches the single-device full batch: True" in out
 
 

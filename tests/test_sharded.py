@@ -104,8 +104,11 @@ def test_scan_on_a_mesh_matches_one_device_and_reduces_once_per_window(kind, fsd
     assert {k: jnp.shape(v) for k, v in metrics.items()} == {k: () for k in ref_metrics}
     for key in ("loss", "grad_norm"):  # float32 sums in another order: 1e-6
         np.testing.assert_allclose(float(metrics[key]), float(ref_metrics[key]), rtol=1e-6)
-    static = count_collectives(compiled)
-    assert _counts(compiled, 1) == static  # nothing inside the microbatch loop
+    static = count_collectives(compiled, min_bytes=64)
+    assert _counts(compiled, 1, min_bytes=64) == static  # nothing gradient-sized in the loop
+    # Issue 32: the devices agree about each microbatch in an all-reduce of one int32, so a
+    # NaN row leaves the whole microbatch out, on every device.
+    assert _counts(compiled, 1)["all-reduce"] - static["all-reduce"] == K
     assert static["all-gather"] == (2 if fsdp else 0)  # FSDP: the two kernels, once
     if fsdp:
         assert static["reduce-scatter"] == 2  # one per sharded gradient, once per window
