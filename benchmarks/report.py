@@ -131,3 +131,8 @@ if __name__ == "__main__":
 
         print()
         print(compile_table(results["compile"]))
+    if "nonfinite" in results:
+        from benchmarks.bench_nonfinite import table as nonfinite_table
+
+        print()
+        print(nonfinite_table(results["nonfinite"]))

@@ -3,6 +3,7 @@
     python -m benchmarks.run_all                          # from the repository root
     python -m benchmarks.run_all --quick                  # fewer timing rounds
     python -m benchmarks.run_all --only transformer       # one benchmark, merged into results.json
+    python -m benchmarks.run_all --only compile,nonfinite --quick --rounds 10   # several
     python -m benchmarks.run_all --device gpu --out OUT   # on a GPU: results in OUT
 
 ``--device auto`` (the default) uses a GPU when JAX sees one; on a GPU the transformer
@@ -10,7 +11,10 @@ benchmark also records the device's memory statistics (``memory_stats()``) and t
 step times are those of the GPU, and the transformer is the ``large`` one. ``--device cpu``
 forces the CPU backend. ``--out`` writes ``results.json`` and the plots to another folder
 than ``benchmarks/results`` (a GPU run beside the committed CPU figures);
-``benchmarks/gpu.sh OUT`` is that command, ready for a GPU machine. The collectives
+``benchmarks/gpu.sh OUT`` is that command, ready for a GPU machine (``gpu.sh --quick OUT``: the
+compile and non-finite benchmarks only, with few rounds). ``--rounds N`` sets the timed rounds of
+the compile and non-finite benchmarks (their compile rounds stay 5, 2 with ``--quick``). The
+collectives
 benchmark runs on 8 host CPU devices on every machine. After each benchmark what has finished
 is written to ``results.partial.json`` beside ``results.json`` (removed when the run ends), so
 a run cut off by a time limit keeps it without touching ``results.json``.
@@ -40,12 +44,14 @@ from benchmarks import (
     bench_accumulate,
     bench_accuracy,
     bench_compile,
+    bench_nonfinite,
     bench_scan,
     bench_transformer,
     common,
 )
 
 RESULTS = Path(__file__).parent / "results"
+NAMES = ("accumulate", "scan", "accuracy", "collectives", "transformer", "compile", "nonfinite")
 
 
 def _collectives() -> dict[str, Any]:
@@ -225,15 +231,31 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--only",
-        choices=["all", "accumulate", "scan", "accuracy", "collectives", "transformer", "compile"],
-        default="all",
-        help="run one benchmark and merge it into an existing results.json",
+        type=_only,
+        default=("all",),
+        help="run these benchmarks (comma-separated, of " + ", ".join(NAMES) + ") and merge them "
+        "into an existing results.json",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds of the compile and nonfinite benchmarks (default 15 and 21; 3 and 5 "
+        "with --quick)",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help="where results.json and the plots go"
     )
     return parser.parse_args(argv)
+
+
+def _only(value: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [n for n in names if n not in ("all", *NAMES)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: choose from all, " + ", ".join(NAMES))
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,25 +273,29 @@ def main(argv: list[str] | None = None) -> None:
         "collectives": _collectives,
         "transformer": lambda: bench_transformer.run(size, rounds=2 if args.quick else 6),
         "compile": lambda: bench_compile.run(
-            rounds=2 if args.quick else 5, time_rounds=3 if args.quick else 15
+            rounds=2 if args.quick else 5, time_rounds=args.rounds or (3 if args.quick else 15)
         ),
+        "nonfinite": lambda: bench_nonfinite.run(rounds=args.rounds or (5 if args.quick else 21)),
     }
+    every = "all" in args.only
     path = out / "results.json"
     results: dict[str, Any] = {}
-    if args.only != "all" and path.exists():
+    if not every and path.exists():
         results = json.loads(path.read_text())
     start = time.time()
     machine = {**common.machine(), "gpu": gpu}
     partial = out / "results.partial.json"  # what a run cut off by a time limit keeps
     for name, fn in runs.items():
-        if args.only in ("all", name):
+        if every or name in args.only:
+            began = time.time()
             results[name] = fn()
+            if not every:  # merged into results from another run: its machine, its seconds
+                results[name]["machine"] = machine
+                results[f"seconds_{name}"] = time.time() - began
             partial.write_text(json.dumps(results, indent=2) + "\n")
-    if args.only == "all":
+    if every:
         results["machine"] = machine
-    else:  # merged into results from another run: keep that run's machine at the top
-        results[args.only]["machine"] = machine
-    results["seconds" if args.only == "all" else f"seconds_{args.only}"] = time.time() - start
+        results["seconds"] = time.time() - start
     path.write_text(json.dumps(results, indent=2) + "\n")
     partial.unlink(missing_ok=True)
     paths = []
@@ -281,7 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     if "compile" in results:
         paths.append(plot_compile(results["compile"], out))
         print(bench_compile.table(results["compile"]))
-    skip = ("accuracy", "transformer", "compile")
+    if "nonfinite" in results:
+        print(bench_nonfinite.table(results["nonfinite"]))
+    skip = ("accuracy", "transformer", "compile", "nonfinite")
     print(json.dumps({k: v for k, v in results.items() if k not in skip}, indent=2))
     print("wrote", path, *paths)
 

@@ -1,11 +1,11 @@
 """Scan mode's window loop (accumjax._scan): the microbatches run in a loop with a known trip
-count of K (issue 28).
+count of K (issues 28 and 32).
 
 On XLA:GPU a ``while`` loop whose trip count is unknown copies its predicate to the host on
-every iteration: one host round trip per microbatch. With the default policy the common path
-(a finite window) runs its K microbatches in one loop of known trip count K; only the rare
-re-run of a non-finite window may loop on data. Read from the compiled HLO, for several K, on
-one device and on a mesh (the sharded jit path).
+every iteration: one host round trip per microbatch. Every policy runs its K microbatches in
+one loop of known trip count K, deciding about each as it comes, and nothing else loops on
+data. Read from the compiled HLO, for several K, on one device and on a mesh (the sharded jit
+path), and from the step lowered for CUDA.
 """
 
 import re
@@ -103,13 +103,15 @@ def test_the_microbatches_run_in_a_loop_of_known_trip_count_k(k, where):
     known = [names for count, names in loops if count == k]
     assert len(known) == 1, [count for count, _ in loops]
     (microbatches,) = known
-    # Every matmul of the model runs in that loop: none in a loop of unknown trip count but
-    # through it, none outside (the gradient is compiled once).
+    # Every matmul of the model runs in that loop, none outside (the gradient is compiled
+    # once), and no loop of unknown trip count runs it (on this CPU the window's end is a loop
+    # of at most one trip, which runs the update only).
     total = _matmuls(computations, computations)
     assert total > 0 and _matmuls(computations, microbatches) == total
     for count, names in loops:
-        if count is None and _matmuls(computations, names):
-            assert microbatches <= names  # the loop over passes: it runs the known loop
+        assert (
+            count is not None or not _matmuls(computations, names) or names.isdisjoint(microbatches)
+        )
 
 
 @pytest.mark.parametrize(
@@ -136,3 +138,84 @@ def test_the_loss_is_traced_once(case):
     extra = {"num_real_microbatches": jnp.int32(3)} if case == "num_real_microbatches" else {}
     step.lower(state, batch, **extra)
     assert len(traces) == 1
+
+
+# ----------------------------------------------------------------------------- on a CUDA GPU
+
+_POLICIES = {
+    "skip_microbatch": {},
+    "skip_window": {"on_nonfinite": "skip_window"},
+    "propagate": {"on_nonfinite": "propagate"},
+    "count": {"scaling": "count"},
+    "weighted": {"scaling": "weighted"},
+    "max_norm": {"max_norm": 1.0},
+    "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > 1e3},
+}
+
+
+def _cuda_program(step, state, batch, devices):
+    """The step lowered for CUDA (``jax.export`` on this CPU machine) and compiled by XLA:CPU
+    (a CUDA GPU is not needed to read the control flow): the optimized HLO text."""
+    exported = jax.export.export(jax.jit(lambda s, b: step(s, b)), platforms=["cuda"])(state, batch)
+    backend = jax.extend.backend.get_backend("cpu")
+    options = jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=devices)
+    options.executable_build_options.use_spmd_partitioning = devices > 1
+    compiled = backend.compile_and_load(
+        exported.mlir_module(), backend.devices()[:devices], options
+    )
+    return compiled.hlo_modules()[0].to_string()
+
+
+def _common_path(text):
+    """The ``while`` loops (their known trip counts, None where unknown) and the conditionals
+    a program runs outside any conditional's branch."""
+    computations = _computations(text)
+    (entry,) = [
+        _COMPUTATION.match(line.replace("ENTRY ", "", 1)).group(1)
+        for line in text.splitlines()
+        if line.startswith("ENTRY")
+    ]
+    loops, conditionals, seen = [], 0, set()
+
+    def walk(name):
+        nonlocal conditionals
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for line in computations[name]:
+            if " conditional(" in line:
+                conditionals += 1
+                continue  # its branches: the rare path
+            if _WHILE.search(line):
+                trips = _TRIPS.search(line)
+                loops.append(int(trips.group(1)) if trips else None)
+            for group in _CALLS.findall(line):
+                for callee in group.replace("%", "").split(","):
+                    walk(callee.strip())
+
+    walk(entry)
+    return loops, conditionals
+
+
+@pytest.mark.parametrize("where", ["one device", "mesh"])
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+@pytest.mark.parametrize("policy", list(_POLICIES))
+def test_on_a_cuda_gpu_no_loop_waits_on_the_data(policy, mode, where):
+    """Issue 32: on XLA:GPU a ``while`` loop of unknown trip count reads its predicate on the
+    host every trip, and a conditional reads its branch index once. For every policy, in both
+    modes, on one device and on a mesh, the step lowered for CUDA runs only loops of known
+    trip count (the K microbatches in scan mode) and one conditional (the window's end)."""
+    params, batch = _problem(4)
+    devices = 8 if where == "mesh" else 1
+    if mode == "stream":
+        batch = jax.tree.map(lambda a: a[:16], batch)
+    weight_fn = (lambda b: jnp.sum(b["y"] ** 2)) if policy == "weighted" else None
+    step = accumjax.make_train_step(_loss, mode=mode, weight_fn=weight_fn)
+    if devices > 1:
+        mesh = jax.make_mesh((devices,), ("data",))
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    state = step.init(params, accumjax.accumulate(optax.adam(1e-3), 4, **_POLICIES[policy]))
+    loops, conditionals = _common_path(_cuda_program(step, state, batch, devices))
+    assert loops == ([4] if mode == "scan" else []), loops
+    assert conditionals == 1

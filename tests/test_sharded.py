@@ -547,3 +547,98 @@ def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx_state.params))
+
+
+# ----------------------------------------------------------------------------- a global microbatch
+
+# Issue 32: every policy decides about the whole microbatch, as one device holding all its rows
+# would. Each policy's own trait: a NaN row on one device (the default, skip_window, count,
+# weighted), a row whose targets are 1e4 times the others' (max_norm clips its microbatch,
+# skip_fn skips it, by the whole microbatch's norm).
+_LARGE = 1e4
+_POLICIES = {
+    "skip_microbatch": {},
+    "skip_window": {"on_nonfinite": "skip_window"},
+    "count": {"scaling": "count"},
+    "weighted": {"scaling": "weighted"},
+    "max_norm": {"max_norm": 1.0},
+    "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > 100.0},
+    "propagate": {"on_nonfinite": "propagate"},
+}
+
+
+def _global_problem(policy):
+    """Two windows of K strided microbatches (rows i, i + K, ... on one device and on every
+    mesh); window 0 holds the policy's trait in one device's rows of microbatch 1."""
+    params, batch = _problem()
+    rows = N * K * 2
+    x = np.concatenate([batch["x"]] * 2)
+    y = np.concatenate([batch["y"]] * 2)
+    if policy in ("max_norm", "skip_fn"):
+        # One row of microbatch 1: its norm on device 0's rows is larger than the whole
+        # microbatch's, the other devices' rows are as usual.
+        y[1] *= _LARGE
+    elif policy != "propagate":
+        x[1, 3] = np.nan  # row 1: microbatch 1, on device 0 of every mesh
+    mask = (np.arange(2 * rows) % 3 != 0).astype(np.float32)  # weights differ by row
+    cut = lambda a, w: a[w * rows : (w + 1) * rows]
+    windows = [{"x": cut(x, w), "y": cut(y, w), "m": cut(mask, w)} for w in range(2)]
+    return params, windows
+
+
+def _masked_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    per_row = jnp.mean((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(per_row * batch["m"]) / jnp.maximum(jnp.sum(batch["m"]), 1.0)
+
+
+def _global_run(policy, mode, devices):
+    """Two windows of ``policy`` in ``mode`` on the first ``devices`` devices: the final
+    parameters, the counts and every call's metrics (floats)."""
+    params, windows = _global_problem(policy)
+    weighted = policy == "weighted"
+    # A mean over rows is the whole microbatch's mean on a mesh only where every device has as
+    # many rows; "weighted" weighs each device's masked mean by its rows in the mask.
+    step = accumjax.make_train_step(
+        _masked_loss if weighted else _loss,
+        mode=mode,
+        weight_fn=(lambda b: jnp.sum(b["m"])) if weighted else None,
+    )
+    tx = accumjax.accumulate(optax.sgd(0.1), K, **_POLICIES[policy])
+    put = lambda tree, spec: tree
+    if devices > 1:
+        mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+        put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
+    state = step.init(put(params, P()), tx)
+    calls = []
+    for window in windows:
+        if mode == "scan":
+            calls.append(window)
+        else:  # the same microbatches, one a call: microbatch i is rows i, i + K, ...
+            calls += [jax.tree.map(lambda a, i=i: a[i::K], window) for i in range(K)]
+    metrics = []
+    for batch in calls:
+        state, m = step(state, put(batch, P("data")))
+        metrics.append({k: float(v) for k, v in m.items()})
+    stats = accumjax.stats(state.opt_state)._asdict()  # the arrays: memory_bytes is the layout's
+    counts = {k: int(v) for k, v in stats.items() if isinstance(v, jax.Array)}
+    return jax.tree.map(np.asarray, state.params), counts, metrics
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+@pytest.mark.parametrize("policy", list(_POLICIES))
+def test_a_microbatch_is_the_same_on_1_4_and_8_devices(policy, mode):
+    assert jax.device_count() >= N
+    params, counts, metrics = _global_run(policy, mode, 1)
+    expected = {"skip_microbatch": 1, "count": 1, "weighted": 1, "skip_window": 1}
+    assert counts["num_nonfinite"] == expected.get(policy, 0), counts
+    if policy == "skip_fn":
+        assert counts["skipped_microbatches"] == 1, counts
+    for devices in (4, N):
+        got_params, got_counts, got_metrics = _global_run(policy, mode, devices)
+        assert got_counts == counts, (devices, got_counts, counts)
+        for key in params:  # float32 sums in another order; max_norm's clip factor too
+            np.testing.assert_allclose(got_params[key], params[key], **SAME_SUM)
+        assert [m.keys() for m in got_metrics] == [m.keys() for m in metrics]
+        for got, ref in zip(got_metrics, metrics, strict=True):
+            np.testing.assert_allclose(list(got.values()), list(ref.values()), rtol=1e-5)
