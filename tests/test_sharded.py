@@ -642,3 +642,25 @@ def test_a_microbatch_is_the_same_on_1_4_and_8_devices(policy, mode):
         assert [m.keys() for m in got_metrics] == [m.keys() for m in metrics]
         for got, ref in zip(got_metrics, metrics, strict=True):
             np.testing.assert_allclose(list(got.values()), list(ref.values()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["max_norm", "skip_fn"])
+def test_a_policy_that_reads_the_gradient_reduces_each_microbatch(policy):
+    """max_norm and skip_fn read the whole microbatch's gradient: on a mesh that is one
+    gradient-sized all-reduce per microbatch (its weight and validity travel in it), besides
+    the window's one; the default policy pays none (its all-reduces are of one int32)."""
+    mesh = _mesh()
+    params, batch = _problem()
+    tx = accumjax.accumulate(optax.sgd(0.1), K, **_POLICIES[policy])
+    params = _put(params, mesh, False)
+    scan = accumjax.make_train_step(_loss, mode="scan")
+    whole = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    compiled = scan.lower(scan.init(params, tx), whole).compile()
+    assert _counts(compiled, 1, min_bytes=GRADIENT_BYTES)["all-reduce"] == K + 1
+    stream = accumjax.make_train_step(_loss)
+    call = jax.device_put(jax.tree.map(lambda a: a[:16], batch), NamedSharding(mesh, P("data")))
+    compiled = stream.lower(stream.init(params, tx), call).compile()
+    # One for the microbatch on every call; the window's end (a loop of at most one trip
+    # here) reduces the partial sums.
+    assert _counts(compiled, 0, min_bytes=GRADIENT_BYTES)["all-reduce"] == 1
+    assert _counts(compiled, 1, min_bytes=GRADIENT_BYTES)["all-reduce"] == 2
