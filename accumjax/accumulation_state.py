@@ -216,11 +216,9 @@ def stats(state: Any) -> AccumulationStats:
 
     The counts (``num_nonfinite``, ``overflow_detected``, ``skipped_microbatches``) cover every
     microbatch seen so far, the open window's included, so a non-finite microbatch shows in
-    the call right after it. A train step under ``jit`` (one device or a mesh) keeps
-    whole-batch counts. Under ``pmap`` or a ``shard_map`` of your own
-    (``accumulate(..., axis_name=...)``, ``make_train_step(axis_name=...)`` without ``mesh``)
-    the open window's counts are each device's own until the window closes (each device
-    reports what it has seen); closed windows' counts are summed over the devices.
+    the call right after it. They count microbatches: on a mesh, under ``pmap`` and in a
+    ``shard_map`` of your own every device decides the same about each whole microbatch, so
+    every device reports the counts one device would.
 
     Returns:
       An `AccumulationStats`; its sizes are Python ints (static), the rest arrays.
