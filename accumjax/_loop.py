@@ -175,12 +175,7 @@ class Fields(NamedTuple):
 
 def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     """The optimizer's config, or a one-microbatch window around a plain optimizer."""
-    if not isinstance(state, TrainState):
-        raise TypeError(
-            f"step expects an accumjax.TrainState, got {type(state).__name__}; create it with "
-            "accumjax.TrainState.create(apply_fn=..., params=..., tx=...)."
-        )
-    config = config_of(state.tx)
+    config = config_of(state.tx)  # a TrainState: `accumjax._host` refused anything else
     owned = config is not None
     if config is None:
         config = Config(optax.with_extra_args_support(state.tx), 1, window_lib.Policy(), None)

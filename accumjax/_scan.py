@@ -150,9 +150,9 @@ def window_loss(carry: Carry) -> jax.Array:
     return jnp.where(carry.loss_weight > 0, carry.loss_sum / carry.loss_weight, jnp.nan)
 
 
-def window_k(ctx: Context) -> Any:
-    """The K the window is closed with: the real microbatches' number, or the optimizer's."""
-    return ctx.k if ctx.n_real is None else ctx.n_real
+def window_k(ctx: Context, every_k: Any) -> Any:
+    """The K the window is closed with: the real microbatches' number, or ``every_k``."""
+    return every_k if ctx.n_real is None else ctx.n_real
 
 
 class Closing(NamedTuple):
@@ -210,7 +210,7 @@ def scan_step(setup: Setup) -> Step:
         carry, aux = window_loop(ctx, params, start_carry(state, acc), batch)
         # The state's K (traced): with a constant K, XLA:CPU moved the division by it into a
         # gradient-sized buffer of its own (+0.4 MiB of temp on a 0.6M-parameter MLP).
-        every_k = acc.every_k if ctx.n_real is None else ctx.n_real
+        every_k = window_k(ctx, acc.every_k)
         closed = window_lib.close_window(ctx.config.policy, carry.window, every_k, axis)
         model_state = close_model_state(carry.model_state, closed.apply, axis)
         return scan_finish(ctx, state, acc, Closing(closed, model_state, window_loss(carry), aux))

@@ -253,7 +253,7 @@ def _local_window(
     closed = window_lib.close_window(
         config.policy,
         carry.window,
-        window_k(ctx),
+        window_k(ctx, ctx.k),
         layout.axis,
         layout.scatter(),
         extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
