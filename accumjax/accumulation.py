@@ -14,7 +14,8 @@ replacement for ``optax.MultiSteps`` with these differences:
   window, so windows stay aligned with the data (``optax.MultiSteps`` with ``skip_not_finite``
   instead pretends the call never happened). The window's sum is checked once more when it
   closes, so finite microbatches whose sum overflows skip the window and are counted too.
-- With ``axis_name`` the window's sum is all-reduced once per window.
+- With ``axis_name`` the window's sum is all-reduced once per window, and every device takes
+  the same decision about each microbatch (`accumjax.window.inspect_microbatch`).
 
 The state and the free functions that read it (`accumjax.stats`, `accumjax.has_updated`, ...)
 are `accumjax.accumulation_state`. `close_and_update` (this transformation's ``update``) and
@@ -236,7 +237,9 @@ def accumulate(
         and float64 ones stay float64. ``None`` uses the parameters' dtypes.
       axis_name: a mapped axis (``pmap``/``shard_map``) over which the window's sum, weights and
         counts are all-reduced once, at the end of the window; each device then applies the
-        same update. ``"mean"`` divides by K times the axis size.
+        same update. ``"mean"`` divides by K times the axis size. Each call's microbatch is
+        decided about whole, the same on every device (an all-reduce of one int32; of the
+        gradient for ``max_norm`` and ``skip_fn``; none with ``"propagate"``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulationState`.
