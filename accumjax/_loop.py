@@ -8,7 +8,8 @@ model state only when it was added. `close_fields` closes a window: one reductio
 decision, the update (`accumjax.accumulation.close_and_apply`), BatchNorm windows and the loss
 scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
 call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
-parallel wrappers (`accumjax._parallel`) run both under ``jit``, ``pmap`` and ``shard_map``.
+parallel wrappers (`accumjax._sharded_steps`, `accumjax._host`) run both under ``jit``, ``pmap``
+and ``shard_map``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ __all__ = [
     "Outcome",
     "Setup",
     "Step",
-    "add_gradient",
     "begin",
     "close_fields",
     "close_model_state",
@@ -113,7 +113,8 @@ class Context(NamedTuple):
       loss_scale: the dynamic loss scale (float16), or None.
       rng: the step's PRNG key, or None.
       step_count: ``state.step``, folded into every microbatch key.
-      axis_name: the axis whose index is folded into keys (the mapped or sharded batch axis).
+      axis_name: the mapped or sharded batch axis: its index is folded into keys, and the
+        devices along it agree about each microbatch (`accumjax.window.inspect_microbatch`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
     """
@@ -271,39 +272,26 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
 def microbatch(
     ctx: Context, carry: Carry, params: Any, batch: Any, index: Any, *, first: bool = False
 ) -> Outcome:
-    """One microbatch: gradient, add to the window, keep its model state only if added.
+    """One microbatch: gradient, add to the window (the decision about it, on a mesh about the
+    whole microbatch: `accumjax.window.inspect_microbatch`), keep its model state only if
+    added.
 
     ``first`` opens the window with it (`accumjax.window.first_microbatch`).
     """
-    computed = gradient(ctx, params, carry.model_state, batch, index)
-    return add_gradient(ctx, carry, params, computed, first=first)
-
-
-def add_gradient(
-    ctx: Context,
-    carry: Carry,
-    params: Any,
-    computed: Any,
-    *,
-    first: bool = False,
-    inspected: window_lib.Microbatch | None = None,
-) -> Outcome:
-    """Adds a microbatch's `gradient` output (``computed``) to the window of ``carry``.
-
-    ``inspected`` is the policy's decision about it, taken by the caller, or None to take it
-    here (on a mesh, about the whole microbatch: `accumjax.window.inspect_microbatch`).
-    """
-    loss, new_model_state, aux, grads, weight = computed
+    loss, new_model_state, aux, grads, weight = gradient(
+        ctx, params, carry.model_state, batch, index
+    )
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
     window, micro = add(
-        ctx.config.policy, carry.window, grads, weight, params, inspected, axis_name=ctx.axis_name
+        ctx.config.policy, carry.window, grads, weight, params, axis_name=ctx.axis_name
     )
     model_state = carry.model_state
     if model_state is not None:
         model_state = optax.tree.where(micro.added, new_model_state, model_state)
     w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
-    loss_sum = carry.loss_sum + jnp.where(micro.added, w * loss, 0.0)
+    # w > 0: rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
+    loss_sum = carry.loss_sum + jnp.where(w > 0, w * loss, 0.0)
     carry = Carry(window, model_state, loss_sum, carry.loss_weight + w)
     return Outcome(carry, loss, aux, micro.added)
 

@@ -1,10 +1,10 @@
 """Scan mode's window (internal): the K microbatches of one batch, one update.
 
-`scan_step` splits the batch (`accumjax._split`: strided rows along each leaf's batch axis)
-and runs the window loop (`window_loop`) over the microbatches with the window core of
-`accumjax._loop`, then closes the window once (`scan_finish`). With a runtime number of real
-microbatches (``num_real_microbatches``) the loops stop after them: the padded tail is neither
-computed nor counted, without a recompile.
+`scan_step` splits the batch (`accumjax._split`: strided rows along each leaf's batch axis),
+runs the window loop (`window_loop`) over the microbatches with the window core of
+`accumjax._loop`, closes the window once and applies it (`scan_finish`). With a runtime number
+of real microbatches (``num_real_microbatches``) the loop stops after them: the padded tail is
+neither computed nor counted, without a recompile (a loop whose trip count is that number).
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
 def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> tuple[Carry, Any]:
     """The window over the K strided microbatches of ``batch``: ``(carry, stacked aux)``.
 
-    Each microbatch is inspected as it comes, in a loop of K trips (a known trip count: no
-    data-dependent control flow), and added when the policy accepts it; on a mesh the devices
-    agree about each one (`accumjax.window.inspect_microbatch`), so a non-finite microbatch
-    costs what a finite one does and the window is never computed again.
+    Each microbatch is inspected as it comes, in a loop of K trips (a known trip count, unless
+    ``num_real_microbatches`` bounds it), and added when the policy accepts it; on a mesh the
+    devices agree about each one (`accumjax.window.inspect_microbatch`), so a non-finite
+    microbatch costs what a finite one does and the window is never computed again.
     """
     take = _microbatches(ctx, params, batch)
     carry, aux = _microbatch_loop(ctx, take, start)
@@ -102,15 +102,14 @@ def _empty(ctx: Context, like: Carry) -> Carry:
 
 
 def _loop_over(
-    ctx: Context, body: Callable[[Any, jax.Array], tuple[Any, Any]], init: Any, unroll: Any = None
+    ctx: Context, body: Callable[[Any, jax.Array], tuple[Any, Any]], init: Any
 ) -> tuple[Any, Any]:
     """``lax.scan(body, init, arange(K))`` (a loop of known trip count K), or, with
     ``ctx.n_real``, a loop that stops after the real microbatches and stacks their outputs
     into K slots (zeros in the padded ones)."""
     if ctx.n_real is None:
-        unroll = ctx.setup.unroll if unroll is None else unroll
         index = jnp.asarray(np.arange(ctx.k, dtype=np.int32))  # a constant, not a kernel
-        return jax.lax.scan(body, init, index, unroll=unroll)
+        return jax.lax.scan(body, init, index, unroll=ctx.setup.unroll)
     body = jax.jit(body)  # traced once: for the outputs' shapes, then in the loop
     shapes = jax.eval_shape(body, init, jnp.zeros((), jnp.int32))[1]
     stacked = jax.tree.map(lambda s: jnp.zeros((ctx.k, *s.shape), s.dtype), shapes)

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax import window as window_lib
+from accumjax._agreement import accepted, votes
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
 from accumjax._loop import (
     Carry,
@@ -411,17 +412,20 @@ def _local_call(
     reads = policy.max_norm is not None or policy.skip_fn is not None
     axis = layout.axis if reads else None
     m = window_lib.inspect_microbatch(policy, grads, weight, params, axis_name=axis)
-    m = _share(policy, m, layout)
     metric_weight = jnp.ones((), jnp.float32) if weight is None else weight
+    ballot = votes(policy.scaling, ~m.added, metric_weight)
+    m = _share(policy, m, layout)
     split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
     floats = [] if new_state is None else _floats(new_state)[1]
     bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
-    verdict = jnp.stack([m.weight, ~m.added]).astype(jnp.float32)
+    verdict = jnp.concatenate([m.weight[None], ballot])
+    # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
+    weighted_loss = jnp.where(metric_weight > 0, metric_weight * loss, 0.0)
     loss_parts, verdict, bn, *rest = psum_together(
-        [jnp.stack([metric_weight * loss, metric_weight]), verdict, bn, *floats, *split.means],
+        [jnp.stack([weighted_loss, metric_weight]), verdict, bn, *floats, *split.means],
         layout.axis,
     )
-    added = verdict[1] == 0  # every device accepted its rows
+    added = accepted(policy.scaling, verdict[1:], verdict[0])
     nonfinite = m.nonfinite if reads else ~added  # without skip_fn, only non-finite is refused
     m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, m.weight, 0.0))
     reduce = _reduce(layout, whole=not per_shard)
@@ -492,20 +496,21 @@ def _floats(tree: Any) -> tuple[list[int], list[Any]]:
 
 
 def _pooled_model_state(
-    before: Any, kept: Any, bn: jax.Array, means: list[Any], all_added: jax.Array
+    before: Any, called: Any, bn: jax.Array, means: list[Any], added: jax.Array
 ) -> Any:
-    """The global model state after a stream call on a mesh: each step-driven BatchNorm
-    window merged with the call's statistics pooled over the devices that added their rows;
-    every other leaf changed only when every device added its rows (the microbatch was
-    added whole, as on one device): floating leaves to their mean over the devices, others
-    (counts, keys: the same on every device) to this device's."""
+    """The global model state after a stream call on a mesh, ``called`` this device's model
+    state after the call: each step-driven BatchNorm window merged with the call's
+    statistics pooled over the devices (``bn``: zeros when the microbatch was not added);
+    every other leaf changed only when the microbatch was ``added`` (as on one device):
+    floating leaves to their mean over the devices, others (counts, keys: the same on every
+    device) to this device's."""
     merged, treedef = jax.tree.flatten(merge_pooled(before, bn), is_leaf=is_step_driven)
-    ours = jax.tree.flatten(kept, is_leaf=is_step_driven)[0]
-    where, _ = _floats(kept)
+    ours = jax.tree.flatten(called, is_leaf=is_step_driven)[0]
+    where, _ = _floats(called)
     for i, mean in zip(where, means, strict=True):
         ours[i] = mean.astype(jnp.result_type(ours[i]))
     out = [
-        m if is_step_driven(m) else jnp.where(all_added, o, m)
+        m if is_step_driven(m) else jnp.where(added, o, m)
         for m, o in zip(merged, ours, strict=True)
     ]
     return jax.tree.unflatten(treedef, out)

@@ -68,7 +68,8 @@ class Config(NamedTuple):
       inner: the inner transformation (with extra-args support).
       every_k: K as given: an int, or a schedule.
       policy: the window `Policy`.
-      axis_name: the mapped axis of the once-per-window reduction, or None.
+      axis_name: the mapped axis of the once-per-window reduction and of the decisions about
+        each microbatch, or None.
     """
 
     inner: optax.GradientTransformationExtraArgs
@@ -238,7 +239,7 @@ def accumulate(
       axis_name: a mapped axis (``pmap``/``shard_map``) over which the window's sum, weights and
         counts are all-reduced once, at the end of the window; each device then applies the
         same update. ``"mean"`` divides by K times the axis size. Each call's microbatch is
-        decided about whole, the same on every device (an all-reduce of one int32; of the
+        decided about whole, the same on every device (an all-reduce of two scalars; of the
         gradient for ``max_norm`` and ``skip_fn``; none with ``"propagate"``).
 
     Returns:

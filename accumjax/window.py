@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from accumjax import scaling as scaling_lib
+from accumjax._agreement import accepted, votes, weigh, whole_gradient
 from accumjax._control import run_once
 from accumjax.clipping import squared_norm
 
@@ -39,6 +40,7 @@ __all__ = [
     "Policy",
     "Window",
     "add_microbatch",
+    "agreed",
     "close_window",
     "denominator",
     "empty_like",
@@ -51,7 +53,6 @@ __all__ = [
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
-    "whole_gradient",
     "window_sum",
     "with_partial_sums",
 ]
@@ -280,23 +281,19 @@ def inspect_microbatch(
     grads: Any,
     weight: Any = None,
     params: Any = None,
-    norm: Any = None,
     axis_name: str | None = None,
 ) -> Microbatch:
     """The policy's decision about one microbatch gradient, without adding it.
 
     `add_microbatch` inspects and adds in one go. On a mesh (``axis_name``) a microbatch is one
-    thing: every device takes the decision one device holding all its rows would take (a NaN
-    in any device's rows leaves the whole microbatch out), agreed in an all-reduce of one
-    scalar; a policy that reads the gradient's values (``max_norm``, ``skip_fn``) reads the
-    whole microbatch's gradient (`whole_gradient`: a gradient-sized all-reduce).
+    thing: every device takes the decision one device holding all its rows would take
+    (`agreed`: a NaN in any device's rows leaves the whole microbatch out).
 
     Args:
       policy: the window's `Policy`.
       grads: the microbatch gradient (on a mesh, of this device's rows).
       weight: the microbatch weight (``scaling="weighted"`` only; on a mesh, this device's).
       params: the parameters, passed to ``policy.skip_fn``.
-      norm: the global norm of ``grads`` when the caller has taken it already (one device).
       axis_name: the mapped axis the microbatch's rows are split over, or None (one device).
 
     Returns:
@@ -310,21 +307,17 @@ def inspect_microbatch(
       (False, True, 0.0)
     """
     w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
-    factor = w if policy.scaling == "weighted" else None
-    reads = policy.max_norm is not None or policy.skip_fn is not None
-    seen = grads
-    if axis_name is not None and reads:  # the whole microbatch's gradient; agreed validity
-        seen, invalid = whole_gradient(policy.scaling, grads, w, axis_name, ~w_ok)
-        w_ok, norm = invalid == 0, None
-    needs_norm = policy.detects or policy.max_norm is not None
-    if norm is None and needs_norm:
-        norm = global_norm(seen)
-    finite = w_ok if norm is None or not policy.detects else w_ok & jnp.isfinite(norm)
-    if axis_name is not None and not reads and (policy.detects or policy.scaling == "weighted"):
-        finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0  # every device's
+    if axis_name is None:
+        seen, norm, finite = grads, None, w_ok
+        if policy.detects or policy.max_norm is not None:
+            norm = global_norm(grads)
+            finite = finite & jnp.isfinite(norm) if policy.detects else finite
+    else:
+        seen, norm, finite = agreed(policy, grads, w, w_ok, axis_name)
     added = finite
     if policy.skip_fn is not None:
         added = added & ~jnp.asarray(policy.skip_fn(seen, params), bool)
+    factor = w if policy.scaling == "weighted" else None
     if policy.max_norm is not None and norm is not None:
         tiny = jnp.finfo(jnp.float32).tiny
         clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
@@ -332,26 +325,37 @@ def inspect_microbatch(
     return Microbatch(jnp.asarray(added), ~finite, jnp.where(added, w, 0.0), factor)
 
 
-def whole_gradient(
-    scaling: scaling_lib.Scaling,
-    grads: Any,
-    weight: jax.Array,
-    axis_name: str,
-    flags: jax.Array | None = None,
-) -> tuple[Any, jax.Array]:
-    """Inside a map over ``axis_name``: the whole microbatch's gradient from each device's
-    gradient of its rows, as one device would compute it: their mean (``"mean"``,
-    ``"count"``), sum (``"sum"``) or weighted mean (``"weighted"``), and ``flags`` (a scalar)
-    summed over the devices in the same all-reduce. Returns ``(whole, summed flags)``."""
-    weighted = scaling == "weighted"
-    scale = lambda g: (weight.astype(g.dtype) * g) if weighted else g
-    extra = jnp.stack([weight, jnp.zeros(()) if flags is None else flags.astype(jnp.float32)])
-    total, extra = jax.lax.psum((jax.tree.map(scale, grads), extra), axis_name)
-    devices = jax.lax.axis_size(axis_name)
-    by = extra[0] if weighted else jnp.float32(1 if scaling == "sum" else devices)
-    by = jnp.where(by > 0, by, 1.0)
-    whole = jax.tree.map(lambda g: g / by.astype(g.dtype), total)
-    return whole, extra[1]
+def agreed(
+    policy: Policy, grads: Any, weight: jax.Array, valid: jax.Array, axis_name: str
+) -> tuple[Any, jax.Array | None, jax.Array]:
+    """Inside a map over ``axis_name``: what one device holding all of a microbatch's rows
+    would see, ``(gradient the policy reads, its norm, whether the microbatch is finite)``,
+    the same on every device.
+
+    The devices' verdicts (and, for ``max_norm`` and ``skip_fn``, their gradients:
+    `whole_gradient`) meet in one all-reduce; ``"propagate"`` without weights needs none. A
+    device whose rows weigh nothing (``"weighted"``) adds nothing to the microbatch, so its
+    gradient (a mean over no rows: 0/0 in an unguarded loss) has no vote, unless the whole
+    microbatch weighs nothing.
+    """
+    weighted = policy.scaling == "weighted"
+    reads = policy.max_norm is not None or policy.skip_fn is not None
+    if not (policy.detects or weighted or reads):
+        return grads, None, valid
+    own = valid
+    if policy.detects and (weighted or not reads):  # else the whole gradient's norm decides
+        own = own & jnp.isfinite(global_norm(grads))
+    ballot = votes(policy.scaling, ~own, weight)
+    if reads:
+        seen, ballot, total = whole_gradient(policy.scaling, grads, weight, axis_name, ballot)
+    else:
+        seen, (ballot, total) = grads, jax.lax.psum((ballot, weight if weighted else 0), axis_name)
+    finite = accepted(policy.scaling, ballot, total)
+    norm = None
+    if reads:
+        norm = global_norm(seen)
+        finite = finite & jnp.isfinite(norm) if policy.detects else finite
+    return seen, norm, finite
 
 
 def add_microbatch(
@@ -389,8 +393,7 @@ def add_microbatch(
     select = policy.detects or policy.skip_fn is not None or policy.scaling == "weighted"
 
     def part(a: jax.Array, g: jax.Array) -> jax.Array:
-        g = g.astype(a.dtype)
-        return g if m.factor is None else m.factor.astype(a.dtype) * g
+        return _scaled(policy, m, g.astype(a.dtype))
 
     def add(a: jax.Array, g: jax.Array) -> jax.Array:
         new = a + part(a, g)
@@ -444,8 +447,7 @@ def first_microbatch(
     m = inspected
 
     def start(a: jax.Array, g: jax.Array) -> jax.Array:
-        g = g.astype(a.dtype)
-        g = g if m.factor is None else m.factor.astype(a.dtype) * g
+        g = _scaled(policy, m, g.astype(a.dtype))
         return jnp.where(m.added, g, jnp.zeros_like(g))
 
     empty = empty_like(like)
@@ -457,6 +459,15 @@ def first_microbatch(
         window_skipped=(~m.added).astype(jnp.int32),
     )
     return window, m
+
+
+def _scaled(policy: Policy, m: Microbatch, g: jax.Array) -> jax.Array:
+    """A microbatch's gradient times its factor (a weight of 0 adds exactly 0)."""
+    if m.factor is None:
+        return g
+    if policy.scaling == "weighted":
+        return weigh(m.factor, g)
+    return m.factor.astype(g.dtype) * g
 
 
 REDUCED = -1  # a `close_window` scatter entry: this leaf's sum is a reduced shard already
@@ -525,7 +536,6 @@ def close_window(
     every_k: Any,
     axis_name: str | None = None,
     scatter: Any = None,
-    norm: jax.Array | None = None,
     *,
     extras: jax.Array | None = None,
     whole_counts: bool = False,
@@ -542,8 +552,6 @@ def close_window(
         dimension its parameter is sharded on over ``axis_name`` (that leaf is
         reduce-scattered: each device keeps its shard), `REDUCED` (a shard reduced
         already, microbatch by microbatch) or None (all-reduced); None for all.
-      norm: the global norm of ``window.grad_sum`` when the caller has taken it already
-        (one device only: with ``axis_name`` the norm is that of the reduced sum).
       extras: with ``axis_name``, a float vector of the caller's own per-device values
         (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
       whole_counts: with ``axis_name``, the window is one device's part of a
@@ -555,8 +563,6 @@ def close_window(
       (when the policy detects non-finite values) and no microbatch was non-finite under
       ``"skip_window"``.
     """
-    if norm is not None and axis_name is not None:
-        raise ValueError("close_window: norm= is the local sum's norm; pass it without axis_name.")
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices = 1
@@ -567,16 +573,17 @@ def close_window(
         )
         devices = 1 if whole_counts else jax.lax.axis_size(axis_name)
         if not whole_counts:
-            # Every device decided the same about each microbatch (`inspect_microbatch`), so
-            # each counted the same; a count only one device has (scan mode's blind pass
-            # counting an invalid weight) still comes back > 0.
+            # Every device decided the same about each microbatch (`agreed`), so each counted
+            # the same: the sum is the devices' number times the count. (Rounded up: a window
+            # opened by 0.3, whose devices counted their own rows, comes back the same on
+            # every device.)
             weight_sum = summed[0]
             nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
         extras = None if extras is None else summed[len(own) :]
     denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
-    norm = (_global_norm(grad_sum, axis_name, scatter) if norm is None else norm) / safe
+    norm = _global_norm(grad_sum, axis_name, scatter) / safe
     apply = weight_sum > 0
     if policy.detects:
         apply = apply & jnp.isfinite(norm)

@@ -6,7 +6,7 @@ into 4 microbatches (strided: microbatch i is the rows i, i + 4, ... of the devi
 `accumjax.accumulate(optax.adam(...), 4)` (K is stated once, in the optimizer) sums the 4
 microbatch gradients locally and all-reduces the sum *once* per update, instead of once per
 microbatch (each microbatch's decision, whether to add it, is agreed in an all-reduce of one
-int32). The update equals a single-device step on the whole batch.
+scalars). The update equals a single-device step on the whole batch.
 
 There is no need for 8 real accelerators: XLA can split the host CPU into 8 devices.
 
@@ -126,14 +126,14 @@ naive_opt_state = optax.adam(1e-2).init(naive_params)
 naive_compiled = naive_step.lower(naive_params, naive_opt_state, batches[0]).compile()
 
 # per_execution=True counts what runs per call: an all-reduce in a loop body counts once per
-# iteration. min_bytes=64 counts the gradient's all-reduces; accumjax also runs one of a single
-# int32 per microbatch, in which the devices agree whether to add it (a NaN on one device
+# iteration. min_bytes=64 counts the gradient's all-reduces; accumjax also runs one of two
+# scalars per microbatch, in which the devices agree whether to add it (a NaN on one device
 # leaves the whole microbatch out, as on one device).
 count = lambda c, **kw: accumjax.count_collectives(c, per_execution=True, **kw)["all-reduce"]
 ours, naive = count(compiled, min_bytes=64), count(naive_compiled, min_bytes=64)
 print(f"gradient all-reduces per update: accumjax {ours}, naive per-microbatch pmean {naive}")
 print(
-    f"all-reduces of one int32 per update (the microbatches' decisions): {count(compiled) - ours}"
+    f"all-reduces of two scalars per update (the microbatches' decisions): {count(compiled) - ours}"
 )
 
 assert diff < 1e-5, "the data-parallel accumulated step should match the full-batch step"

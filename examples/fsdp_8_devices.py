@@ -134,7 +134,7 @@ assert short(mu["w1"].sharding.spec) == P("data")
 assert state.opt_state.window.grad_sum is None  # scan mode: the state holds no accumulator
 
 # Collectives of 64 bytes or more: the gradient's and the parameters'. Besides them, each
-# microbatch's decision is agreed in an all-reduce of one int32 (4 per window).
+# microbatch's decision is agreed in an all-reduce of two scalars (4 per window).
 counts = accumjax.count_collectives(
     compiled, per_execution=True, default_trip_count=1, min_bytes=64
 )

@@ -415,7 +415,7 @@ def test_pmap_all_reduces_once_per_window_and_matches_full_batch():
         np.testing.assert_array_equal(params[key][0], params[key][n_dev - 1])
     hlo = step.lower(params, state, xs[:, 0], ys[:, 0]).compile().as_text()
     # The window's sum once (in the window end); issue 32: each call's microbatch is decided by
-    # every device together, in an all-reduce of one int32.
+    # every device together, in an all-reduce of two scalars.
     assert accumjax.count_collectives(hlo, min_bytes=64)["all-reduce"] == 1
     assert accumjax.count_collectives(hlo)["all-reduce"] == 2
 

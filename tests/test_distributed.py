@@ -121,7 +121,7 @@ def _all_reduce_lines(lowered):
 
 
 def _once_per_window(lowered):
-    """One gradient-sized all-reduce per window (issue 32: plus K of one int32 each, in which
+    """One gradient-sized all-reduce per window (issue 32: plus K of two scalars each, in which
     the devices agree about each microbatch), and no other collective."""
     big = count_collectives(lowered, per_execution=True, min_bytes=64)
     assert big == _counts(all_reduce=1)

@@ -52,7 +52,7 @@ def test_token_weighted_sequence():
 def test_data_parallel_8_devices():
     out = run_example("data_parallel_8_devices.py")
     assert "gradient all-reduces per update: accumjax 1," in out
-    assert "all-reduces of one int32 per update (the microbatches' decisions): 4" in out
+    assert "all-reduces of two scalars per update (the microbatches' decisions): 4" in out
     assert "matches the single-device full batch: True" in out
 
 

@@ -516,21 +516,6 @@ def test_every_scaling_matches_a_float64_full_batch_reference(scaling, mode, agc
         np.testing.assert_allclose(state.params["w"], ref, rtol=1e-12, atol=1e-13)
 
 
-def test_a_norm_taken_already_is_used_as_it_is_and_only_on_one_device():
-    # Scan mode's passes hand the norm they took to the close (one reduction pass less).
-    grads = {"w": jnp.array([3.0, 4.0])}
-    win = window.add_microbatch(window.Policy(), window.init_window(grads), grads)[0]
-    own = window.close_window(window.Policy(), win, 1)
-    given = window.close_window(window.Policy(), win, 1, norm=jnp.float32(5.0))
-    assert float(own.norm) == float(given.norm) == 5.0
-    nan = window.close_window(window.Policy(), win, 1, norm=jnp.float32(jnp.nan))
-    assert not bool(nan.apply)  # the decision reads the given norm
-    with pytest.raises(ValueError, match="without axis_name"):
-        window.close_window(window.Policy(), win, 1, axis_name="data", norm=jnp.float32(5.0))
-    m = window.inspect_microbatch(window.Policy(), grads, norm=jnp.float32(jnp.inf))
-    assert not bool(m.added) and bool(m.nonfinite)
-
-
 def _positive_rows(microbatch):
     return jnp.sum(microbatch["y"] > 0).astype(jnp.float32)
 
