@@ -623,9 +623,14 @@ def _global_run(policy, mode, devices):
     for batch in calls:
         state, m = step(state, put(batch, P("data")))
         metrics.append({k: float(v) for k, v in m.items()})
-    stats = accumjax.stats(state.opt_state)._asdict()  # the arrays: memory_bytes is the layout's
-    counts = {k: int(v) for k, v in stats.items() if isinstance(v, jax.Array)}
-    return jax.tree.map(np.asarray, state.params), counts, metrics
+    return jax.tree.map(np.asarray, state.params), _counts_of(state), metrics
+
+
+def _counts_of(state):
+    """The integer `stats` of a state (memory_bytes, a Python int, is the layout's)."""
+    stats = accumjax.stats(state.opt_state)._asdict()
+    is_count = lambda v: isinstance(v, jax.Array) and not jnp.issubdtype(v.dtype, jnp.floating)
+    return {k: int(v) for k, v in stats.items() if is_count(v)}
 
 
 @pytest.mark.parametrize("mode", ["scan", "stream"])
@@ -667,3 +672,26 @@ def test_a_policy_that_reads_the_gradient_reduces_each_microbatch(policy):
     # here) reduces the partial sums.
     assert _counts(compiled, 0, min_bytes=GRADIENT_BYTES)["all-reduce"] == 1
     assert _counts(compiled, 1, min_bytes=GRADIENT_BYTES)["all-reduce"] == 2
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_a_microbatch_is_the_same_under_pmap(mode):
+    """The pmap step (make_train_step(axis_name=...)) decides about whole microbatches too: a
+    NaN row on one device leaves its microbatch out on every device, counted once."""
+    params, counts, _ = _global_run("skip_microbatch", mode, 1)
+    _, windows = _global_problem("skip_microbatch")
+    step = accumjax.make_train_step(_loss, mode=mode, axis_name="data")
+    state = step.init(params=_problem()[0], tx=accumjax.accumulate(optax.sgd(0.1), K))
+    per_device = lambda b: jax.tree.map(lambda a: a.reshape(N, -1, *a.shape[1:]), b)
+    for window in windows:
+        calls = (
+            [window]
+            if mode == "scan"
+            else [jax.tree.map(lambda a, i=i: a[i::K], window) for i in range(K)]
+        )
+        for batch in calls:
+            state, _ = step(state, per_device(batch))
+    state = accumjax.unreplicate(state)
+    assert _counts_of(state) == counts
+    for key in params:
+        np.testing.assert_allclose(state.params[key], params[key], **SAME_SUM)
