@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from accumjax import window as window_lib
+from accumjax._agreement import weigh
 from accumjax._batch_norm_windows import is_step_driven
 from accumjax._loss_adapter import GradFn
 from accumjax._step_checks import check_step_inputs
@@ -290,8 +291,8 @@ def microbatch(
         model_state = optax.tree.where(micro.added, new_model_state, model_state)
     w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
-    # w > 0: rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
-    loss_sum = carry.loss_sum + jnp.where(w > 0, w * loss, 0.0)
+    # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
+    loss_sum = carry.loss_sum + weigh(w, loss)
     carry = Carry(window, model_state, loss_sum, carry.loss_weight + w)
     return Outcome(carry, loss, aux, micro.added)
 

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax import window as window_lib
-from accumjax._agreement import accepted, votes
+from accumjax._agreement import accepted, votes, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
 from accumjax._loop import (
     Carry,
@@ -216,7 +216,6 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         )
         closed_specs = window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
         row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
-
         closed, model_state, loss, aux = _shard_map(
             partial(_local_window, ctx, layout, cell),
             layout,
@@ -409,7 +408,7 @@ def _local_call(
     # The decision is the whole microbatch's. A policy that reads the gradient sees the whole
     # gradient (one gradient-sized all-reduce); otherwise each device's verdict on its rows
     # travels in the call's one small all-reduce below, and the gradient is added after it.
-    reads = policy.max_norm is not None or policy.skip_fn is not None
+    reads = policy.reads
     axis = layout.axis if reads else None
     m = window_lib.inspect_microbatch(policy, grads, weight, params, axis_name=axis)
     metric_weight = jnp.ones((), jnp.float32) if weight is None else weight
@@ -420,7 +419,7 @@ def _local_call(
     bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
     verdict = jnp.concatenate([m.weight[None], ballot])
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
-    weighted_loss = jnp.where(metric_weight > 0, metric_weight * loss, 0.0)
+    weighted_loss = weigh(metric_weight, loss.astype(jnp.result_type(jnp.float32, loss)))
     loss_parts, verdict, bn, *rest = psum_together(
         [jnp.stack([weighted_loss, metric_weight]), verdict, bn, *floats, *split.means],
         layout.axis,

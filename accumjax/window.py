@@ -84,6 +84,12 @@ class Policy(NamedTuple):
         """Whether non-finite microbatches and sums are looked for."""
         return self.on_nonfinite != "propagate"
 
+    @property
+    def reads(self) -> bool:
+        """Whether the decision reads the gradient's values (``max_norm``, ``skip_fn``): on a
+        mesh, the whole microbatch's gradient."""
+        return self.max_norm is not None or self.skip_fn is not None
+
 
 class Window(NamedTuple):
     """The open window: a pytree of arrays.
@@ -338,8 +344,7 @@ def agreed(
     gradient (a mean over no rows: 0/0 in an unguarded loss) has no vote, unless the whole
     microbatch weighs nothing.
     """
-    weighted = policy.scaling == "weighted"
-    reads = policy.max_norm is not None or policy.skip_fn is not None
+    weighted, reads = policy.scaling == "weighted", policy.reads
     if not (policy.detects or weighted or reads):
         return grads, None, valid
     own = valid
