@@ -39,6 +39,7 @@ from accumjax.loss_scale import (
     dynamic_loss_scale,
     scale_loss,
     unscale_grads,
+    update_loss_scale,
 )
 from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
 from accumjax.nnx_train_step import (
@@ -58,7 +59,7 @@ from accumjax.planner import (
 from accumjax.train_state import TrainState, with_mode
 from accumjax.train_step import TrainStep, make_train_step
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AccumBatchNorm",
@@ -103,6 +104,7 @@ __all__ = [
     "unitwise_norm",
     "unreplicate",
     "unscale_grads",
+    "update_loss_scale",
     "with_every_k",
     "with_mode",
 ]

@@ -1,65 +1,114 @@
-"""How the devices agree about a microbatch whose rows they share (internal).
+"""How a microbatch whose rows several devices hold is decided (internal): written once.
 
 On a mesh every device decides the same about each whole microbatch, as one device holding
-all its rows would (`accumjax.window.inspect_microbatch`): each device casts its `votes`, the
-devices sum them in one all-reduce, and `accepted` reads the sum. A policy that reads the
-gradient's values reads the `whole_gradient`.
+all its rows would. Each device gives its `Verdict` on its rows; the verdicts are summed over
+the devices (per microbatch, or K at once with the window's reduction) and `accepted` reads
+the sum, on one device as on many. A policy that reads the gradient's values reads the
+`whole_gradient`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from accumjax.scaling import Scaling
 
-__all__ = ["accepted", "votes", "weigh", "whole_gradient"]
+__all__ = ["Verdict", "accepted", "verdict", "weigh", "whole_gradient"]
 
 
-def votes(scaling: Scaling, refused: jax.Array, weight: jax.Array) -> jax.Array:
-    """A device's votes about a microbatch, to be summed over the devices (float32[2]): it
-    refuses its rows, and it refuses rows that weigh nothing (``"weighted"``: their mean may
-    be NaN, and they add nothing)."""
+class Verdict(NamedTuple):
+    """Devices' verdicts about a microbatch (or, stacked, about each of a window's), summed
+    over the devices that hold its rows: float32 arrays.
+
+    Attributes:
+      refused: how many devices refused rows that weigh something (a non-finite gradient,
+        an invalid weight).
+      idle: how many devices refused rows that weigh nothing (``"weighted"``: a mean over no
+        rows may be NaN, and such rows add nothing).
+      weight: the rows' weight (``"weighted"``; 1 a device otherwise).
+    """
+
+    refused: jax.Array
+    idle: jax.Array
+    weight: jax.Array
+
+
+def verdict(scaling: Scaling, refused: jax.Array, weight: jax.Array) -> Verdict:
+    """One device's `Verdict` about its rows of a microbatch: whether it ``refused`` them, and
+    their ``weight``."""
     idle = weight == 0 if scaling == "weighted" else jnp.zeros((), bool)
-    return jnp.stack([refused & ~idle, refused & idle]).astype(jnp.float32)
+    f32 = lambda x: jnp.asarray(x).astype(jnp.float32)
+    return Verdict(f32(refused & ~idle), f32(refused & idle), f32(weight))
 
 
-def accepted(scaling: Scaling, summed: jax.Array, weight: jax.Array) -> jax.Array:
-    """Whether the devices' summed `votes` (and summed weight) accept a microbatch: no device
-    refused rows that weigh something, and rows that weigh nothing only decide when the whole
-    microbatch weighs nothing, as on one device.
+def accepted(scaling: Scaling, summed: Verdict) -> jax.Array:
+    """Whether the devices' summed verdicts accept a microbatch (elementwise for stacked
+    ones): no device refused rows that weigh something, and rows that weigh nothing decide
+    only when the whole microbatch weighs nothing, as on one device.
 
     Example (two devices, the second's rows weigh nothing and gave a NaN; then that device
     alone, the whole microbatch weighing nothing):
-      >>> import jax.numpy as jnp
-      >>> from accumjax._agreement import accepted, votes
-      >>> kept = votes("weighted", jnp.bool_(False), jnp.float32(3.0))
-      >>> idle = votes("weighted", jnp.bool_(True), jnp.float32(0.0))
-      >>> bool(accepted("weighted", kept + idle, 3.0)), bool(accepted("weighted", idle, 0.0))
+      >>> import jax, jax.numpy as jnp
+      >>> from accumjax._agreement import accepted, verdict
+      >>> kept = verdict("weighted", jnp.bool_(False), jnp.float32(3.0))
+      >>> idle = verdict("weighted", jnp.bool_(True), jnp.float32(0.0))
+      >>> both = jax.tree.map(jnp.add, kept, idle)
+      >>> bool(accepted("weighted", both)), bool(accepted("weighted", idle))
       (True, False)
     """
     if scaling != "weighted":
-        return summed[0] == 0
-    return (summed[0] == 0) & ((weight > 0) | (summed[1] == 0))
+        return summed.refused == 0
+    return (summed.refused == 0) & ((summed.weight > 0) | (summed.idle == 0))
 
 
 def whole_gradient(
-    scaling: Scaling, grads: Any, weight: jax.Array, axis_name: str, votes: jax.Array
-) -> tuple[Any, jax.Array, jax.Array]:
+    scaling: Scaling,
+    grads: Any,
+    weight: jax.Array,
+    axis_name: str,
+    own: Verdict,
+    dims: Any = None,
+) -> tuple[Any, Verdict]:
     """Inside a map over ``axis_name``: the whole microbatch's gradient from each device's
     gradient of its rows, as one device would compute it: their mean (``"mean"``,
-    ``"count"``), sum (``"sum"``) or weighted mean (``"weighted"``; a device of weight 0
-    adds nothing), with ``votes`` and ``weight`` summed over the devices in the same
-    all-reduce. Returns ``(whole, summed votes, summed weight)``."""
+    ``"count"``), sum (``"sum"``) or weighted mean (``"weighted"``; a device of weight 0 adds
+    nothing). The devices' shares are summed in the accumulator's precision (at least
+    float32: float16 shares that are each finite stay finite), with the verdicts in the same
+    reduction.
+
+    Args:
+      scaling: the window's scaling.
+      grads: this device's gradient of its rows.
+      weight: this device's weight (float32).
+      axis_name: the mapped axis.
+      own: this device's `Verdict`.
+      dims: None (every leaf all-reduced), or a pytree like ``grads`` holding for each leaf
+        the dimension its parameter is split on over ``axis_name``: that leaf is
+        reduce-scattered, and its whole gradient comes back as this device's shard.
+
+    Returns:
+      ``(whole, summed verdict)``.
+    """
     weighted = scaling == "weighted"
-    part = lambda g: weigh(weight, g) if weighted else g
-    total, votes, weight = jax.lax.psum((jax.tree.map(part, grads), votes, weight), axis_name)
+    wide = lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    part = jax.tree.map(lambda g: weigh(weight, wide(g)) if weighted else wide(g), grads)
+    leaves, treedef = jax.tree.flatten(part)
+    split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
+    summed = [i for i, d in enumerate(split) if d is None]
+    reduced, summed_verdict = jax.lax.psum(([leaves[i] for i in summed], own), axis_name)
+    for i, x in zip(summed, reduced, strict=True):
+        leaves[i] = x
+    for i, d in enumerate(split):
+        if d is not None:
+            leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=d, tiled=True)
     devices = jax.lax.axis_size(axis_name)
-    by = weight if weighted else jnp.float32(1 if scaling == "sum" else devices)
+    by = summed_verdict.weight if weighted else jnp.float32(1 if scaling == "sum" else devices)
     by = jnp.where(by > 0, by, 1.0)
-    return jax.tree.map(lambda g: g / by.astype(g.dtype), total), votes, weight
+    whole = jax.tree.map(lambda g: g / by.astype(g.dtype), jax.tree.unflatten(treedef, leaves))
+    return whole, summed_verdict
 
 
 def weigh(factor: jax.Array, g: jax.Array) -> jax.Array:

@@ -24,13 +24,15 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax._loop import Setup, stream_step
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
-from accumjax.accumulation import check_state, config_of, init_state
+from accumjax._step_checks import check_init_inputs, init_call
+from accumjax.accumulation import check_state, config_of
 from accumjax.distributed import replicate
 from accumjax.loss_scale import DynamicLossScale, dynamic_loss_scale
 from accumjax.train_state import TrainState, opt_state_for, unalias
@@ -64,13 +66,15 @@ def _check_alive(state: Any) -> None:
             )
 
 
-def _check_is_state(state: Any) -> None:
-    """Refuses what is not a `accumjax.TrainState` before anything reads its fields."""
+def _check_is_state(state: Any, f16: bool) -> None:
+    """Refuses what is not a `accumjax.TrainState` before anything reads its fields, naming
+    the state this step takes (`accumjax.TrainState.create` builds a stream-mode state
+    without a loss scale: not what every step takes)."""
     if not isinstance(state, TrainState):
         raise TypeError(
-            f"step expects an accumjax.TrainState, got {type(state).__name__}: build it with "
-            "state = step.init(params, tx) (or accumjax.TrainState.create(apply_fn=..., "
-            "params=..., tx=...))."
+            f"step expects an accumjax.TrainState, got {type(state).__name__}: build the state "
+            f"with this step, state = {init_call(f16)}; it is laid out for the step's mode, "
+            "mesh and precision."
         )
 
 
@@ -126,13 +130,14 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
     real_microbatches(n, k)  # the Python-side checks (a traced value is clipped in the step)
 
 
-def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec) -> Any:
-    """``tree`` with its leaves that are not on ``mesh`` put there (``spec``); leaves on the
-    mesh, sharded or not, are left as they are (nothing is replicated behind the user's
-    back)."""
+def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
+    """``tree`` (named ``name`` in errors) with its leaves that are not on ``mesh`` put there
+    (``spec``); leaves on the mesh, sharded or not, are left as they are (nothing is
+    replicated behind the user's back). A leaf JAX cannot place so is named, with what
+    accumjax tried."""
     sharding = NamedSharding(mesh, spec)
 
-    def put(x: Any) -> Any:
+    def put(path: Any, x: Any) -> Any:
         if isinstance(x, jax.core.Tracer):
             return x
         now = sharded.sharding_of(x)
@@ -147,9 +152,51 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec) -> Any:
             )
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        return jax.device_put(x, sharding)
+        try:
+            return jax.device_put(x, sharding)
+        except ValueError as err:
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} (shape {jnp.shape(x)}) is not on the "
+                f"step's mesh {dict(mesh.shape)}, so accumjax puts it there as {spec}, and JAX "
+                f"refuses: {err}"
+            ) from err
 
-    return jax.tree.map(put, tree)
+    return jax.tree_util.tree_map_with_path(put, tree)
+
+
+def _check_rows(batch: Any, layout: sharded.Layout, k: int | None) -> None:
+    """Refuses a batch whose rows do not split over the devices of the data axis (and, in
+    scan mode, into ``k`` microbatches on each device), stating the global rule with the
+    numbers; for a batch off the mesh, that accumjax puts it there."""
+    n = layout.shards
+    need = n * (k or 1)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        if not shape or shape[0] % need == 0:
+            continue
+        rows, name = shape[0], f"batch{jax.tree_util.keystr(path)}"
+        lower = rows // need * need
+        fix = " or ".join(str(r) for r in (lower, lower + need) if r) + " rows"
+        if k is None:
+            what = f"{rows} rows on {n} devices"
+            rule = f"each call's rows are split over the {n} devices: they must divide by {n}"
+        else:
+            what = f"{rows} rows on {n} devices with K={k}"
+            rule = (
+                f"scan mode needs the batch's rows to divide by devices x K = {n} x {k} = "
+                f"{need} (each device splits its rows into K microbatches)"
+            )
+            if rows % n == 0:
+                fix += f", or a K that divides {rows // n} (the rows each device gets)"
+        now = sharded.sharding_of(leaf)
+        if isinstance(now, NamedSharding) and now.mesh == layout.mesh:
+            where = f"{name}: {what} (the mesh axis {layout.axis!r})"
+        else:
+            where = (
+                f"{name} is not on the mesh, so accumjax puts it there, split over the mesh "
+                f"axis {layout.axis!r} of {dict(layout.mesh.shape)}: {what}"
+            )
+        raise ValueError(f"{where} do not split: {rule}. Use {fix}.")
 
 
 class TrainStep:
@@ -178,13 +225,18 @@ class TrainStep:
         if self._pmapped:
             return (state, batch, rng, n) if self._scan else (state, batch, rng)
         if setup.mesh is not None:
-            state = _on_mesh(state, setup.mesh, PartitionSpec())
-            batch = _on_mesh(batch, setup.mesh, PartitionSpec(setup.data_axis))
+            state = _on_mesh(state, setup.mesh, PartitionSpec(), "state")
         sharded.check_one_mesh(state.params, batch)
         layout = sharded.layout_of(state.params, batch, mesh=setup.mesh, axis=setup.data_axis)
+        if layout is not None:
+            config = config_of(state.tx)
+            scan = self._scan and setup.batch_axis == 0  # else refused in the step
+            k = (1 if config is None else config.static_k) if scan else None
+            _check_rows(batch, layout, k)
         if layout is not None and isinstance(layout.mesh, Mesh):  # what is off the mesh, on it
-            state, rng = _on_mesh((state, rng), layout.mesh, PartitionSpec())
-            batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis))
+            state = _on_mesh(state, layout.mesh, PartitionSpec(), "state")
+            rng = _on_mesh(rng, layout.mesh, PartitionSpec(), "rng")
+            batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis), "batch")
         return (state, batch, rng, layout, n) if self._scan else (state, batch, rng, layout)
 
     def _run(self, run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any) -> Any:
@@ -201,7 +253,7 @@ class TrainStep:
     def __call__(
         self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> tuple[Any, dict[str, Any]]:
-        _check_is_state(state)
+        _check_is_state(state, self._setup.f16)
         if _traced((state, batch, rng, num_real_microbatches)):
             return self._run(self._jitted, state, batch, rng, num_real_microbatches)
         _check_alive(state)
@@ -218,7 +270,7 @@ class TrainStep:
         self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> Any:
         """``jax.jit(...).lower`` of the step for these inputs (arrays or shapes)."""
-        _check_is_state(state)
+        _check_is_state(state, self._setup.f16)
         return self._run(self._jitted.lower, state, batch, rng, num_real_microbatches)
 
     # ------------------------------------------------------------------------- the state
@@ -257,20 +309,18 @@ class TrainStep:
           Its arrays are new: the step may donate them, and ``params`` stay usable.
         """
         setup = self._setup
+        check_init_inputs(params, tx, loss_scale, setup.f16)
         if setup.f16 and loss_scale is None:
             loss_scale = dynamic_loss_scale()
-        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-            raise TypeError(
-                "loss_scale must be an accumjax.DynamicLossScale (accumjax.dynamic_loss_scale()),"
-                f" got {type(loss_scale).__name__}."
-            )
         if setup.mesh is not None:
-            params, model_state = _on_mesh((params, model_state), setup.mesh, PartitionSpec())
+            params = _on_mesh(params, setup.mesh, PartitionSpec(), "params")
+            model_state = _on_mesh(model_state, setup.mesh, PartitionSpec(), "model_state")
         if self._pmapped:  # each device's copy holds its own window: tx.init's layout
-            state = _build(setup.mode, tx, (None, None, None), params, model_state, loss_scale)
+            where = (None, None, None)
+            state = _build(setup.mode, tx, where, None, params, model_state, loss_scale)
             state = state.replace(opt_state=opt_state_for(tx, params, setup.mode))
             return replicate(state).replace(apply_fn=apply_fn)
-        build, jitted = self._builder(tx, self._mesh_and_axis(params))
+        build, jitted = self._builder(tx, self._mesh_and_axis(params), _opt_specs(tx, params))
         args = (params, model_state, loss_scale)
         if _abstract(params):
             shapes = jax.eval_shape(build, *args)
@@ -284,13 +334,13 @@ class TrainStep:
             state = unalias(jitted(*args))
         return state.replace(apply_fn=apply_fn)
 
-    def _builder(self, tx: Any, where: tuple[Any, str | None, Any]) -> tuple[Any, Any]:
-        """`_build` for ``tx`` and ``where``, and its jitted form: one pair per ``tx`` and
-        layout, so that a second ``init`` compiles nothing."""
-        key = (id(tx), where)
+    def _builder(self, tx: Any, where: tuple[Any, str | None, Any], specs: Any) -> tuple[Any, Any]:
+        """`_build` for ``tx``, ``where`` and ``specs``, and its jitted form: one pair per
+        ``tx`` and layout, so that a second ``init`` compiles nothing."""
+        key = (id(tx), where, specs)
         found = self._builders.get(key)
         if found is None or found[0] is not tx:
-            build = partial(_build, self._setup.mode, tx, where)
+            build = partial(_build, self._setup.mode, tx, where, specs)
             found = self._builders[key] = (tx, build, jax.jit(build))
         return found[1], found[2]
 
@@ -308,21 +358,65 @@ class TrainStep:
         return mesh, axis, sharded.split_dims(params, axis)
 
 
+OptSpecs = tuple[Mesh, tuple[PartitionSpec | None, ...]]
+
+
+def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
+    """On an ``Auto`` mesh: the mesh and each optimizer state leaf's partition spec, as
+    sharding in types derives it from the parameters' (traced on an ``Explicit`` twin of the
+    mesh): Adam's moments sharded like their parameters, as the step returns them. None
+    elsewhere: an ``Explicit`` mesh's types carry the layout into ``tx.init`` themselves, and
+    a ``jit`` would leave an ``Auto`` one's parameter-shaped zeros replicated.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> _opt_specs(optax.adam(0.1), {"w": jnp.zeros(8)}) is None  # no mesh
+      True
+    """
+    mesh = sharded.mesh_of(params)
+    if not isinstance(mesh, Mesh) or any(t != AxisType.Auto for t in mesh.axis_types):
+        return None
+    explicit = (AxisType.Explicit,) * len(mesh.axis_names)
+    twin = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
+
+    def typed(x: Any) -> jax.ShapeDtypeStruct:
+        spec = getattr(sharded.sharding_of(x), "spec", PartitionSpec())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(twin, spec))
+
+    shapes = jax.eval_shape(partial(opt_state_for, tx, mode="scan"), jax.tree.map(typed, params))
+    return mesh, tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
+
+
+def _laid_out(opt_state: Any, specs: OptSpecs | None) -> Any:
+    """``opt_state`` constrained to ``specs`` (`_opt_specs`), or as it is for None."""
+    if specs is None:
+        return opt_state
+    mesh, leaf_specs = specs
+    leaves, treedef = jax.tree.flatten(opt_state)
+    placed = [
+        x if spec is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        for x, spec in zip(leaves, leaf_specs, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, placed)
+
+
 def _build(
     mode: str,
     tx: Any,
     where: tuple[Any, str | None, Any],
+    specs: OptSpecs | None,
     params: Any,
     model_state: Any,
     loss_scale: Any,
 ) -> TrainState:
-    """A train state with ``step == 0`` for ``mode`` (traceable)."""
+    """A train state with ``step == 0`` for ``mode`` (traceable); ``where`` lays out a
+    stream window (`TrainStep._mesh_and_axis`), ``specs`` the optimizer state on an
+    ``Auto`` mesh (`_opt_specs`)."""
     config = config_of(tx)
-    if mode == "scan" or config is None:
-        opt_state = opt_state_for(tx, params, mode)
-    else:
+    opt_state = _laid_out(opt_state_for(tx, params, "scan"), specs)  # no accumulator
+    if mode == "stream" and config is not None:
         window = sharded.device_window(params, config.policy.accumulator_dtype, *where)
-        opt_state = init_state(config, params, accumulator=False)._replace(window=window)
+        opt_state = opt_state._replace(window=window)
     strong = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.result_type(x)), tree)
     return TrainState(  # strongly typed, as the step returns them: one program per step
         step=jnp.zeros((), jnp.int32),
@@ -343,7 +437,7 @@ def wrap(setup: Setup, donate: bool) -> TrainStep:
       >>> from accumjax._loop import Setup
       >>> from accumjax._loss_adapter import make_grad_fn
       >>> grad_fn = make_grad_fn(lambda p, b: jnp.sum(p["w"] * b), False, None)
-      >>> step = wrap(Setup(grad_fn, "stream", None, None, None, False, None, 1), donate=False)
+      >>> step = wrap(Setup(grad_fn, "stream", None, None, False, 1), donate=False)
       >>> state = step.init({"w": jnp.ones(2)}, optax.sgd(0.5))
       >>> state, metrics = step(state, jnp.ones(2))
       >>> state.params["w"], bool(metrics["updated"])

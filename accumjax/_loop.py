@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from accumjax import window as window_lib
-from accumjax._agreement import weigh
+from accumjax._agreement import Verdict, verdict, weigh
 from accumjax._batch_norm_windows import is_step_driven
 from accumjax._loss_adapter import GradFn
 from accumjax._step_checks import check_step_inputs
@@ -36,7 +36,7 @@ from accumjax.accumulation import (
 )
 from accumjax.accumulation_state import AccumulationState
 from accumjax.batch_norm import close_batch_norm_windows
-from accumjax.loss_scale import DynamicLossScale, adjust_loss_scale
+from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState, count_update
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "close_model_state",
     "finish",
     "gradient",
+    "metric_weight",
     "microbatch",
     "pvary",
     "start_carry",
@@ -66,11 +67,9 @@ class Setup(NamedTuple):
     Attributes:
       grad_fn: the loss adapter's gradient function (`accumjax._loss_adapter.make_grad_fn`).
       mode: ``"stream"`` or ``"scan"``.
-      accum_steps: the K given to ``make_train_step``, checked against the optimizer's.
       axis_name: the ``pmap`` axis, or None.
       weight_fn: ``weight_fn(microbatch) -> scalar``, or None.
       f16: float16 with dynamic loss scaling.
-      transform: ``transform(grads, params)`` before the inner optimizer (AGC), or None.
       unroll: scan mode's ``lax.scan`` unroll.
       gather_params: FSDP: gather parameters once a ``"window"`` or every ``"microbatch"``.
       materialize: ``(params, microbatch index) -> params`` a microbatch computes with
@@ -83,15 +82,21 @@ class Setup(NamedTuple):
       mesh: the step's own mesh (``make_train_step(mesh=...)``), or None to run where the
         arrays lie.
       data_axis: with ``mesh``, the mesh axis the batch is split over.
+      reduce_scatter: scan mode with parameters split over the data axis: their gradient is
+        reduce-scattered into an accumulator sharded like them every ``"microbatch"``, or
+        once a ``"window"`` (a full-size accumulator on every device).
+      reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
+        before it is added (`accumjax.window.add_microbatch`), or None.
+      dims: inside ``shard_map``, the dimension each parameter is split on over the data
+        axis (a pytree like the parameters), for a policy that reduces each microbatch's
+        whole gradient; None for none.
     """
 
     grad_fn: GradFn
     mode: str
-    accum_steps: int | None
     axis_name: str | None
     weight_fn: Callable[[Any], Any] | None
     f16: bool
-    transform: Callable[[Any, Any], Any] | None
     unroll: int | bool
     gather_params: str = "window"
     materialize: Callable[[Any, Any], Any] | None = None
@@ -100,6 +105,9 @@ class Setup(NamedTuple):
     aux_rows: bool = False
     mesh: Any = None
     data_axis: str | None = None
+    reduce_scatter: str = "microbatch"
+    reduce: Callable[[Any], Any] | None = None
+    dims: Any = None
 
 
 class Context(NamedTuple):
@@ -143,6 +151,13 @@ class Context(NamedTuple):
         """The optimizer's int K (scan mode; `begin` refuses a schedule there)."""
         return cast(int, self.config.static_k)
 
+    @property
+    def blind(self) -> bool:
+        """Whether scan mode adds each microbatch as it comes and decides about them all at the
+        window's end (`accumjax.window.close_window`'s verdicts): every policy that does not
+        read the gradient's values."""
+        return self.setup.mode == "scan" and not self.config.policy.reads
+
 
 class Carry(NamedTuple):
     """The running per-window values of the loop carry."""
@@ -155,12 +170,14 @@ class Carry(NamedTuple):
 
 class Outcome(NamedTuple):
     """What a window's microbatches produced: the carry, the loss metric and the aux; for one
-    microbatch, also whether it was added to the window."""
+    microbatch, also whether it was added to the window and, added as it came, this device's
+    `accumjax._agreement.Verdict` about it."""
 
     carry: Carry
     loss: Any
     aux: Any
     added: Any = None
+    verdict: Verdict | None = None
 
 
 class Fields(NamedTuple):
@@ -188,11 +205,6 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
             f"axis_name={stated!r}; give the axis to make_train_step only."
         )
     k = config.static_k
-    if setup.accum_steps is not None and k != setup.accum_steps:
-        raise ValueError(
-            f"make_train_step(accum_steps={setup.accum_steps}) but the optimizer's K is {k}: "
-            "state K once, in tx=accumjax.accumulate(inner, K) (accum_steps may be omitted)."
-        )
     if setup.mode == "scan" and k is None:
         raise TypeError("mode='scan' needs an int K in accumjax.accumulate, not a schedule.")
     return config._replace(axis_name=setup.axis_name), owned
@@ -265,36 +277,77 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
     setup = ctx.setup
     key = ctx.key(index)
     loss, new_model_state, aux, grads = setup.grad_fn(
-        params, model_state, batch, key, ctx.loss_scale
+        params, model_state, batch, key, _share_of_scale(ctx)
     )
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 
 
-def microbatch(
-    ctx: Context, carry: Carry, params: Any, batch: Any, index: Any, *, first: bool = False
-) -> Outcome:
-    """One microbatch: gradient, add to the window (the decision about it, on a mesh about the
-    whole microbatch: `accumjax.window.inspect_microbatch`), keep its model state only if
-    added.
+def metric_weight(ctx: Context, weight: jax.Array | None) -> jax.Array:
+    """What a microbatch's loss weighs in the loss metric (float32): its weight, else 1, or on
+    a mesh with ``"sum"`` (whose loss is each device's share of the whole) 1 over the
+    devices' number, so that the devices' weighted mean is one device's loss."""
+    if weight is not None:
+        return weight
+    if ctx.axis_name is None or ctx.config.policy.scaling != "sum":
+        return jnp.ones((), jnp.float32)
+    return 1.0 / jnp.float32(jax.lax.axis_size(ctx.axis_name))
 
-    ``first`` opens the window with it (`accumjax.window.first_microbatch`).
+
+def _share_of_scale(ctx: Context) -> DynamicLossScale | None:
+    """The loss scale a device's float16 backward runs with: on a mesh, its share of the
+    whole microbatch's (the scale over the devices' number, unless the losses are summed), so
+    that its rows' float16 gradients are as large as on one device holding them all, and
+    overflow where one device would (the shares are then summed in float32)."""
+    ls = ctx.loss_scale
+    if ls is None or ctx.axis_name is None or ctx.config.policy.scaling == "sum":
+        return ls
+    return ls._replace(loss_scale=ls.loss_scale / jax.lax.axis_size(ctx.axis_name))
+
+
+def microbatch(
+    ctx: Context,
+    carry: Carry,
+    params: Any,
+    batch: Any,
+    index: Any,
+    *,
+    first: bool = False,
+    gate: jax.Array | None = None,
+) -> Outcome:
+    """One microbatch: gradient, add to the window, keep its model state only if added.
+
+    In scan mode (`Context.blind`) it is added as it comes where ``gate`` (a decision taken
+    before, True in a window's first pass) and decided about at the window's end from its
+    `Outcome.verdict`; otherwise decided first (`accumjax.window.inspect_microbatch`; on a
+    mesh about the whole microbatch). ``first`` opens the window with it
+    (`accumjax.window.first_microbatch`).
     """
     loss, new_model_state, aux, grads, weight = gradient(
         ctx, params, carry.model_state, batch, index
     )
+    policy = ctx.config.policy
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
-    window, micro = add(
-        ctx.config.policy, carry.window, grads, weight, params, axis_name=ctx.axis_name
-    )
+    more: dict[str, Any] = {} if first else {"reduce": ctx.setup.reduce}
+    mine = None
+    if ctx.blind:  # this device's verdict on its rows; the devices decide at the window's end
+        m = window_lib.inspect_microbatch(policy, grads, weight, params)
+        mine = verdict(policy.scaling, m.nonfinite, metric_weight(ctx, weight))
+        gate = jnp.ones((), bool) if gate is None else gate
+        m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
+    else:
+        m = window_lib.inspect_microbatch(
+            policy, grads, weight, params, ctx.axis_name, ctx.setup.dims
+        )
+    window, micro = add(policy, carry.window, grads, weight, params, m, gate=gate, **more)
     model_state = carry.model_state
     if model_state is not None:
         model_state = optax.tree.where(micro.added, new_model_state, model_state)
-    w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
+    w = jnp.where(micro.added, metric_weight(ctx, weight), 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
     carry = Carry(window, model_state, loss_sum, carry.loss_weight + w)
-    return Outcome(carry, loss, aux, micro.added)
+    return Outcome(carry, loss, aux, micro.added, mine)
 
 
 # ----------------------------------------------------------------------------- the window's end
@@ -311,15 +364,16 @@ def close_fields(
     and the loss scale are left.
     """
     before = fields.opt
+    every_step = ctx.setup.mode == "scan"
     params, opt = close_and_apply(
-        ctx.config, before, fields.params, transform=ctx.setup.transform, closed=closed
+        ctx.config, before, fields.params, closed=closed, every_step=every_step
     )
     model_state = fields.model_state
     if closed is None:
         model_state = close_model_state(model_state, opt.updated, ctx.setup.axis_name)
     loss_scale = fields.loss_scale
     if loss_scale is not None:
-        loss_scale = adjust_loss_scale(loss_scale, opt.nonfinite_count == before.nonfinite_count)
+        loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule
     return Fields(params, opt, model_state, loss_scale)
 
 

@@ -10,7 +10,7 @@ neither computed nor counted, without a recompile (a loop whose trip count is th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from accumjax import window as window_lib
+from accumjax._agreement import Verdict, weigh
 from accumjax._loop import (
     Carry,
     Context,
@@ -38,10 +39,15 @@ from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
 __all__ = [
+    "Close",
     "Closing",
+    "Pass",
+    "Run",
+    "accepted_loss",
     "real_microbatches",
     "scan_finish",
     "scan_step",
+    "settle",
     "window_k",
     "window_loop",
     "window_loss",
@@ -79,19 +85,53 @@ def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     return lambda i: (whole(params, i), rows(i))
 
 
-def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> tuple[Carry, Any]:
-    """The window over the K strided microbatches of ``batch``: ``(carry, stacked aux)``.
+class Pass(NamedTuple):
+    """A window's microbatches, run once.
 
-    Each microbatch is inspected as it comes, in a loop of K trips (a known trip count, unless
-    ``num_real_microbatches`` bounds it), and added when the policy accepts it; on a mesh the
-    devices agree about each one (`accumjax.window.inspect_microbatch`), so a non-finite
-    microbatch costs what a finite one does and the window is never computed again.
+    Attributes:
+      carry: the loop carry after them.
+      aux: the per-microbatch aux, stacked (rows in order with ``aux_rows``), or None.
+      verdicts: added as they came (`accumjax._loop.Context.blind`): this device's
+        `accumjax._agreement.Verdict` about each microbatch, stacked; else None.
+      losses: with ``verdicts``: each microbatch's weighted loss and weight on this device,
+        float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
+    """
+
+    carry: Carry
+    aux: Any
+    verdicts: Verdict | None = None
+    losses: jax.Array | None = None
+
+
+Run = Callable[[Any], Pass]  # ``run(gate) -> Pass``: the window's microbatches, once
+
+
+def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
+    """``run(gate)``: the window over the K strided microbatches of ``batch``, in a loop of K
+    trips (a known trip count, unless ``num_real_microbatches`` bounds it).
+
+    Each microbatch is added as it comes where ``gate`` (a bool vector decided before; None
+    for all) and decided about at the window's end from its verdict (`Context.blind`), or,
+    for a policy that reads the gradient's values, decided as it comes (on a mesh the
+    devices agree about each one: `accumjax.window.inspect_microbatch`). The loop body is
+    traced once, however many times ``run`` is called.
     """
     take = _microbatches(ctx, params, batch)
-    carry, aux = _microbatch_loop(ctx, take, start)
-    if aux is not None and ctx.setup.aux_rows:
-        aux = rows_in_order(aux)
-    return carry, aux
+
+    def one(carry: Carry, i: jax.Array, gate: jax.Array | None) -> tuple[Carry, Any]:
+        p, mb = take(i)
+        outcome = microbatch(ctx, carry, p, mb, i, gate=gate)
+        return outcome.carry, _marks(outcome)
+
+    one = jax.jit(one)
+
+    def run(gate: Any) -> Pass:
+        done = _microbatch_loop(ctx, take, one, start, gate)
+        if done.aux is not None and ctx.setup.aux_rows:
+            done = done._replace(aux=rows_in_order(done.aux))
+        return done
+
+    return run
 
 
 def _empty(ctx: Context, like: Carry) -> Carry:
@@ -122,9 +162,21 @@ def _loop_over(
     return jax.lax.fori_loop(first, ctx.n_real, step, (init, stacked))
 
 
-def _microbatch_loop(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any]:
+def _marks(outcome: Outcome) -> tuple[Any, Verdict | None, jax.Array | None]:
+    """What a microbatch leaves in the loop's stacked outputs: its aux, and its verdict and
+    loss parts when it was added as it came."""
+    v = outcome.verdict
+    if v is None:
+        return outcome.aux, None, None
+    loss = jnp.asarray(outcome.loss, jnp.float32)
+    return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight])
+
+
+def _microbatch_loop(
+    ctx: Context, take: Take, one: Callable[..., Any], start: Carry, gate: Any
+) -> Pass:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
-    ``lax.scan`` adds all K to a zero accumulator.
+    ``lax.scan`` adds all K to a zero accumulator (``one`` is its body).
 
     Every microbatch runs in the same loop body: computed outside the loop, the first one's
     activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
@@ -132,16 +184,18 @@ def _microbatch_loop(ctx: Context, take: Take, start: Carry) -> tuple[Carry, Any
     """
     if ctx.k == 1 and ctx.n_real is None:
         p, mb = take(jnp.zeros((), jnp.int32))
-        outcome = microbatch(ctx, start, p, mb, 0, first=True)
-        aux = outcome.aux
-        return outcome.carry, None if aux is None else jax.tree.map(lambda a: a[None], aux)
+        first = ctx.setup.reduce is None  # a reduced accumulator is not shaped like a gradient
+        start = start if first else _empty(ctx, start)
+        outcome = microbatch(ctx, start, p, mb, 0, first=first)
+        marks = jax.tree.map(lambda a: a[None], _marks(outcome))
+        return Pass(outcome.carry, *marks)
+    gates = jnp.ones(ctx.k, bool) if gate is None else gate
 
     def body(carry: Carry, i: jax.Array) -> tuple[Carry, Any]:
-        p, mb = take(i)
-        outcome = microbatch(ctx, carry, p, mb, i)
-        return outcome.carry, outcome.aux
+        return one(carry, i, gates[i] if ctx.blind else None)
 
-    return _loop_over(ctx, body, _empty(ctx, start))
+    carry, marks = _loop_over(ctx, body, _empty(ctx, start))
+    return Pass(carry, *marks)
 
 
 def window_loss(carry: Carry) -> jax.Array:
@@ -149,9 +203,49 @@ def window_loss(carry: Carry) -> jax.Array:
     return jnp.where(carry.loss_weight > 0, carry.loss_sum / carry.loss_weight, jnp.nan)
 
 
+def accepted_loss(losses: jax.Array, accepted: jax.Array) -> jax.Array:
+    """The window's weighted mean loss over the microbatches the devices accepted, from each
+    one's summed loss parts (`Pass.losses`; NaN if none was accepted)."""
+    total = jnp.sum(jnp.where(accepted[:, None], losses, 0.0), axis=0)
+    return jnp.where(total[1] > 0, total[0] / total[1], jnp.nan)
+
+
 def window_k(ctx: Context, every_k: Any) -> Any:
     """The K the window is closed with: the real microbatches' number, or ``every_k``."""
     return every_k if ctx.n_real is None else ctx.n_real
+
+
+#: ``close(carry, verdicts, losses) -> (closed, extras)``: a pass's window reduced and
+#: decided, with the values the caller reduces with it (the loss metric first).
+Close = Callable[[Carry, Verdict | None, jax.Array | None], tuple[window_lib.Closed, list[Any]]]
+
+
+def settle(
+    ctx: Context, first: Pass, run: Run, close: Close
+) -> tuple[window_lib.Closed, Any, list[Any]]:
+    """A window's decision after its ``first`` pass (``run(None)``): ``(closed, model state,
+    extras)``.
+
+    A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
+    devices refused one (and accepted another), the window runs again, adding only the
+    accepted ones, each as it comes: a second pass only for such a window, in
+    `accumjax.window.run_once` (no loop on the data; on a GPU one conditional).
+    """
+    closed, extras = close(first.carry, first.verdicts, first.losses)
+    policy = ctx.config.policy
+    if first.verdicts is None or policy.on_nonfinite != "skip_microbatch" or ctx.k == 1:
+        return closed, first.carry.model_state, extras
+
+    def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
+        before = operand[0]
+        second = run(before.accepted)
+        after, extras = close(second.carry, None, None)
+        counts = ("nonfinite_count", "skipped_count", "accepted")
+        after = after._replace(**{name: getattr(before, name) for name in counts})
+        return after, second.carry.model_state, extras
+
+    redo = (closed.nonfinite_count > 0) & jnp.any(cast(jax.Array, closed.accepted))
+    return window_lib.run_once(redo, again, (closed, first.carry.model_state, extras))
 
 
 class Closing(NamedTuple):
@@ -204,13 +298,26 @@ def scan_step(setup: Setup) -> Step:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.k))
         params = pvary(state.params, setup.axis_name)
-        axis = ctx.config.axis_name
-        carry, aux = window_loop(ctx, params, start_carry(state, acc), batch)
+        axis, policy = ctx.config.axis_name, ctx.config.policy
+        run = window_loop(ctx, params, start_carry(state, acc), batch)
+        first = run(None)
         # The state's K (traced): with a constant K, XLA:CPU moved the division by it into a
         # gradient-sized buffer of its own (+0.4 MiB of temp on a 0.6M-parameter MLP).
         every_k = window_k(ctx, acc.every_k)
-        closed = window_lib.close_window(ctx.config.policy, carry.window, every_k, axis)
-        model_state = close_model_state(carry.model_state, closed.apply, axis)
-        return scan_finish(ctx, state, acc, Closing(closed, model_state, window_loss(carry), aux))
+
+        def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, list]:
+            whole = axis is not None and policy.reads  # reduced microbatch by microbatch
+            scatter = window_lib.reduced_scatter(None, carry.window.grad_sum) if whole else None
+            closed = window_lib.close_window(
+                policy, carry.window, every_k, axis, scatter, whole_counts=whole, verdicts=verdicts
+            )
+            loss = window_loss(carry)
+            if losses is not None:
+                loss = accepted_loss(losses, cast(jax.Array, closed.accepted))
+            return closed, [loss]
+
+        closed, model_state, (loss,) = settle(ctx, first, run, close)
+        model_state = close_model_state(model_state, closed.apply, axis)
+        return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, first.aux))
 
     return step

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax import window as window_lib
-from accumjax._agreement import accepted, votes, weigh
+from accumjax._agreement import Verdict, accepted, verdict, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
 from accumjax._loop import (
     Carry,
@@ -43,13 +43,16 @@ from accumjax._loop import (
     close_model_state,
     finish,
     gradient,
+    metric_weight,
     stream_step,
 )
 from accumjax._scan import (
     Closing,
+    accepted_loss,
     real_microbatches,
     scan_finish,
     scan_step,
+    settle,
     window_k,
     window_loop,
 )
@@ -231,38 +234,75 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 def _local_window(
     ctx: Context, layout: sharded.Layout, cell: list[Any], local: _Local
 ) -> tuple[window_lib.Closed, Any, jax.Array, _Aux]:
-    """One device's part of a window: its rows' gradients summed locally (each microbatch
-    decided by all devices together), then the window's one reduction (which also carries
-    the loss and the aux means)."""
+    """One device's part of a window: its rows' gradients summed as they come (decided at
+    the window's end, with the reduction) or decided by all devices together microbatch by
+    microbatch (a policy that reads the gradient), then the window's one reduction (which
+    also carries the loss and the aux means)."""
     zero = jnp.zeros((), jnp.float32)
-    config = ctx.config
-    shapes = jax.eval_shape(partial(sharded.gather, layout=layout), local.params)
-    like = window_lib.init_window(shapes, config.policy.accumulator_dtype)
-    setup = ctx.setup
-    params = local.params
+    policy = ctx.config.policy
+    setup, params = ctx.setup, local.params
     if setup.gather_params == "window":  # once, before the loop (more memory, one gather)
         params = sharded.gather(params, layout)
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         setup = setup._replace(materialize=gather)
+    setup, scatter, whole_counts = _sum_layout(setup, layout, policy)
+    shapes = local.params if scatter is not None else sharded.gather(local.params, layout)
+    like = window_lib.init_window(jax.eval_shape(lambda p: p, shapes), policy.accumulator_dtype)
     ctx = _local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
     start = Carry(like, local.model_state, zero, zero)
-    carry, aux = window_loop(ctx, params, start, local.batch)
-    split = _split_aux(aux, 0 if setup.aux_rows else 1, cell) if aux is not None else _Aux([], [])
-    extras = [carry.loss_sum, carry.loss_weight, *split.means]
-    closed = window_lib.close_window(
-        config.policy,
-        carry.window,
-        window_k(ctx, ctx.k),
-        layout.axis,
-        layout.scatter(),
-        extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
-    )
-    model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-    extras_out = _unflatten(closed.extras, extras)
-    loss_sum, loss_weight = extras_out[0], extras_out[1]
-    loss = jnp.where(loss_weight > 0, loss_sum / loss_weight, jnp.nan)
-    return closed._replace(extras=None), model_state, loss, _Aux(split.rows, extras_out[2:])
+    run = window_loop(ctx, params, start, local.batch)
+    first = run(None)
+    split = _Aux([], []) if first.aux is None else _split_aux(first.aux, setup.aux_rows ^ 1, cell)
+    every_k = window_k(ctx, ctx.k)
+
+    def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, list]:
+        extras = [carry.loss_sum, carry.loss_weight, *split.means]
+        extras += [] if losses is None else [losses]
+        closed = window_lib.close_window(
+            policy,
+            carry.window,
+            every_k,
+            layout.axis,
+            layout.scatter() if scatter is None else scatter,
+            extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
+            whole_counts=whole_counts,
+            verdicts=verdicts,
+        )
+        out = _unflatten(closed.extras, extras)
+        if losses is None:
+            loss = jnp.where(out[1] > 0, out[0] / out[1], jnp.nan)
+        else:
+            loss = accepted_loss(out[-1], cast(jax.Array, closed.accepted))
+        return closed._replace(extras=None), [loss, *out[2 : 2 + len(split.means)]]
+
+    closed, model_state, extras = settle(ctx, first, run, close)
+    model_state = close_model_state(model_state, closed.apply, layout.axis)
+    return closed._replace(accepted=None), model_state, extras[0], _Aux(split.rows, extras[1:])
+
+
+def _sum_layout(
+    setup: Setup, layout: sharded.Layout, policy: window_lib.Policy
+) -> tuple[Setup, Any, bool]:
+    """Where a scan window's sum lives: ``(setup, scatter, whole_counts)``.
+
+    A policy that reads the gradient reduces each microbatch's whole gradient (its leaves
+    split over the data axis reduce-scattered into shards): nothing is left to reduce at the
+    window's end. Otherwise, with ``reduce_scatter="microbatch"``, each microbatch's
+    gradient of a parameter split over the data axis is reduce-scattered into an accumulator
+    sharded like it, and the replicated ones are all-reduced once, at the window's end;
+    with ``"window"`` (or no split parameter) every leaf is a full-size sum reduced once
+    (``scatter`` None: `sharded.Layout.scatter`'s reduce-scatter at the end).
+    """
+    dims = layout.scatter()
+    if policy.reads:
+        whole = [window_lib.WHOLE if d is None else window_lib.REDUCED for d in layout.dims]
+        return setup._replace(dims=dims), jax.tree.unflatten(layout.treedef, whole), True
+    if setup.reduce_scatter == "microbatch" and any(d is not None for d in layout.dims):
+        done = [None if d is None else window_lib.REDUCED for d in layout.dims]
+        reduce = _reduce(layout, whole=False)
+        return setup._replace(reduce=reduce), jax.tree.unflatten(layout.treedef, done), False
+    return setup, None, False
 
 
 def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:
@@ -410,28 +450,30 @@ def _local_call(
     # travels in the call's one small all-reduce below, and the gradient is added after it.
     reads = policy.reads
     axis = layout.axis if reads else None
-    m = window_lib.inspect_microbatch(policy, grads, weight, params, axis_name=axis)
-    metric_weight = jnp.ones((), jnp.float32) if weight is None else weight
-    ballot = votes(policy.scaling, ~m.added, metric_weight)
+    m = window_lib.inspect_microbatch(
+        policy, grads, weight, params, axis_name=axis, keep_whole=False
+    )
+    weighs = metric_weight(ctx, weight)
+    mine = verdict(policy.scaling, ~m.added, weighs)
     m = _share(policy, m, layout)
     split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
     floats = [] if new_state is None else _floats(new_state)[1]
     bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
-    verdict = jnp.concatenate([m.weight[None], ballot])
+    ballot = jnp.stack([m.weight, *mine])
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
-    weighted_loss = weigh(metric_weight, loss.astype(jnp.result_type(jnp.float32, loss)))
-    loss_parts, verdict, bn, *rest = psum_together(
-        [jnp.stack([weighted_loss, metric_weight]), verdict, bn, *floats, *split.means],
+    weighted_loss = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
+    loss_parts, ballot, bn, *rest = psum_together(
+        [jnp.stack([weighted_loss, weighs]), ballot, bn, *floats, *split.means],
         layout.axis,
     )
-    added = accepted(policy.scaling, verdict[1:], verdict[0])
+    added = accepted(policy.scaling, Verdict(*ballot[1:]))
     nonfinite = m.nonfinite if reads else ~added  # without skip_fn, only non-finite is refused
     m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, m.weight, 0.0))
     reduce = _reduce(layout, whole=not per_shard)
     window, _ = window_lib.add_microbatch(
         policy, window, grads, weight, params, inspected=m, reduce=reduce
     )
-    inc = jnp.stack([jnp.where(added, verdict[0], 0.0), nonfinite, ~added]).astype(jnp.float32)
+    inc = jnp.stack([jnp.where(added, ballot[0], 0.0), nonfinite, ~added]).astype(jnp.float32)
     model_state = None
     if new_state is not None:
         bn = jnp.where(added, bn, jnp.zeros_like(bn))

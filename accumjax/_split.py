@@ -103,8 +103,12 @@ def split(batch: Any, k: int, batch_axis: BatchAxis = 0) -> Callable[[jax.Array]
         )
     size = sizes.pop()
     if size % k:
+        near = " or ".join(str(r) for r in (size // k * k, size // k * k + k) if r)
         raise ValueError(
-            f"scan mode: the (per-device) batch size {size} is not divisible by K={k}."
+            f"scan mode splits the batch's {size} rows (a device's, under pmap) into K={k} "
+            f"microbatches, but {size} is not divisible by K={k}: use {near} rows, or a K "
+            f"that divides {size}. (On a mesh the rule is global: the batch's rows must "
+            "divide by devices x K.)"
         )
 
     def strided(x: jax.Array, a: int | None) -> jax.Array:

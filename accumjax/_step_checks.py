@@ -5,6 +5,9 @@ argument, never a silently wrong run.
 optimizer state holding ``optax.MultiSteps``, an ``rng`` that is not one key or a loss that
 takes no key, self-closing BatchNorm layers (which cannot follow the optimizer's window), and
 float16 without a loss scale in the state or with ``on_nonfinite="propagate"``.
+`check_init_inputs` refuses, at ``step.init``, what the step would refuse later or ignore:
+swapped arguments, a loss scale for a step that is not float16, float16 with ``propagate``.
+Each message names the call that works: `init_call`.
 """
 
 from __future__ import annotations
@@ -18,9 +21,17 @@ import jax.numpy as jnp
 import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
+from accumjax.accumulation import config_of
+from accumjax.loss_scale import DynamicLossScale
 from accumjax.window import Policy
 
-__all__ = ["check_key_argument", "check_step_inputs", "positional_limit"]
+__all__ = [
+    "check_init_inputs",
+    "check_key_argument",
+    "check_step_inputs",
+    "init_call",
+    "positional_limit",
+]
 
 
 def check_step_inputs(
@@ -42,25 +53,80 @@ def check_step_inputs(
     check_key_argument(loss_positional, 2 if state.model_state is None else 3, rng)
     if state.model_state is not None:
         check_no_self_closing(state.model_state, "make_train_step")
-    if f16:
-        _check_float16(state.loss_scale, policy)
+    if f16:  # an accumjax.NNXTrainState keeps the model's graph: its step takes the model
+        _check_float16(
+            state.loss_scale, policy, "model" if hasattr(state, "graphdef") else "params"
+        )
 
 
-def _check_float16(loss_scale: Any, policy: Policy) -> None:
+def init_call(f16: bool, first: str = "params") -> str:
+    """The ``step.init`` call that builds a step's state, for messages (``first``: what it
+    takes first, ``"model"`` for an NNX step).
+
+    Example:
+      >>> init_call(True)
+      'step.init(params, tx[, loss_scale=accumjax.dynamic_loss_scale(...)])'
+    """
+    scale = "[, loss_scale=accumjax.dynamic_loss_scale(...)]" if f16 else ""
+    return f"step.init({first}, tx{scale})"
+
+
+def _check_float16(loss_scale: Any, policy: Policy, first: str) -> None:
     if loss_scale is None:
         raise ValueError(
             "mixed_precision='float16' keeps its dynamic loss scale in the state, but "
-            "state.loss_scale is None: create the state with TrainState.create(..., "
-            "loss_scale=accumjax.dynamic_loss_scale()) (or nnx_train_state(..., loss_scale=...)). "
-            "A scale made by the step would change the state's structure at its first call, "
-            "so a checkpoint would no longer restore into a freshly created state."
+            "state.loss_scale is None: build the state with this step, state = "
+            f"{init_call(True, first)}: it makes one when loss_scale is left out (and lays "
+            "the state out for the step's mode and mesh)."
         )
+    _check_detects(policy)
+
+
+def _check_detects(policy: Policy) -> None:
     if not policy.detects:
         raise ValueError(
             "mixed_precision='float16' with accumulate(..., on_nonfinite='propagate'): a "
             "float16 overflow would be applied to the parameters and the loss scale never "
             "lowered. Use on_nonfinite='skip_microbatch' (the default) or 'skip_window'."
         )
+
+
+def _is_optimizer(value: Any) -> bool:
+    return callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))
+
+
+def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
+    """What ``step.init(params, tx, loss_scale=...)`` refuses (see the module docstring).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> check_init_inputs(optax.sgd(0.1), {"w": jnp.zeros(2)}, None, False)
+      ... # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      TypeError: step.init takes the parameters first ...: call step.init(params, tx) (...
+    """
+    if _is_optimizer(params) or not _is_optimizer(tx):
+        given = "an optimizer" if _is_optimizer(params) else f"a {type(params).__name__}"
+        raise TypeError(
+            "step.init takes the parameters first and the optimizer second: call "
+            f"{init_call(f16)} (it was given {given} as params and a {type(tx).__name__} as tx)."
+        )
+    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(
+            "loss_scale must be an accumjax.DynamicLossScale (accumjax.dynamic_loss_scale()), "
+            f"got {type(loss_scale).__name__}."
+        )
+    if loss_scale is not None and not f16:
+        raise ValueError(
+            "step.init(..., loss_scale=...) is for a step made with "
+            "make_train_step(mixed_precision='float16'), which scales the loss; this step "
+            "never reads a loss scale (float32 and bfloat16 need none). Leave loss_scale out "
+            "of step.init, or make the step with mixed_precision='float16'."
+        )
+    config = config_of(tx)
+    if f16 and config is not None:
+        _check_detects(config.policy)
 
 
 def _is_multisteps(node: Any) -> bool:

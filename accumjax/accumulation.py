@@ -42,6 +42,7 @@ import optax
 from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
 from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
+from accumjax._control import select_once
 from accumjax.accumulation_state import AccumulationState
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
@@ -399,13 +400,13 @@ def close_and_update(
       ``(updates, state)``: the updates are meaningful only when ``state.updated``; the new
       state has an empty window and updated counters.
     """
-    closed = window_lib.close_window(config.policy, state.window, state.every_k, config.axis_name)
+    closed = _close(config, state)
     dtypes = jax.tree.map(_like, grads_like)
 
     def update(operand: Any) -> Any:
         out, inner_state, params, closed, extra_args, norms = operand
         updates, inner_state, scaled, norms = _inner_update(
-            config, closed, inner_state, params, dtypes, None, extra_args, norms
+            config, closed, inner_state, params, dtypes, extra_args, norms
         )
         out = _cast_like(updates, out)
         return out, inner_state, params, closed._replace(grad_sum=scaled), extra_args, norms
@@ -416,13 +417,26 @@ def close_and_update(
     return out, _after_close(config, state, closed, inner_state, norms)
 
 
+def _close(config: Config, state: AccumulationState) -> window_lib.Closed:
+    """``state``'s window closed: reduced once across ``config.axis_name`` (none left for a
+    policy that reads the gradient, which added each microbatch's whole gradient and agreed
+    about its counts), scaled and decided."""
+    policy, axis = config.policy, config.axis_name
+    if axis is None or not policy.reads:
+        return window_lib.close_window(policy, state.window, state.every_k, axis)
+    whole = window_lib.reduced_scatter(None, state.window.grad_sum)
+    return window_lib.close_window(
+        policy, state.window, state.every_k, axis, whole, whole_counts=True
+    )
+
+
 def close_and_apply(
     config: Config,
     state: AccumulationState,
     params: Any,
     *,
-    transform: Callable[[Any, Any], Any] | None = None,
     closed: window_lib.Closed | None = None,
+    every_step: bool = False,
 ) -> tuple[Any, AccumulationState]:
     """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
 
@@ -434,31 +448,30 @@ def close_and_apply(
       config: the transformation's `Config`.
       state: the state whose window is full.
       params: the parameters.
-      transform: ``transform(grads, params) -> grads`` applied to the window gradient before
-        ``inner`` (e.g. adaptive gradient clipping), or None.
       closed: the window already closed (reduced and decided, e.g. inside a ``shard_map``
         around the microbatch loop), or None to close ``state.window`` here.
+      every_step: a window closes on every step (scan mode): its update is selected rather
+        than branched to on a GPU (`accumjax._control.select_once`).
 
     Returns:
       ``(params, state)``: the new parameters and the state with an empty window.
     """
     if closed is None:
-        closed = window_lib.close_window(
-            config.policy, state.window, state.every_k, config.axis_name
-        )
+        closed = _close(config, state)
     dtypes = jax.tree.map(_like, params)
 
     def update(operand: Any) -> Any:
         params, inner_state, closed, norms = operand
         updates, inner_state, scaled, norms = _inner_update(
-            config, closed, inner_state, params, dtypes, transform, {}, norms
+            config, closed, inner_state, params, dtypes, {}, norms
         )
         new_params = _cast_like(optax.apply_updates(params, updates), params)
         return new_params, inner_state, closed._replace(grad_sum=scaled), norms
 
     # The parameters travel once: a loop carry holding one buffer twice makes XLA copy it.
     operand = (params, state.inner_tx_state, closed, (state.max_grad_norm, state.grad_norm))
-    params, inner_state, _, norms = window_lib.run_once(closed.apply, update, operand)
+    run = select_once if every_step else window_lib.run_once
+    params, inner_state, _, norms = run(closed.apply, update, operand)
     return params, _after_close(config, state, closed, inner_state, norms)
 
 
@@ -468,13 +481,12 @@ def _inner_update(
     inner_state: Any,
     params: Any,
     dtypes: Any,
-    transform: Callable[[Any, Any], Any] | None,
     extra_args: dict[str, Any],
     norms: tuple[jax.Array, jax.Array],
 ) -> tuple[Any, Any, Any, tuple[jax.Array, jax.Array]]:
     """``inner`` on the scaled window gradient: ``(updates, inner state, scaled gradient,
     norms)``, ``norms`` the running maximum of the window norm and the norm of the gradient
-    ``inner`` sees (after ``transform``).
+    ``inner`` sees.
 
     The scaled gradient goes back into the sum's slot of the loop carry: a slot the loop does
     not change would let XLA hoist the division out of the loop, into a second gradient-sized
@@ -484,12 +496,8 @@ def _inner_update(
     scaled = window_lib.scaled_gradient(closed)
     # In the parameters' shapes (a window kept per data shard has a leading axis of one).
     grads = jax.tree.map(lambda g, like: g.reshape(like.shape).astype(like.dtype), scaled, dtypes)
-    seen = closed.norm
-    if transform is not None:
-        grads = transform(grads, params)
-        seen = window_lib.global_norm(grads)
     updates, new_inner = config.inner.update(grads, inner_state, params, **extra_args)
-    norms = (jnp.maximum(norms[0], closed.norm), seen.astype(jnp.float32))
+    norms = (jnp.maximum(norms[0], closed.norm), closed.norm.astype(jnp.float32))
     # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments), so
     # the state is a fixed pytree type under loop carries.
     return updates, _cast_like(new_inner, inner_state), scaled, norms

@@ -87,9 +87,15 @@ class AccumulationStats(NamedTuple):
       skipped_microbatches: microbatches left out of their window (open window included).
       skipped_windows: windows closed without an update.
       num_parameters: number of scalars the window sums, as many as the parameters (a
-        Python int; 0 for a scan-mode state, whose accumulator lives inside the step).
-      memory_bytes: bytes held by the state's accumulator (a Python int; 0 in scan mode;
-        every data shard's partial sums together for a `accumjax.window.DeviceWindow`).
+        Python int).
+      memory_bytes: bytes of the window's sum (a Python int): the accumulator the state
+        holds between calls (every data shard's partial sums together for a
+        `accumjax.window.DeviceWindow`), or, for a scan-mode train state, whose window
+        opens and closes inside one call, one parameter-shaped sum in the accumulator
+        dtype, as the step makes it.
+
+    Both sizes are None for a scan-mode optimizer state on its own (it holds no sum to
+    measure, nor the parameters): pass the train state, ``accumjax.stats(state)``.
     """
 
     accumulation_steps: jax.Array
@@ -100,8 +106,8 @@ class AccumulationStats(NamedTuple):
     num_nonfinite: jax.Array
     skipped_microbatches: jax.Array
     skipped_windows: jax.Array
-    num_parameters: int
-    memory_bytes: int
+    num_parameters: int | None
+    memory_bytes: int | None
 
 
 def unwrap(state: Any) -> AccumulationState:
@@ -212,7 +218,9 @@ def stats(state: Any) -> AccumulationStats:
     """Summarises an `AccumulationState` (steps, updates, norms, skips, accumulator size).
 
     Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one), or a
+        train state (`accumjax.TrainState`, `accumjax.NNXTrainState`) whose optimizer is an
+        `accumjax.accumulate`: its sizes are known for every layout, scan mode's included.
 
     The counts (``num_nonfinite``, ``overflow_detected``, ``skipped_microbatches``) cover every
     microbatch seen so far, the open window's included, so a non-finite microbatch shows in
@@ -229,11 +237,15 @@ def stats(state: Any) -> AccumulationStats:
       >>> s = accumjax.stats(state)
       >>> int(s.accumulation_steps), s.num_parameters, s.memory_bytes
       (8, 16, 64)
+      >>> scan = accumjax.make_train_step(lambda p, b: jnp.sum(p["w"] * b), mode="scan")
+      >>> train_state = scan.init({"w": jnp.zeros((4, 4))}, accumjax.accumulate(optax.sgd(0.1), 8))
+      >>> s = accumjax.stats(train_state)  # no accumulator in the state: sized from params
+      >>> s.num_parameters, s.memory_bytes
+      (16, 64)
     """
-    state = unwrap(state)
+    params, tx = getattr(state, "params", None), getattr(state, "tx", None)
+    state = unwrap(getattr(state, "opt_state", state))
     window = state.window
-    held = jax.tree.leaves(window[0])  # a window kept per data shard holds one sum a shard
-    per_shard = isinstance(window, window_lib.DeviceWindow)
     # The closed windows' counts plus the open window's, so a NaN shows at once.
     nonfinite = window_lib.saturating_add(state.nonfinite_count, window.window_nonfinite)
     return AccumulationStats(
@@ -247,6 +259,31 @@ def stats(state: Any) -> AccumulationStats:
             state.skipped_microbatches, window.window_skipped
         ),
         skipped_windows=state.skipped_windows,
-        num_parameters=sum(math.prod(x.shape[1:] if per_shard else x.shape) for x in held),
-        memory_bytes=sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in held),
+        **_sizes(window, params, tx),
     )
+
+
+def _sizes(window: Any, params: Any, tx: Any) -> dict[str, int | None]:
+    """``num_parameters`` and ``memory_bytes`` of a window: its sums', or for a scan-mode
+    window (none) the sum the step makes for ``params`` and ``tx`` (None, None without)."""
+    held = jax.tree.leaves(window[0])  # a window kept per data shard holds one sum a shard
+    if window[0] is not None:
+        per_shard = isinstance(window, window_lib.DeviceWindow)
+        return {
+            "num_parameters": sum(math.prod(x.shape[1:] if per_shard else x.shape) for x in held),
+            "memory_bytes": sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in held),
+        }
+    from accumjax.accumulation import config_of  # accumulation imports this module
+
+    config = config_of(tx)
+    if params is None or config is None:
+        return {"num_parameters": None, "memory_bytes": None}
+    leaves = jax.tree.leaves(params)
+    dtype = config.policy.accumulator_dtype
+    return {
+        "num_parameters": sum(math.prod(p.shape) for p in leaves),
+        "memory_bytes": sum(
+            math.prod(p.shape) * jnp.dtype(window_lib.sum_dtype(p.dtype, dtype)).itemsize
+            for p in leaves
+        ),
+    }

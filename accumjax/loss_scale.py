@@ -8,7 +8,9 @@ step overflows (that step is skipped) and doubled after ``period`` consecutive
 finite steps.
 
 The state is a :class:`DynamicLossScale` ``NamedTuple`` of arrays, so it lives in a
-train state, under ``jit`` and in checkpoints; all operations are free functions.
+train state, under ``jit`` and in checkpoints; all operations are free functions. With
+gradient accumulation a "step" is a window: `update_loss_scale` adjusts the scale once per
+window from `accumjax.accumulate`'s state, as `accumjax.make_train_step` does.
 
 Reference: Micikevicius et al. 2018, "Mixed Precision Training",
 https://arxiv.org/abs/1710.03740 (section 3.2, loss scaling).
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from accumjax._checks import check_int, check_real
+from accumjax.accumulation_state import AccumulationState, unwrap
 
 __all__ = [
     "DynamicLossScale",
@@ -30,6 +33,7 @@ __all__ = [
     "dynamic_loss_scale",
     "scale_loss",
     "unscale_grads",
+    "update_loss_scale",
 ]
 
 
@@ -196,3 +200,58 @@ def adjust_loss_scale(ls: DynamicLossScale, grads_finite: jax.Array | bool) -> D
     scale = jnp.where(finite, jnp.where(grow, grown, ls.loss_scale), lowered)
     counter = jnp.where(finite & ~grow, counter, 0).astype(jnp.int32)
     return ls._replace(loss_scale=scale, counter=counter)
+
+
+def update_loss_scale(ls: DynamicLossScale, opt_state: Any, new_opt_state: Any) -> DynamicLossScale:
+    """Adjusts the scale once per window, from `accumjax.accumulate`'s state before and after
+    one ``tx.update`` call (the rule of ``make_train_step(mixed_precision="float16")``).
+
+    A call that leaves the window open returns ``ls`` unchanged. At the call that closes the
+    window (``new_opt_state``'s window is empty again), `adjust_loss_scale` runs once: the
+    window counts as finite when ``nonfinite_count``, which takes in the window's non-finite
+    microbatches when it closes, did not rise. An overflow anywhere in the window divides the
+    scale by ``factor`` (halves it by default); a finite window counts towards growth. Call it
+    after every ``tx.update``, with the optimizer state before and after that call.
+
+    Args:
+      ls: the current loss scale.
+      opt_state: the `accumjax.AccumulationState` given to ``tx.update``.
+      new_opt_state: the state that call returned.
+
+    Returns:
+      The new :class:`DynamicLossScale` (under ``jit`` too: the choice is a select).
+
+    Raises:
+      TypeError: naming the argument that is not an `accumjax.AccumulationState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), 2)  # K = 2
+      >>> params = {"w": jnp.zeros(2)}
+      >>> opt_state, ls = tx.init(params), accumjax.dynamic_loss_scale(2.0**15, period=2)
+      >>> scales = []
+      >>> for g in [jnp.inf, 1.0, 1.0, 1.0, 1.0, 1.0]:  # an overflow in the first window
+      ...     _, new_opt_state = tx.update({"w": jnp.full(2, g)}, opt_state, params)
+      ...     ls = accumjax.update_loss_scale(ls, opt_state, new_opt_state)
+      ...     opt_state = new_opt_state
+      ...     scales.append(float(ls.loss_scale))
+      >>> scales  # halved when the window closes; doubled after period=2 finite windows
+      [32768.0, 16384.0, 16384.0, 16384.0, 16384.0, 32768.0]
+    """
+    before = _accumulation_state("opt_state", opt_state)
+    after = _accumulation_state("new_opt_state", new_opt_state)
+    closed = after.window.micro_step == 0
+    adjusted = adjust_loss_scale(ls, after.nonfinite_count == before.nonfinite_count)
+    return jax.tree.map(lambda new, old: jnp.where(closed, new, old), adjusted, ls)
+
+
+def _accumulation_state(name: str, state: Any) -> AccumulationState:
+    """``state`` as an `AccumulationState`, or a TypeError naming the argument."""
+    try:
+        return unwrap(state)
+    except TypeError:
+        raise TypeError(
+            f"update_loss_scale(ls, opt_state, new_opt_state): {name} is a "
+            f"{type(state).__name__}, not the state of accumjax.accumulate; pass the state given "
+            "to tx.update and the one it returned, for tx = accumjax.accumulate(inner, K)."
+        ) from None

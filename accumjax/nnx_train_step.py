@@ -45,7 +45,6 @@ windows close with the optimizer's). :func:`make_nnx_train_step` does this itsel
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -91,7 +90,6 @@ def nnx_train_state(
     tx: optax.GradientTransformation,
     *,
     loss_scale: DynamicLossScale | None = None,
-    mode: str | None = None,
 ) -> NNXTrainState:
     """Splits ``model`` into a train state: ``nnx.split(model, nnx.Param, ...)``.
 
@@ -105,11 +103,11 @@ def nnx_train_state(
       tx: the optimizer of the ``nnx.Param`` variables, usually
         ``accumjax.accumulate(inner, K)`` (K is stated once, here).
       loss_scale: a dynamic loss scale for ``mixed_precision="float16"``.
-      mode: deprecated: the mode is the step's; use ``step.init(model, tx)`` of
-        :func:`make_nnx_train_step`. ``"scan"`` still builds the scan-mode layout.
 
     Returns:
-      An :class:`NNXTrainState` with ``step == 0`` and the optimizer state for ``mode``.
+      An :class:`NNXTrainState` with ``step == 0`` and ``opt_state = tx.init(params)``
+      (the portable layout of `accumjax.TrainState.create`; a step's own state is
+      ``make_nnx_train_step(...).init(model, tx)``).
 
     Example:
       >>> import optax, accumjax
@@ -124,25 +122,14 @@ def nnx_train_state(
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    with warnings.catch_warnings():  # warned here, with this function's name
-        warnings.simplefilter("ignore", DeprecationWarning)
-        state = NNXTrainState.create(
-            apply_fn=None,
-            params=_copy(params),
-            tx=tx,
-            model_state=_copy(model_state),
-            loss_scale=loss_scale,
-            mode=mode,
-            graphdef=graphdef,
-        )
-    if mode is not None:
-        warnings.warn(
-            "nnx_train_state(mode=...) is deprecated: the mode is the step's, stated once in "
-            "make_nnx_train_step(mode=...). Build the state with the step: "
-            "state = step.init(model, tx).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+    state = NNXTrainState.create(
+        apply_fn=None,
+        params=_copy(params),
+        tx=tx,
+        model_state=_copy(model_state),
+        loss_scale=loss_scale,
+        graphdef=graphdef,
+    )
     return cast(NNXTrainState, state)
 
 
@@ -213,9 +200,7 @@ class NNXTrainStep:
         step = self._steps.get(graphdef)
         if step is None:
             loss = _functional_loss(self._loss_fn, graphdef, self._options.get("has_aux", False))
-            with warnings.catch_warnings():  # make_nnx_train_step warned already
-                warnings.simplefilter("ignore", DeprecationWarning)
-                step = self._steps[graphdef] = make_train_step(loss, **self._options)
+            step = self._steps[graphdef] = make_train_step(loss, **self._options)
         return step
 
     def _for(self, state: Any, rng: Any) -> TrainStep:
@@ -295,8 +280,8 @@ def make_nnx_train_step(
     Args:
       loss_fn: ``loss_fn(model, batch[, key])``, see above.
       **options: the keyword arguments of :func:`accumjax.make_train_step` (``mode``,
-        ``has_aux``, ``mixed_precision``, ``axis_name``, ``mesh``, ``use_agc``,
-        ``weight_fn``, ``gather_params``, ...), with the same meaning.
+        ``has_aux``, ``mixed_precision``, ``axis_name``, ``mesh``, ``weight_fn``,
+        ``gather_params``, ...), with the same meaning.
 
     Returns:
       The step (its ``lower`` method lowers it for a given state and batch).
@@ -335,5 +320,5 @@ def make_nnx_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    make_train_step(loss_fn, **options)  # checks the arguments now (and warns), once
+    make_train_step(loss_fn, **options)  # checks the arguments now, once
     return NNXTrainStep(loss_fn, options)

@@ -4,14 +4,19 @@ Gradient accumulation trades time for memory: K microbatches of ``B / K`` rows n
 memory than one batch of ``B`` rows, at the cost of K sequential passes. The right K is the
 smallest one whose step fits in the device's memory. :func:`plan_microbatches` finds it
 without running anything: it lowers and compiles the scan-mode step for each candidate K
-(abstract ``jax.ShapeDtypeStruct`` arguments from ``jax.eval_shape``; nothing is executed
+(abstract ``jax.ShapeDtypeStruct`` arguments with the arrays' shardings; nothing is executed
 and nothing is allocated) and reads XLA's compile-time memory analysis.
 
-It plans the step you train: the same loss, options and state. A loss that takes a key
-(dropout) is planned with one (``rng=``): its random masks are part of the footprint. With
-model state (``TrainState(model_state=...)``, e.g. BatchNorm statistics) and ``has_aux`` the
-step is the one :func:`accumjax.make_train_step` builds; an :class:`accumjax.NNXTrainState`
-gets :func:`accumjax.make_nnx_train_step`'s.
+It plans the step you train: the same loss, options and state, laid out as ``step.init``
+lays it out, on the mesh the arrays lie on (``Explicit`` or ``Auto``; one device too). On a
+mesh XLA compiles one program per device: every figure here is **per device**, the
+predicted footprint is exactly ``compiled_memory_bytes`` of the step you will run
+(``step.lower(step.init(params, tx), batch).compile()``), and the budget is one device's.
+
+A loss that takes a key (dropout) is planned with one (``rng=``): its random masks are part
+of the footprint. With model state (``TrainState(model_state=...)``, e.g. BatchNorm
+statistics) and ``has_aux`` the step is the one :func:`accumjax.make_train_step` builds; an
+:class:`accumjax.NNXTrainState` gets :func:`accumjax.make_nnx_train_step`'s.
 
 The predicted footprint of a compiled step (:func:`compiled_memory_bytes`) is::
 
@@ -45,10 +50,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from accumjax import sharded
 from accumjax._checks import check_int
 from accumjax.accumulation import accumulate, config_of, with_every_k
 from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
-from accumjax.train_state import TrainState, opt_state_for
+from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step
 
 __all__ = [
@@ -67,11 +73,14 @@ class MicrobatchPlan(NamedTuple):
 
     Attributes:
       accum_steps: the chosen K (the smallest candidate whose step fits).
-      microbatch_size: rows per microbatch, ``batch_size // accum_steps`` (``None`` when
-        :func:`plan_microbatches_for` was not given ``batch_size``).
-      predicted_bytes: :func:`compiled_memory_bytes` of the chosen step.
-      budget_bytes: the budget it was planned against.
+      microbatch_size: rows per microbatch, ``batch_size // accum_steps``: the whole
+        microbatch, over every device (``None`` when :func:`plan_microbatches_for` was not
+        given ``batch_size``).
+      predicted_bytes: :func:`compiled_memory_bytes` of the chosen step, per device.
+      budget_bytes: the budget it was planned against, per device.
       tried: ``(k, predicted_bytes)`` for every candidate compiled, in increasing K.
+      devices: how many devices the planned step runs on (1 off a mesh); each of them
+        needs ``predicted_bytes``.
     """
 
     accum_steps: int
@@ -79,6 +88,7 @@ class MicrobatchPlan(NamedTuple):
     predicted_bytes: int
     budget_bytes: int
     tried: tuple[tuple[int, int], ...]
+    devices: int = 1
 
 
 def compiled_memory_bytes(compiled: jax.stages.Compiled) -> int:
@@ -88,7 +98,8 @@ def compiled_memory_bytes(compiled: jax.stages.Compiled) -> int:
       compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(*args).compile()``).
 
     Returns:
-      ``argument + output - alias + temp + generated_code`` bytes (see the module docstring).
+      ``argument + output - alias + temp + generated_code`` bytes (see the module docstring),
+      per device: a computation on a mesh is compiled to one program per device.
 
     Raises:
       ValueError: if the backend reports no memory analysis.
@@ -139,6 +150,13 @@ def _no_fit(tried: Sequence[tuple[int, int]], budget_bytes: int) -> ValueError:
     )
 
 
+def _devices(compiled: jax.stages.Compiled) -> int:
+    """How many devices a compiled computation runs on (those of its inputs)."""
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+    shardings = jax.tree.leaves(compiled.input_shardings, is_leaf=is_sharding)
+    return max((len(s.device_set) for s in shardings if is_sharding(s)), default=1)
+
+
 def _compile_noting_k(compile_for_k: CompileForK, k: int) -> jax.stages.Compiled:
     """``compile_for_k(k)``; an exception keeps its type and gains a note naming K."""
     try:
@@ -170,7 +188,8 @@ def plan_microbatches_for(
       batch_size: the global batch size, to report ``microbatch_size``; optional.
 
     Returns:
-      A :class:`MicrobatchPlan` for the smallest fitting K.
+      A :class:`MicrobatchPlan` for the smallest fitting K (its bytes are per device, and
+      ``devices`` says on how many).
 
     Raises:
       ValueError / TypeError: for invalid arguments, or if no candidate fits (the message
@@ -194,11 +213,13 @@ def plan_microbatches_for(
         _check_budget(batch_size, "batch_size")
     tried: list[tuple[int, int]] = []
     for k in ks:
-        predicted = compiled_memory_bytes(_compile_noting_k(compile_for_k, k))
+        compiled = _compile_noting_k(compile_for_k, k)
+        predicted = compiled_memory_bytes(compiled)
         tried.append((k, predicted))
         if predicted <= budget_bytes:
             micro = None if batch_size is None else batch_size // k
-            return MicrobatchPlan(k, micro, predicted, budget_bytes, tuple(tried))
+            plan = MicrobatchPlan(k, micro, predicted, budget_bytes, tuple(tried))
+            return plan._replace(devices=_devices(compiled))
     raise _no_fit(tried, budget_bytes)
 
 
@@ -229,8 +250,21 @@ def _device_budget() -> int:
 
 
 def _abstract(tree: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves (static fields such as ``tx`` are kept)."""
-    return jax.eval_shape(lambda t: t, tree)
+    """``jax.ShapeDtypeStruct`` leaves with the arrays' own shardings (a concrete mesh, as
+    the step is lowered on; static fields such as ``tx`` are kept).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> _abstract({"w": jnp.zeros(2, jnp.int32)})["w"].shape
+      (2,)
+    """
+
+    def with_sharding(shape: jax.ShapeDtypeStruct, x: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(x, "sharding", None)  # an array's, or a ShapeDtypeStruct's own
+        weak = shape.weak_type
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding, weak_type=weak)
+
+    return jax.tree.map(with_sharding, jax.eval_shape(lambda t: t, tree), tree)
 
 
 def _check_state(state: Any) -> None:
@@ -265,7 +299,8 @@ def scan_step_for_k(
     in the optimizer: ``state.tx``
     is rebuilt for K (:func:`accumjax.with_every_k` if it is already an
     :func:`accumjax.accumulate` transformation, every other option kept; otherwise
-    ``accumulate(state.tx, k)`` around it) and its state is derived from shapes only.
+    ``accumulate(state.tx, k)`` around it) and the state is laid out as the step's
+    ``step.init`` lays it out, on the mesh the parameters lie on, from shapes only.
 
     Args:
       loss_fn: the loss, as for :func:`accumjax.make_train_step` (``loss_fn(params,
@@ -281,10 +316,13 @@ def scan_step_for_k(
     Returns:
       ``(step, state_k)``: ``step`` is ``make_train_step(loss_fn, mode="scan", ...)`` (or
       ``make_nnx_train_step``), called as ``step(state_k, batch[, rng])`` with the whole
-      batch (it splits it into K microbatches); ``state_k`` is ``state`` with the rebuilt
-      ``tx`` and an abstract scan-mode ``opt_state`` (``jax.ShapeDtypeStruct`` leaves, no
-      accumulator): enough to ``step.lower(state_k, batch[, rng])``; to run the step,
-      build the state with it: ``step.init(params, state_k.tx, ...)``.
+      batch (it splits it into K microbatches); ``state_k`` is the state
+      ``step.init(params, state_k.tx, ...)`` builds, in ``jax.ShapeDtypeStruct`` leaves
+      with its shardings (a scan-mode ``opt_state``: no accumulator; with
+      ``mixed_precision="float16"`` the state's loss scale, or a default one): enough to
+      ``step.lower(state_k, batch[, rng])``, the very program of
+      ``step(step.init(params, state_k.tx, ...), batch[, rng])``; to run the step, build
+      the state with it so.
 
     Raises:
       TypeError: ``state`` is not a train state, ``k`` is not an integer, or
@@ -310,11 +348,39 @@ def scan_step_for_k(
     for name in ("accum_steps", "mode"):
         if name in make_train_step_kwargs:
             raise TypeError(f"scan_step_for_k sets {name}; do not pass {name}=.")
-    tx = with_every_k(state.tx, k) if config_of(state.tx) else accumulate(state.tx, k)
-    opt_state = jax.eval_shape(lambda p: opt_state_for(tx, p, "scan"), state.params)
     build = make_nnx_train_step if isinstance(state, NNXTrainState) else make_train_step
     step = build(loss_fn, mode="scan", **make_train_step_kwargs)
-    return step, state.replace(tx=tx, opt_state=opt_state)
+    return step, _as_initialized(loss_fn, state, _tx_for(state.tx, k), make_train_step_kwargs)
+
+
+def _tx_for(tx: Any, k: int) -> Any:
+    """``tx`` for K microbatches: its K replaced, or ``accumulate(tx, k)`` around it."""
+    return with_every_k(tx, k) if config_of(tx) else accumulate(tx, k)
+
+
+def _as_initialized(loss_fn: Callable[..., Any], state: Any, tx: Any, kwargs: Any) -> Any:
+    """``state`` as the scan step's ``step.init`` builds it for ``tx`` (shapes and shardings
+    only; an NNX state's fields are built by the same `accumjax.TrainStep.init`)."""
+    f16 = kwargs.get("mixed_precision") == "float16"
+    init = make_train_step(loss_fn, mode="scan", **kwargs).init
+    built = init(
+        _abstract(state.params),
+        tx,
+        model_state=_abstract(state.model_state),
+        loss_scale=_abstract(state.loss_scale) if f16 else None,
+    )
+    fields = ("step", "params", "opt_state", "model_state", "loss_scale")
+    return state.replace(tx=tx, **{name: getattr(built, name) for name in fields})
+
+
+def _data_shards(state: Any, batch: Any, kwargs: Any) -> int:
+    """How many devices the step splits the batch over (1 off a mesh, and under ``pmap``,
+    whose batch carries its device axis)."""
+    mesh, axis = kwargs.get("mesh"), kwargs.get("axis_name")
+    if axis is not None and mesh is None:
+        return 1
+    layout = sharded.layout_of(state.params, batch, mesh=mesh, axis=axis)
+    return 1 if layout is None else layout.shards
 
 
 def plan_microbatches(
@@ -405,21 +471,33 @@ def plan_microbatches(
         if name in make_train_step_kwargs:
             raise TypeError(f"plan_microbatches chooses {name}; do not pass {name}=.")
     batch_size = _batch_size(batch)
+    abstract_batch = _abstract(batch)
+    shards = _data_shards(state, abstract_batch, make_train_step_kwargs)
+    if batch_size % shards:
+        raise ValueError(
+            f"the batch's {batch_size} rows do not split over the {shards} devices the step "
+            f"runs on: use a multiple of {shards} rows."
+        )
     if candidates is None:
-        candidates = _divisors(batch_size)
+        candidates = _divisors(batch_size // shards)
     ks = _check_candidates(candidates)
-    bad = [k for k in ks if batch_size % k]
+    bad = [k for k in ks if batch_size % (shards * k)]
     if bad:
-        raise ValueError(f"candidates {bad} do not divide the batch size {batch_size}.")
+        raise ValueError(
+            f"candidates {bad} do not divide the batch: {batch_size} rows on {shards} "
+            f"device(s) need devices x K to divide {batch_size} (K must divide the "
+            f"{batch_size // shards} rows each device gets)."
+        )
     if memory_budget is None:
         budget = _device_budget()
     else:
         budget = _check_budget(memory_budget, "memory_budget")
-    abstract_state, abstract_batch = _abstract(state), _abstract(batch)
     abstract_rng = None if rng is None else _abstract(rng)
+    # One step for every K (K lives in tx), and its state built once: only K differs.
+    step, laid_out = scan_step_for_k(loss_fn, state, ks[0], **make_train_step_kwargs)
 
     def compile_for_k(k: int) -> jax.stages.Compiled:
-        step, state_k = scan_step_for_k(loss_fn, abstract_state, k, **make_train_step_kwargs)
+        state_k = laid_out.replace(tx=_tx_for(state.tx, k))
         return step.lower(state_k, abstract_batch, abstract_rng).compile()
 
     return plan_microbatches_for(compile_for_k, ks, budget, batch_size=batch_size)

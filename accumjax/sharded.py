@@ -13,7 +13,8 @@ A `Layout` says where one call runs: the mesh, its data axis, and which dimensio
 parameter is split over that axis. It comes from the step's ``mesh=``/``axis_name=``, or from
 the arrays themselves (`layout_of`): the batch's sharding names the data axis, or, where the
 arrays do not say (inside another ``jit`` on an ``Auto`` mesh), the mesh's only axis of more
-than one device. A stream-mode window stays open between calls, so its partial sums live in
+than one device (a one-device mesh's only axis: the step takes the same path on 1 device as
+on N). A stream-mode window stays open between calls, so its partial sums live in
 the state, one per data shard (`accumjax.window.DeviceWindow`, `device_window`).
 
 Memory: parameters sharded over the data axis are all-gathered once per window in scan mode
@@ -118,25 +119,32 @@ def sharding_of(x: Any) -> Any:
 
 
 def mesh_of(tree: Any) -> AnyMesh | None:
-    """The one mesh of more than one device that the leaves of ``tree`` lie on (a concrete
-    ``Mesh`` where any leaf is concrete), or None (one device, no mesh, or several).
+    """The one mesh that the leaves of ``tree`` lie on (a concrete ``Mesh`` where any leaf is
+    concrete; one of more than one device where there is one), or None (no mesh, or
+    several). A one-device mesh is a mesh: the step runs there as on N devices.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> mesh_of({"w": jnp.ones(2)}) is None
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh_of({"w": jnp.ones(2)}) is None  # one device, no mesh
       True
+      >>> one = jax.make_mesh((1,), ("data",))
+      >>> dict(mesh_of({"w": jax.device_put(jnp.ones(2), NamedSharding(one, P()))}).shape)
+      {'data': 1}
     """
     meshes = {getattr(sharding_of(x), "mesh", None) for x in jax.tree.leaves(tree)}
-    concrete = {m for m in meshes if isinstance(m, Mesh) and m.size > 1}
-    if len(concrete) == 1:
-        return concrete.pop()
-    found = {m for m in meshes if isinstance(m, AbstractMesh) and m.size > 1}
-    return found.pop() if not concrete and len(found) == 1 else None
+    meshes = {m for m in meshes if m is not None and m.axis_names}  # not jit's empty mesh
+    for kind in (Mesh, AbstractMesh):
+        found = {m for m in meshes if isinstance(m, kind)}
+        found = {m for m in found if m.size > 1} or found
+        if found:
+            return found.pop() if len(found) == 1 else None
+    return None
 
 
 def data_axis(mesh: AnyMesh, axis: str | None = None) -> str | None:
     """The data axis of ``mesh``: ``axis`` when given, else its only axis of more than one
-    device (None when it has none).
+    device, or the only axis of a one-device mesh (None when there is none of either).
 
     Raises:
       ValueError: naming the fix when ``axis`` is not an axis of the mesh, or when the mesh
@@ -144,7 +152,8 @@ def data_axis(mesh: AnyMesh, axis: str | None = None) -> str | None:
 
     Example:
       >>> import jax
-      >>> data_axis(jax.make_mesh((1,), ("data",)))  # one device: no data axis
+      >>> data_axis(jax.make_mesh((1,), ("data",)))  # one device: the same axis as on N
+      'data'
     """
     if axis is not None:
         if axis not in mesh.axis_names:
@@ -157,14 +166,16 @@ def data_axis(mesh: AnyMesh, axis: str | None = None) -> str | None:
             "one the batch is split over is not known here: name it, "
             "make_train_step(..., mesh=mesh, axis_name='data')."
         )
-    return big[0] if big else None
+    if big:
+        return big[0]
+    return mesh.axis_names[0] if len(mesh.axis_names) == 1 else None
 
 
 def _batch_axis(batch: Any) -> tuple[AnyMesh, str] | None:
     """The mesh and the one axis the batch's leading dimension is split over, or None."""
     leaves = jax.tree.leaves(batch)
     sharding = sharding_of(leaves[0]) if leaves else None
-    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+    if not isinstance(sharding, NamedSharding):
         return None
     spec = sharding.spec
     axes = list(names(spec[0])) if len(spec) else []
@@ -196,7 +207,7 @@ def _split_dim(path: str, leaf: Any, axis: str) -> int | None:
 def layout_of(
     params: Any, batch: Any, *, mesh: AnyMesh | None = None, axis: str | None = None
 ) -> Layout | None:
-    """The `Layout` of a call, or None when it runs on one device.
+    """The `Layout` of a call, or None when it runs off any mesh.
 
     Args:
       params: the parameters (arrays, ``jax.ShapeDtypeStruct`` leaves or traced values).
@@ -205,7 +216,8 @@ def layout_of(
         axis_name=...)``), or None to read them from the arrays.
 
     Returns:
-      A `Layout`, or None (one device, or a batch that is not split and no data axis known).
+      A `Layout` (a one-device mesh too: the step runs there as on N devices), or None (no
+      mesh, or a batch that is not split and no data axis known).
 
     Raises:
       NotImplementedError: for a batch split over several mesh axes, or a parameter
@@ -231,7 +243,7 @@ def layout_of(
             mesh, axis = found
     else:
         axis = data_axis(mesh, axis)
-    if mesh is None or axis is None or mesh.shape[axis] == 1:
+    if mesh is None or axis is None:
         return None
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     dims = tuple(_split_dim(jax.tree_util.keystr(p), leaf, axis) for p, leaf in paths)

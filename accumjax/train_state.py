@@ -8,7 +8,6 @@ microbatches.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -54,7 +53,6 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         model_state: Any = None,
         loss_scale: DynamicLossScale | None = None,
-        mode: str | None = None,
         **kwargs: Any,
     ) -> TrainState:
         """Creates a state with ``step == 0`` and ``opt_state = tx.init(params)``.
@@ -73,8 +71,6 @@ class TrainState(train_state.TrainState):
             a window of one microbatch).
           model_state: non-trainable collections, e.g. ``{"batch_stats": ...}``.
           loss_scale: a dynamic loss scale for float16 training.
-          mode: deprecated: the mode is the step's; use ``step.init(params, tx)``. ``"scan"``
-            still builds the scan-mode layout (no accumulator).
           **kwargs: further fields of a subclass.
 
         Returns:
@@ -87,13 +83,11 @@ class TrainState(train_state.TrainState):
           >>> int(state.step), state.model_state is None
           (0, True)
         """
-        if mode is not None:
-            warnings.warn(
-                "TrainState.create(mode=...) is deprecated: the mode is the step's, stated "
-                "once in make_train_step(mode=...). Build the state with the step: "
-                "state = step.init(params, tx, model_state=...).",
-                DeprecationWarning,
-                stacklevel=2,
+        if "mode" in kwargs and "mode" not in cls.__dataclass_fields__:  # a subclass's field
+            raise TypeError(
+                "TrainState.create takes no mode (removed in accumjax 0.4): the mode is the "
+                "step's, stated once in make_train_step(mode=...). Build the state with the "
+                "step: state = step.init(params, tx, model_state=...)."
             )
         if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
             raise TypeError(
@@ -105,7 +99,7 @@ class TrainState(train_state.TrainState):
             apply_fn=cast(Callable[..., Any], apply_fn),  # None is fine: the step never calls it
             params=params,
             tx=tx,
-            opt_state=opt_state_for(tx, params, mode or "stream"),
+            opt_state=tx.init(params),
             model_state=model_state,
             loss_scale=loss_scale,
             **kwargs,

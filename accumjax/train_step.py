@@ -21,20 +21,18 @@ gradient all-reduce per window.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from accumjax._checks import check_callable, check_choice, check_int, check_real
+from accumjax._checks import check_callable, check_choice, check_int
 from accumjax._host import TrainStep, wrap
 from accumjax._loop import Setup
 from accumjax._loss_adapter import make_grad_fn
 from accumjax._split import check_batch_axis
 from accumjax._step_checks import positional_limit
-from accumjax.clipping import Mask, adaptive_clip_grad
 
 __all__ = ["TrainStep", "make_train_step"]
 
@@ -49,13 +47,7 @@ def make_train_step(
     loss_fn: LossFn,
     *,
     mode: str = "stream",
-    accum_steps: int | None = None,
     has_aux: bool = False,
-    use_agc: bool = False,
-    clip_factor: float = 0.01,
-    agc_eps: float = 1e-3,
-    agc_mask: Mask = None,
-    agc_axis: Any = None,
     mixed_precision: str | None = None,
     axis_name: str | None = None,
     mesh: Mesh | None = None,
@@ -63,6 +55,7 @@ def make_train_step(
     weight_fn: Callable[[Any], Any] | None = None,
     unroll: int | bool = 1,
     gather_params: str = "window",
+    reduce_scatter: str = "microbatch",
     batch_axis: Any = 0,
     aux_rows: bool = False,
 ) -> TrainStep:
@@ -83,11 +76,8 @@ def make_train_step(
         argument, a key per microbatch, device and update.
       mode: ``"stream"`` (one microbatch per call; an update on every K-th call) or
         ``"scan"`` (the whole batch per call, K strided microbatches inside).
-      accum_steps: deprecated: K is ``accumulate(inner, K)``'s; if given, it must equal it.
       has_aux: ``loss_fn`` also returns auxiliary outputs (``metrics["aux"]``; stacked over
         microbatches in scan mode).
-      use_agc, clip_factor, agc_eps, agc_mask, agc_axis: deprecated: put
-        `accumjax.adaptive_clip` first in the inner chain instead.
       mixed_precision: ``None``, ``"bfloat16"`` (the loss runs in bfloat16; params, gradients
         and accumulator keep their dtype) or ``"float16"`` (the same, with a dynamic loss
         scale that ``step.init`` makes and the step adjusts once per window).
@@ -102,6 +92,12 @@ def make_train_step(
         ``lax.scan``; convnets on CPU want ``True``.
       gather_params: scan mode with FSDP parameters: ``"window"`` (default) gathers them once
         per window, ``"microbatch"`` in every microbatch, for less memory.
+      reduce_scatter: scan mode with parameters split over the data axis (FSDP):
+        ``"microbatch"`` (default) reduce-scatters each microbatch's gradient into an
+        accumulator sharded like the parameters (a 1/N-size accumulator per device, K
+        reduce-scatters a window); ``"window"`` keeps a full-size sum on every device and
+        reduces it once, when the window closes (one reduction, three full-size gradients
+        of memory per device). Replicated parameters are reduced once per window either way.
       batch_axis: scan mode: the batch axis split into microbatches, an int or a pytree prefix
         of the batch (``None`` at a leaf leaves it whole); only 0 on a mesh.
       aux_rows: scan mode with ``has_aux``: aux in the batch's row order, shape ``(B, ...)``,
@@ -110,11 +106,23 @@ def make_train_step(
     Returns:
       The `accumjax.TrainStep`: ``step(state, batch, rng=None)`` (scan mode also takes
       ``num_real_microbatches``, the real microbatches of a padded batch) returns the new
-      state and ``metrics``: ``"loss"`` (the window's mean loss in scan mode, the
-      microbatch's in stream mode), ``"updated"``, ``"grad_norm"`` (of the window gradient
-      the inner optimizer saw; NaN on a call without update), ``"grads_finite"`` and
-      ``"loss_scale"`` with float16, ``"aux"`` with ``has_aux``. On a mesh every metric is
-      global (scalars).
+      state and ``metrics`` (on a mesh every metric is global, a scalar; under ``pmap`` one
+      per device):
+
+      * ``"loss"``: scan mode, the window's weighted mean loss over the microbatches it
+        added (NaN if none); stream mode, this call's microbatch's loss.
+      * ``"updated"``: this call applied an update (``state.step`` counts those).
+      * ``"grad_norm"``: the global norm of the window gradient the inner optimizer saw at
+        this call; NaN on a call that applied no update.
+      * ``"grads_finite"`` (float16): no microbatch of this call's window so far had a
+        non-finite gradient (an overflow) or an invalid weight. Scan mode: none of the K.
+        Stream mode: False from the call whose microbatch overflowed through the call that
+        closes that window; the next window starts afresh.
+      * ``"loss_scale"`` (float16): the dynamic loss scale after this call. It changes only
+        where a window closes: lowered after a window with an overflow, raised after
+        ``period`` windows without.
+      * ``"aux"`` (``has_aux``): the loss function's aux; in scan mode stacked per
+        microbatch, ``(K, ...)``, or in the batch's row order with ``aux_rows``.
 
     Raises:
       ValueError, TypeError: naming the argument: here for invalid arguments; at the call
@@ -142,22 +150,21 @@ def make_train_step(
     compute_dtype = _PRECISIONS[
         check_choice("mixed_precision", mixed_precision, tuple(_PRECISIONS))
     ]
-    if accum_steps is not None:
-        _deprecated(
-            "make_train_step(accum_steps=...)",
-            "K is stated once, in tx=accumjax.accumulate(inner, K); leave accum_steps out",
-        )
     data_axis = _check_mesh(mesh, axis_name)
     setup = Setup(
         grad_fn=make_grad_fn(loss_fn, has_aux, compute_dtype),
         mode=check_choice("mode", mode, _MODES),
-        accum_steps=None if accum_steps is None else check_int("accum_steps", accum_steps),
         axis_name=axis_name if mesh is None else None,
         weight_fn=check_callable("weight_fn", weight_fn),
         f16=mixed_precision == "float16",
-        transform=_agc(use_agc, clip_factor, agc_eps, agc_mask, agc_axis),
         unroll=_check_unroll(unroll),
         gather_params=check_choice("gather_params", gather_params, _GATHER),
+        reduce_scatter=_check_scan_only(
+            "reduce_scatter",
+            check_choice("reduce_scatter", reduce_scatter, _GATHER),
+            _GATHER[1],
+            mode,
+        ),
         loss_positional=positional_limit(loss_fn),
         batch_axis=_check_scan_only("batch_axis", check_batch_axis(batch_axis), 0, mode),
         aux_rows=_check_scan_only("aux_rows", _check_bool("aux_rows", aux_rows), False, mode),
@@ -165,10 +172,6 @@ def make_train_step(
         data_axis=data_axis,
     )
     return wrap(setup, donate)
-
-
-def _deprecated(what: str, instead: str) -> None:
-    warnings.warn(f"{what} is deprecated: {instead}.", DeprecationWarning, stacklevel=3)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -198,24 +201,3 @@ def _check_mesh(mesh: Any, axis_name: str | None) -> str | None:
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
     return axis_name
-
-
-def _agc(
-    use_agc: bool, clip_factor: Any, agc_eps: Any, agc_mask: Mask, agc_axis: Any
-) -> Callable[[Any, Any], Any] | None:
-    if not use_agc:
-        for name, value in (("agc_mask", agc_mask), ("agc_axis", agc_axis)):
-            if value is not None:
-                raise ValueError(f"{name} is given but use_agc is False.")
-        return None
-    clip_factor = check_real("clip_factor", clip_factor, low=0.0, low_open=True)
-    agc_eps = check_real("agc_eps", agc_eps, low=0.0, low_open=True)
-    _deprecated(
-        "make_train_step(use_agc=True, clip_factor, agc_eps, agc_mask, agc_axis)",
-        "put accumjax.adaptive_clip(clip_factor, agc_eps, agc_mask, axis=agc_axis) first in "
-        "the inner chain: accumjax.accumulate(optax.chain(accumjax.adaptive_clip(...), "
-        "inner), K), which clips the window gradient once per window the same way",
-    )
-    return lambda grads, params: adaptive_clip_grad(
-        params, grads, clip_factor, agc_eps, agc_mask, axis=agc_axis
-    )

@@ -2,17 +2,17 @@
 
 A *window* collects the gradients of K microbatches and closes into one gradient. The
 optax wrapper `accumjax.accumulate`, both modes of `accumjax.make_train_step` and a user's own
-loop around ``accumulate`` follow the same four steps, defined once here (BatchNorm statistics
+loop around ``accumulate`` follow the same steps, defined once here (BatchNorm statistics
 keep windows of their own, `accumjax.batch_norm`, closed with this window's decision):
 
-1. ``init_window``: an empty accumulator created like the parameters (``zeros_like``, so a
-   sharded parameter gets an accumulator with the same sharding).
-2. ``add_microbatch`` (or ``first_microbatch``, where the first gradient becomes the
-   accumulator instead of being added to zeros): inspect the microbatch (weight, norm,
-   non-finite values, the user's ``skip_fn``) and add ``w_i * c_i * g_i`` when it is usable.
-3. ``close_window``: at most one cross-device reduction (a grouped ``psum``), then the
+1. ``init_window``: an empty accumulator created like the parameters (same sharding).
+2. ``add_microbatch`` (or ``first_microbatch``): add ``w_i * c_i * g_i``. A policy that reads
+   the gradient (``max_norm``, ``skip_fn``) or skips one microbatch decides first
+   (``inspect_microbatch``); the others add each gradient as it comes and count it.
+3. ``close_window``: at most one cross-device reduction (`accumjax._reduction`), then the
    decision: a window is *usable* when its weight sum is > 0, its scaled sum is finite and
-   the policy allows it.
+   the policy allows it. Scan mode adds every microbatch as it comes and decides about them
+   all here, from their verdicts (`accumjax._agreement`).
 4. the caller applies the update (and closes model-state windows) only when usable.
 
 The shape follows optax's microbatching accumulators (init / add / finalize) and jmp's loss
@@ -22,18 +22,28 @@ scales: the policy is a static value, never a chain of ``None`` checks in the ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from accumjax import scaling as scaling_lib
-from accumjax._agreement import accepted, votes, weigh, whole_gradient
+from accumjax._agreement import Verdict, accepted, verdict, weigh, whole_gradient
 from accumjax._control import run_once
-from accumjax.clipping import squared_norm
+from accumjax._reduction import (
+    REDUCED,
+    WHOLE,
+    gathered,
+    global_norm,
+    reduce_window,
+    reduced_scatter,
+    sharded_norm,
+)
 
 __all__ = [
     "ON_NONFINITE",
+    "REDUCED",
+    "WHOLE",
     "Closed",
     "DeviceWindow",
     "Microbatch",
@@ -49,12 +59,12 @@ __all__ = [
     "init_window",
     "inspect_microbatch",
     "local_window",
+    "reduced_scatter",
     "run_once",
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
     "window_sum",
-    "with_partial_sums",
 ]
 
 OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
@@ -89,6 +99,14 @@ class Policy(NamedTuple):
         """Whether the decision reads the gradient's values (``max_norm``, ``skip_fn``): on a
         mesh, the whole microbatch's gradient."""
         return self.max_norm is not None or self.skip_fn is not None
+
+    @property
+    def waits(self) -> bool:
+        """Whether a gradient waits for the decision about it before it is added (a policy
+        that detects or skips): its window stays clean of what it leaves out. Scan mode adds
+        each gradient as it comes instead and decides at the window's end (`close_window`'s
+        verdicts)."""
+        return self.detects or self.skip_fn is not None
 
 
 class Window(NamedTuple):
@@ -144,12 +162,15 @@ class Microbatch(NamedTuple):
       nonfinite: whether its gradient (or weight) was not finite.
       weight: what it adds to the window's weight sum (0 when not added), float32.
       factor: what its gradient is multiplied by (weight times clip factor), or None for 1.
+      whole: the whole microbatch's gradient, reduced while deciding (a policy that reads it,
+        on a mesh), added instead of this device's own; or None.
     """
 
     added: jax.Array
     nonfinite: jax.Array
     weight: jax.Array
     factor: jax.Array | None = None
+    whole: Any = None
 
 
 class Closed(NamedTuple):
@@ -165,6 +186,7 @@ class Closed(NamedTuple):
       norm: the global norm of the scaled gradient (float32).
       extras: the caller's values that travelled in the window's reduction
         (`close_window`'s ``extras``), summed over devices, or None.
+      accepted: with `close_window`'s ``verdicts``, whether each microbatch is accepted.
     """
 
     grad_sum: Any
@@ -174,6 +196,7 @@ class Closed(NamedTuple):
     skipped_count: jax.Array
     norm: jax.Array
     extras: jax.Array | None = None
+    accepted: jax.Array | None = None
 
 
 def sum_dtype(dtype: Any, minimum: Any = jnp.float32) -> Any:
@@ -258,18 +281,6 @@ def local_window(window: DeviceWindow) -> Window:
     return Window(grad_sum, *window[1:])
 
 
-def with_partial_sums(window: Window) -> DeviceWindow:
-    """`local_window` undone: this device's ``window`` as its part of a `DeviceWindow`."""
-    return DeviceWindow(jax.tree.map(lambda a: a[None], window.grad_sum), *window[1:])
-
-
-def global_norm(tree: Any) -> jax.Array:
-    r"""Global L2 norm of a pytree: the leaves' `accumjax.clipping.squared_norm`\s (float32 or
-    wider whatever the leaf dtype), summed, float32."""
-    squares = [squared_norm(x) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))).astype(jnp.float32)
-
-
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
     """``counter + amount`` for non-negative int32 values, held at the int32 maximum."""
     top = jnp.iinfo(jnp.int32).max
@@ -288,6 +299,8 @@ def inspect_microbatch(
     weight: Any = None,
     params: Any = None,
     axis_name: str | None = None,
+    dims: Any = None,
+    keep_whole: bool = True,
 ) -> Microbatch:
     """The policy's decision about one microbatch gradient, without adding it.
 
@@ -301,9 +314,16 @@ def inspect_microbatch(
       weight: the microbatch weight (``scaling="weighted"`` only; on a mesh, this device's).
       params: the parameters, passed to ``policy.skip_fn``.
       axis_name: the mapped axis the microbatch's rows are split over, or None (one device).
+      dims: with ``axis_name``, for a policy that reads the gradient: None, or a pytree like
+        ``grads`` holding the dimension each parameter is split on over the axis (FSDP):
+        those leaves of the whole gradient are reduce-scattered into this device's shard.
+      keep_whole: with ``axis_name``, a policy that reads the gradient hands the whole
+        gradient it reduced to the window (`Microbatch.whole`); False keeps this device's
+        own gradient and weight (a window whose partial sums are reduced at its end).
 
     Returns:
-      A `Microbatch` (its ``weight`` and ``factor`` are this device's).
+      A `Microbatch`. Its ``weight`` and ``factor`` are this device's, or the whole
+      microbatch's when it carries the ``whole`` gradient.
 
     Example:
       >>> import jax.numpy as jnp
@@ -313,13 +333,18 @@ def inspect_microbatch(
       (False, True, 0.0)
     """
     w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
+    whole = None
     if axis_name is None:
         seen, norm, finite = grads, None, w_ok
         if policy.detects or policy.max_norm is not None:
             norm = global_norm(grads)
             finite = finite & jnp.isfinite(norm) if policy.detects else finite
     else:
-        seen, norm, finite = agreed(policy, grads, w, w_ok, axis_name)
+        seen, norm, finite, total, whole = agreed(policy, grads, w, w_ok, axis_name, dims)
+        if keep_whole and whole is not None:
+            w = total
+        else:
+            whole = None
     added = finite
     if policy.skip_fn is not None:
         added = added & ~jnp.asarray(policy.skip_fn(seen, params), bool)
@@ -328,39 +353,40 @@ def inspect_microbatch(
         tiny = jnp.finfo(jnp.float32).tiny
         clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
         factor = clip if factor is None else factor * clip
-    return Microbatch(jnp.asarray(added), ~finite, jnp.where(added, w, 0.0), factor)
+    return Microbatch(jnp.asarray(added), ~finite, jnp.where(added, w, 0.0), factor, whole)
 
 
 def agreed(
-    policy: Policy, grads: Any, weight: jax.Array, valid: jax.Array, axis_name: str
-) -> tuple[Any, jax.Array | None, jax.Array]:
+    policy: Policy,
+    grads: Any,
+    weight: jax.Array,
+    valid: jax.Array,
+    axis_name: str,
+    dims: Any = None,
+) -> tuple[Any, jax.Array | None, jax.Array, jax.Array, Any]:
     """Inside a map over ``axis_name``: what one device holding all of a microbatch's rows
-    would see, ``(gradient the policy reads, its norm, whether the microbatch is finite)``,
-    the same on every device.
+    would see, the same on every device: ``(gradient the policy reads, its norm, whether the
+    microbatch is finite, the weight to add, the whole gradient or None)``.
 
-    The devices' verdicts (and, for ``max_norm`` and ``skip_fn``, their gradients:
-    `whole_gradient`) meet in one all-reduce; ``"propagate"`` without weights needs none. A
-    device whose rows weigh nothing (``"weighted"``) adds nothing to the microbatch, so its
-    gradient (a mean over no rows: 0/0 in an unguarded loss) has no vote, unless the whole
-    microbatch weighs nothing.
+    The devices' verdicts meet in one all-reduce; for ``max_norm`` and ``skip_fn`` it is the
+    reduction of the whole gradient (`accumjax._agreement.whole_gradient`), which the window
+    then adds and never reduces again. ``"propagate"`` without weights needs none.
     """
     weighted, reads = policy.scaling == "weighted", policy.reads
     if not (policy.detects or weighted or reads):
-        return grads, None, valid
+        return grads, None, valid, weight, None
     own = valid
     if policy.detects and (weighted or not reads):  # else the whole gradient's norm decides
         own = own & jnp.isfinite(global_norm(grads))
-    ballot = votes(policy.scaling, ~own, weight)
-    if reads:
-        seen, ballot, total = whole_gradient(policy.scaling, grads, weight, axis_name, ballot)
-    else:
-        seen, (ballot, total) = grads, jax.lax.psum((ballot, weight if weighted else 0), axis_name)
-    finite = accepted(policy.scaling, ballot, total)
-    norm = None
-    if reads:
-        norm = global_norm(seen)
-        finite = finite & jnp.isfinite(norm) if policy.detects else finite
-    return seen, norm, finite
+    mine = verdict(policy.scaling, ~own, weight)
+    if not reads:
+        return grads, None, accepted(policy.scaling, jax.lax.psum(mine, axis_name)), weight, None
+    whole, summed = whole_gradient(policy.scaling, grads, weight, axis_name, mine, dims)
+    norm = sharded_norm(whole, axis_name, dims)
+    seen = whole if policy.skip_fn is None else gathered(whole, axis_name, dims)
+    finite = accepted(policy.scaling, summed)
+    finite = finite & jnp.isfinite(norm) if policy.detects else finite
+    return seen, norm, finite, summed.weight if weighted else weight, whole
 
 
 def add_microbatch(
@@ -372,8 +398,12 @@ def add_microbatch(
     inspected: Microbatch | None = None,
     reduce: Callable[[Any], Any] | None = None,
     axis_name: str | None = None,
+    gate: jax.Array | None = None,
 ) -> tuple[Window, Microbatch]:
     """Adds one microbatch gradient to the window when it is usable.
+
+    A policy that waits for the decision (`Policy.waits`) selects between the sum with and
+    without the gradient; otherwise each leaf is added as soon as it exists, and counted.
 
     Args:
       policy: the window's `Policy`.
@@ -383,11 +413,14 @@ def add_microbatch(
       params: the parameters, passed to ``policy.skip_fn``.
       inspected: the decision already taken by `inspect_microbatch` on this gradient, or
         None to inspect it here.
-      reduce: inside ``shard_map``, maps the microbatch's weighted (zero when skipped)
-        gradient before it is added: a per-microbatch reduce-scatter into the shards the
-        window keeps; None adds the gradient as it is.
+      reduce: inside ``shard_map``, maps the microbatch's scaled gradient before it is added
+        (zero when not added): a per-microbatch reduce-scatter into the shards the window
+        keeps; None adds the gradient as it is. Unused when the decision carries the
+        ``whole`` gradient (reduced already).
       axis_name: the mapped axis the microbatch's rows are split over: the decision is the
         whole microbatch's (`inspect_microbatch`); None on one device.
+      gate: whether to add the gradient, decided before it exists (a scan window's passes,
+        decided at its end): it is added as it comes, without waiting for ``inspected``.
 
     Returns:
       ``(window, microbatch)``: the new window and what was decided about the microbatch.
@@ -395,21 +428,17 @@ def add_microbatch(
     if inspected is None:
         inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
     m = inspected
-    select = policy.detects or policy.skip_fn is not None or policy.scaling == "weighted"
-
-    def part(a: jax.Array, g: jax.Array) -> jax.Array:
-        return _scaled(policy, m, g.astype(a.dtype))
-
-    def add(a: jax.Array, g: jax.Array) -> jax.Array:
-        new = a + part(a, g)
-        return jnp.where(m.added, new, a) if select else new
-
-    if reduce is None:
-        grad_sum = jax.tree.map(add, window.grad_sum, grads)
+    if gate is None and policy.waits:
+        gate = m.added
+    source = grads if m.whole is None else m.whole
+    part = lambda a, g: _scaled(policy, m, g.astype(a.dtype))
+    if reduce is None or m.whole is not None:
+        add = lambda a, g: a + part(a, g) if gate is None else jnp.where(gate, a + part(a, g), a)
+        grad_sum = jax.tree.map(add, window.grad_sum, source)
     else:
-        kept = lambda a, g: jnp.where(m.added, part(a, g), 0) if select else part(a, g)
+        kept = lambda a, g: part(a, g) if gate is None else jnp.where(gate, part(a, g), 0)
         grad_sum = jax.tree.map(
-            jnp.add, window.grad_sum, reduce(jax.tree.map(kept, window.grad_sum, grads))
+            jnp.add, window.grad_sum, reduce(jax.tree.map(kept, window.grad_sum, source))
         )
     window = Window(
         grad_sum=grad_sum,
@@ -429,6 +458,7 @@ def first_microbatch(
     params: Any = None,
     inspected: Microbatch | None = None,
     axis_name: str | None = None,
+    gate: jax.Array | None = None,
 ) -> tuple[Window, Microbatch]:
     """Opens a window with its first microbatch: the gradient becomes the accumulator.
 
@@ -441,8 +471,7 @@ def first_microbatch(
       grads: the first microbatch's gradient.
       weight: its weight (``scaling="weighted"`` only).
       params: the parameters, passed to ``policy.skip_fn``.
-      inspected: as in `add_microbatch`.
-      axis_name: as in `add_microbatch`.
+      inspected, axis_name, gate: as in `add_microbatch`.
 
     Returns:
       ``(window, microbatch)`` as `add_microbatch`.
@@ -450,14 +479,17 @@ def first_microbatch(
     if inspected is None:
         inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
     m = inspected
+    source = grads if m.whole is None else m.whole
+    if gate is None and policy.waits:
+        gate = m.added
 
     def start(a: jax.Array, g: jax.Array) -> jax.Array:
         g = _scaled(policy, m, g.astype(a.dtype))
-        return jnp.where(m.added, g, jnp.zeros_like(g))
+        return g if gate is None else jnp.where(gate, g, jnp.zeros_like(g))
 
     empty = empty_like(like)
     window = empty._replace(
-        grad_sum=jax.tree.map(start, like.grad_sum, grads),
+        grad_sum=jax.tree.map(start, like.grad_sum, source),
         weight_sum=m.weight,
         micro_step=jnp.ones((), jnp.int32),
         window_nonfinite=m.nonfinite.astype(jnp.int32),
@@ -473,9 +505,6 @@ def _scaled(policy: Policy, m: Microbatch, g: jax.Array) -> jax.Array:
     if policy.scaling == "weighted":
         return weigh(m.factor, g)
     return m.factor.astype(g.dtype) * g
-
-
-REDUCED = -1  # a `close_window` scatter entry: this leaf's sum is a reduced shard already
 
 
 def denominator(
@@ -497,44 +526,6 @@ def denominator(
     return jnp.asarray(weight_sum, jnp.float32)
 
 
-def _reduce_window(
-    grad_sum: Any, scalars: list[jax.Array], axis_name: str, scatter: Any
-) -> tuple[Any, jax.Array]:
-    """The window's one reduction: a grouped ``psum`` of the replicated leaves and the
-    scalars (which travel in the accumulator's dtype when it is float32 or float64, so counts
-    stay exact below 2**24), and a ``psum_scatter`` of the leaves sharded over the axis.
-    Returns the reduced sum and the summed scalars (float32)."""
-    leaves, treedef = jax.tree.flatten(grad_sum)
-    dims = [None] * len(leaves) if scatter is None else treedef.flatten_up_to(scatter)
-    summed = [i for i, d in enumerate(dims) if d is None]
-    scattered = [i for i, d in enumerate(dims) if d is not None and d != REDUCED]
-    dtypes = {jnp.dtype(leaves[i].dtype) for i in summed}
-    dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
-        dtype = jnp.dtype(jnp.float32)
-    parts = [jnp.ravel(x).astype(dtype) for x in scalars]
-    stacked = jnp.concatenate(parts or [jnp.zeros(0, dtype)])
-    reduced, stacked = jax.lax.psum(([leaves[i] for i in summed], stacked), axis_name)
-    for i, x in zip(summed, reduced, strict=True):
-        leaves[i] = x
-    for i in scattered:
-        leaves[i] = jax.lax.psum_scatter(
-            leaves[i], axis_name, scatter_dimension=cast(int, dims[i]), tiled=True
-        )
-    return jax.tree.unflatten(treedef, leaves), stacked.astype(jnp.float32)
-
-
-def _global_norm(grad_sum: Any, axis_name: str | None, scatter: Any) -> jax.Array:
-    """Global norm of a reduced sum whose scattered leaves are shards of the whole."""
-    if axis_name is None or scatter is None:
-        return global_norm(grad_sum)
-    leaves, treedef = jax.tree.flatten(grad_sum)
-    dims = treedef.flatten_up_to(scatter)
-    whole = global_norm([x for x, d in zip(leaves, dims, strict=True) if d is None])
-    shards = global_norm([x for x, d in zip(leaves, dims, strict=True) if d is not None])
-    return jnp.sqrt(jnp.square(whole) + jax.lax.psum(jnp.square(shards), axis_name))
-
-
 def close_window(
     policy: Policy,
     window: Window,
@@ -544,6 +535,7 @@ def close_window(
     *,
     extras: jax.Array | None = None,
     whole_counts: bool = False,
+    verdicts: Verdict | None = None,
 ) -> Closed:
     """Reduces the window once across devices, scales it and decides whether it is usable.
 
@@ -556,45 +548,57 @@ def close_window(
       scatter: with ``axis_name``, a pytree like the sum holding, for each leaf, the
         dimension its parameter is sharded on over ``axis_name`` (that leaf is
         reduce-scattered: each device keeps its shard), `REDUCED` (a shard reduced
-        already, microbatch by microbatch) or None (all-reduced); None for all.
+        already, microbatch by microbatch), `WHOLE` (reduced already, whole) or None
+        (all-reduced); None for all.
       extras: with ``axis_name``, a float vector of the caller's own per-device values
         (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
-      whole_counts: with ``axis_name``, the window is one device's part of a
-        `DeviceWindow`, whose weight sum and counts are whole-batch values already and whose
-        sums add up to one device's: only the sums are reduced, and ``"mean"`` divides by K.
+      whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
+        values already (the devices agreed about each microbatch, or the window is one
+        device's part of a `DeviceWindow`): they are not reduced, and ``"mean"`` divides by
+        K.
+      verdicts: the window's microbatches were added as they came (`Policy.waits` is False,
+        or a first pass of a policy that waits): each one's `accumjax._agreement.Verdict`
+        from this device, stacked. They travel in the reduction and decide the counts;
+        `Closed.accepted` says which microbatches the devices accept.
 
     Returns:
       A `Closed`: ``apply`` is True when the weight sum is > 0, the scaled sum is finite
       (when the policy detects non-finite values) and no microbatch was non-finite under
-      ``"skip_window"``.
+      ``"skip_window"`` (or in a first pass that added every microbatch as it came).
     """
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
-    devices = 1
+    devices, ok = 1, None
     if axis_name is not None:
-        own = [] if whole_counts else [weight_sum, nonfinite, skipped]
-        grad_sum, summed = _reduce_window(
+        counts = [] if whole_counts else [weight_sum, nonfinite, skipped]
+        own = [*counts, *([] if verdicts is None else verdicts)]
+        grad_sum, summed = reduce_window(
             grad_sum, [*own, *([] if extras is None else [extras])], axis_name, scatter
         )
-        devices = 1 if whole_counts else jax.lax.axis_size(axis_name)
         if not whole_counts:
+            devices = jax.lax.axis_size(axis_name)
             # Every device decided the same about each microbatch (`agreed`), so each counted
             # the same: the sum is the devices' number times the count. (Rounded up: a window
             # opened by 0.3, whose devices counted their own rows, comes back the same on
             # every device.)
             weight_sum = summed[0]
             nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
-        extras = None if extras is None else summed[len(own) :]
+        if verdicts is not None:
+            verdicts = Verdict(*summed[len(counts) : len(own)])
+        extras = None if extras is None else summed[-1]
+    if verdicts is not None:
+        ok = accepted(policy.scaling, verdicts)
+        nonfinite = skipped = jnp.sum(~ok).astype(jnp.int32)
     denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
-    norm = _global_norm(grad_sum, axis_name, scatter) / safe
+    norm = sharded_norm(grad_sum, axis_name, scatter) / safe
     apply = weight_sum > 0
     if policy.detects:
         apply = apply & jnp.isfinite(norm)
-    if policy.on_nonfinite == "skip_window":
+    if policy.on_nonfinite == "skip_window" or (verdicts is not None and policy.detects):
         apply = apply & (nonfinite == 0)
-    return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras)
+    return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras, ok)
 
 
 def scaled_gradient(closed: Closed) -> Any:

@@ -15,6 +15,10 @@ The collective counts come from the compiled HLO (``accumjax.count_collectives``
 instructions in the program and instructions executed per step (loop bodies times their
 trip count).
 
+Per-device memory and collectives at N = 2, 4 and 8 devices on a parameter-dominated model
+(FSDP, each ``reduce_scatter`` layout, beside a plain ``jit`` + ``lax.scan`` step) are
+``benchmarks.bench_memory``'s.
+
 1. accumjax scan mode with ``mesh=``/``axis_name=`` (the step runs under ``jit`` on that
    mesh; its state from ``step.init``, replicated there) against a naive ``shard_map`` whose
    scan ``pmean``s every microbatch gradient (all-reduces only).

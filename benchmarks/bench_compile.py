@@ -11,7 +11,9 @@ Variants:
 
 Models: ``transformer`` (the character-level GPT of issue 18: 2 layers, d=64, 64 tokens),
 ``transformer_small`` (the transformer benchmark of docs/limits.md, `bench_transformer`'s "small":
-4 layers, d=256, 256 tokens) and ``mlp`` (256-1024-1024-10, batch 512).
+4 layers, d=256, 256 tokens), ``mlp`` (256-1024-1024-10, batch 512) and ``dense`` (the
+parameter-dominated model of issue 37, ``common.dense_loss``: 8 dense 1024x1024 tanh layers,
+32 MiB of float32 parameters, 16 rows per microbatch, batch 128).
 
 Compile time is ``step.lower(...)`` (trace and lower to StableHLO) plus ``.compile()`` (XLA),
 wall clock, of a freshly built ``jax.jit`` after ``jax.clear_caches()`` with the persistent
@@ -40,7 +42,7 @@ from benchmarks.bench_transformer import LM, SIZES
 
 K = 8
 VARIANTS = ("accumjax_scan", "accumjax_scan_propagate", "optax_microbatch")
-MODELS = ("transformer", "transformer_small", "mlp")
+MODELS = ("transformer", "transformer_small", "mlp", "dense")
 # A character-level GPT: 2 layers, d=64, 64 tokens (4 rows per microbatch at K=8).
 LM_SIZE = dict(vocab=65, d=64, layers=2, heads=4, mlp=256, seq=64, batch=32)
 MLP_DIMS = (256, 1024, 1024, 10)
@@ -163,6 +165,8 @@ def _runner(variant: Variant, batch: Any) -> Callable[[Any], Any]:
 def _model(model: str) -> tuple[Callable[[Any, Any], jax.Array], Any, Any]:
     if model == "mlp":
         return _mlp()
+    if model == "dense":
+        return common.dense_loss, common.dense_params(), common.dense_batch(K * common.DENSE_ROWS)
     return _lm(LM_SIZE if model == "transformer" else SIZES["small"])
 
 
@@ -193,6 +197,11 @@ def run(rounds: int = 5, time_rounds: int = 15) -> dict[str, Any]:
         "transformer": LM_SIZE,
         "transformer_small": SIZES["small"],
         "mlp": {"dims": MLP_DIMS, "batch": MLP_BATCH},
+        "dense": {
+            "layers": common.DENSE_LAYERS,
+            "width": common.DENSE_WIDTH,
+            "batch": K * common.DENSE_ROWS,
+        },
         "rounds": rounds,
         "time_rounds": time_rounds,
     }

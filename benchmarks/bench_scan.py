@@ -2,6 +2,11 @@
 
 Time is measured side by side; memory is XLA's own figure for the compiled step
 (``compiled.memory_analysis().temp_size_in_bytes``), which is deterministic.
+
+Three models: an activation-heavy MLP (256-2048x3-256, batch 1024), a small convnet (time
+only), and the parameter-dominated model of ``common`` (8 dense 1024x1024 tanh layers, 32 MiB
+of float32 parameters, 16 rows per microbatch: ``param_dominated``), where the scan step runs
+with the default policy and with ``on_nonfinite="propagate"``.
 """
 
 from __future__ import annotations
@@ -35,13 +40,13 @@ def _state(step, params, k: int) -> accumjax.TrainState:
     return step.init(params, accumjax.accumulate(_tx(), k))
 
 
-def _full_batch_step():
+def _full_batch_step(loss=_loss):
     tx = _tx()
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(carry, batch):
         params, opt_state = carry
-        grads = jax.grad(_loss)(params, batch)
+        grads = jax.grad(loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -103,6 +108,45 @@ def _conv_case(calls: int, rounds: int) -> dict[str, float]:
     return {k: v * 1e3 for k, v in seconds.items()}
 
 
+def _param_dominated(calls: int, rounds: int) -> dict[str, Any]:
+    """The parameter-dominated model at K=8: ms per step and XLA temp MiB of the scan step
+    (default policy and ``propagate``), ``optax.microbatch`` and the full-batch step."""
+    params = common.dense_params()
+    batch = common.dense_batch(K * common.DENSE_ROWS)
+    carry = (params, _tx().init(params))
+    steps = {
+        "full_batch": _full_batch_step(common.dense_loss),
+        "optax_microbatch": common.optax_microbatch_step(
+            common.dense_loss, _tx(), common.DENSE_ROWS
+        ),
+    }
+    cases: dict[str, Any] = {name: (lambda c, s=s: s(c, batch), carry) for name, s in steps.items()}
+    memory = {name: _temp_mib(s, carry, batch) for name, s in steps.items()}
+    for name, policy in (
+        ("accumjax_scan", "skip_microbatch"),
+        ("accumjax_scan_propagate", "propagate"),
+    ):
+        step = accumjax.make_train_step(common.dense_loss, mode="scan")
+        state = step.init(params, accumjax.accumulate(_tx(), K, on_nonfinite=policy))
+        cases[name] = (lambda st, step=step: step(st, batch)[0], state)
+        memory[name] = _temp_mib(step, state, batch)
+    seconds = common.time_interleaved(cases, calls=calls, rounds=rounds)
+    ms = {k: v * 1e3 for k, v in seconds.items()}
+    return {
+        "model": {
+            "layers": common.DENSE_LAYERS,
+            "width": common.DENSE_WIDTH,
+            "params": common.n_params(params),
+            "batch": K * common.DENSE_ROWS,
+            "K": K,
+        },
+        "ms_per_step": ms,
+        "time_vs_optax_microbatch": {k: v / ms["optax_microbatch"] for k, v in ms.items()},
+        "temp_mib": memory,
+        "temp_vs_optax_microbatch": {k: v / memory["optax_microbatch"] for k, v in memory.items()},
+    }
+
+
 def _temp_mib(step, *args) -> float:
     analysis = step.lower(*args).compile().memory_analysis()
     return analysis.temp_size_in_bytes / common.MiB
@@ -135,6 +179,7 @@ def run(calls: int = 3, rounds: int = 5) -> dict[str, Any]:
         memory_vs_k["optax_microbatch"].append(_temp_mib(_optax_microbatch_step(k), carry, batch))
     conv = _conv_case(calls, rounds)
     return {
+        "param_dominated": _param_dominated(calls, rounds),
         "model": {"dims": DIMS, "params": common.n_params(params), "batch": BATCH, "K": K},
         "conv_ms_per_step": conv,
         "conv_ratios": {k: v / conv["full_batch"] for k, v in conv.items()},

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: an MLP, interleaved timing, machine description."""
+"""Shared pieces of the benchmarks: an MLP, a parameter-dominated model, interleaved timing,
+machine description."""
 
 from __future__ import annotations
 
@@ -44,6 +45,40 @@ def batch(n: int, dim: int, classes: int, seed: int = 1) -> tuple[jax.Array, jax
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
     return x, jnp.asarray(rng.integers(0, classes, n), jnp.int32)
+
+
+# The parameter-dominated model of issue 37 (the shape of large-model fine-tuning): 8 dense
+# 1024x1024 tanh layers without biases (32 MiB of float32 parameters), small activations:
+# 16 rows per microbatch (per device on a mesh).
+DENSE_LAYERS, DENSE_WIDTH, DENSE_ROWS = 8, 1024, 16
+
+
+def dense_params(seed: int = 0) -> dict[str, jax.Array]:
+    """Kernels of the parameter-dominated model: ``w0`` ... ``w7``, each ``DENSE_WIDTH`` square,
+    normal with variance ``1 / DENSE_WIDTH``."""
+    rng = np.random.default_rng(seed)
+    shape = (DENSE_WIDTH, DENSE_WIDTH)
+    scale = 1 / np.sqrt(DENSE_WIDTH)
+    return {
+        f"w{i}": jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+        for i in range(DENSE_LAYERS)
+    }
+
+
+def dense_loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean squared error of the parameter-dominated model (``tanh(h @ w)`` per layer) against
+    ``batch["y"]``."""
+    h = batch["x"]
+    for i in range(len(params)):
+        h = jnp.tanh(h @ params[f"w{i}"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def dense_batch(n: int, seed: int = 1) -> dict[str, jax.Array]:
+    """``n`` rows of inputs and targets for the parameter-dominated model."""
+    rng = np.random.default_rng(seed)
+    x, y = (rng.normal(size=(n, DENSE_WIDTH)).astype(np.float32) for _ in range(2))
+    return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
 
 
 def n_params(tree: Any) -> int:

@@ -67,6 +67,18 @@ def table(r: dict) -> str:
             f"{err['accumjax'][-1]:.1e} / {err['multisteps'][-1]:.1e}",
         ),
     ]
+    dense = scan.get("param_dominated")  # absent from results written before issue 37
+    if dense:
+        t, m = dense["time_vs_optax_microbatch"], dense["temp_mib"]
+        variants = ("accumjax_scan", "accumjax_scan_propagate", "optax_microbatch", "full_batch")
+        rows.insert(
+            -2,
+            (
+                "8x1024x1024 tanh model, K=8, XLA temp MiB (time / optax.microbatch): "
+                "accumjax default / `propagate` / optax.microbatch / full batch",
+                " / ".join(f"{m[v]:.1f} ({t[v]:.2f})" for v in variants),
+            ),
+        )
     lines = [f"| {a} | {b} |" for a, b in rows]
     lines.insert(1, "|---|---|")
     return "\n".join(lines)
@@ -131,6 +143,11 @@ if __name__ == "__main__":
 
         print()
         print(compile_table(results["compile"]))
+    if "memory" in results:
+        from benchmarks.bench_memory import table as memory_table
+
+        print()
+        print(memory_table(results["memory"]))
     if "nonfinite" in results:
         from benchmarks.bench_nonfinite import table as nonfinite_table
 

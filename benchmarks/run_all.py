@@ -14,8 +14,9 @@ than ``benchmarks/results`` (a GPU run beside the committed CPU figures);
 ``benchmarks/gpu.sh OUT`` is that command, ready for a GPU machine (``gpu.sh --quick OUT``: the
 compile and non-finite benchmarks only, with few rounds). ``--rounds N`` sets the timed rounds of
 the compile and non-finite benchmarks (their compile rounds stay 5, 2 with ``--quick``). The
-collectives
-benchmark runs on 8 host CPU devices on every machine. After each benchmark what has finished
+collectives benchmark runs on 8 host CPU devices on every machine, and the memory benchmark
+(``bench_memory``: compile-only, per-device XLA memory and collectives on 1 and on 2, 4 and 8
+host CPU devices) in processes of its own on the CPU. After each benchmark what has finished
 is written to ``results.partial.json`` beside ``results.json`` (removed when the run ends), so
 a run cut off by a time limit keeps it without touching ``results.json``.
 
@@ -44,6 +45,7 @@ from benchmarks import (
     bench_accumulate,
     bench_accuracy,
     bench_compile,
+    bench_memory,
     bench_nonfinite,
     bench_scan,
     bench_transformer,
@@ -51,7 +53,16 @@ from benchmarks import (
 )
 
 RESULTS = Path(__file__).parent / "results"
-NAMES = ("accumulate", "scan", "accuracy", "collectives", "transformer", "compile", "nonfinite")
+NAMES = (
+    "accumulate",
+    "scan",
+    "accuracy",
+    "collectives",
+    "memory",
+    "transformer",
+    "compile",
+    "nonfinite",
+)
 
 
 def _collectives() -> dict[str, Any]:
@@ -271,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         "scan": lambda: bench_scan.run(**timing),
         "accuracy": bench_accuracy.run,
         "collectives": _collectives,
+        "memory": bench_memory.run,
         "transformer": lambda: bench_transformer.run(size, rounds=2 if args.quick else 6),
         "compile": lambda: bench_compile.run(
             rounds=2 if args.quick else 5, time_rounds=args.rounds or (3 if args.quick else 15)
@@ -309,7 +321,9 @@ def main(argv: list[str] | None = None) -> None:
         print(bench_compile.table(results["compile"]))
     if "nonfinite" in results:
         print(bench_nonfinite.table(results["nonfinite"]))
-    skip = ("accuracy", "transformer", "compile", "nonfinite")
+    if "memory" in results:
+        print(bench_memory.table(results["memory"]))
+    skip = ("accuracy", "memory", "transformer", "compile", "nonfinite")
     print(json.dumps({k: v for k, v in results.items() if k not in skip}, indent=2))
     print("wrote", path, *paths)
 

@@ -344,6 +344,28 @@ def test_traced_invalid_weight_is_skipped_and_counted():
     assert float(out["a"]) == 2.0 and int(state.nonfinite_count) == 1
 
 
+def test_stats_sizes_every_state_layout():
+    """Issue 38: a scan-mode state holds no accumulator, and ``stats`` reported 0 parameters
+    and 0 bytes for it. Every layout of one problem (9 scalars, a bfloat16 leaf summed in
+    float32: 36 bytes a sum) reports its parameters, and the bytes of its window's sum."""
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3, jnp.bfloat16)}
+    tx = accumjax.accumulate(optax.sgd(1.0), 3)
+    scan = accumjax.make_train_step(lambda p, b: 0.0, mode="scan").init(params, tx)
+    stream = accumjax.make_train_step(lambda p, b: 0.0).init(params, tx)
+    create = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    for layout in (tx.init(params), scan, stream, stream.opt_state, create):
+        s = accumjax.stats(layout)
+        assert (s.num_parameters, s.memory_bytes) == (9, 36), type(layout).__name__
+    # On its own a scan-mode optimizer state knows neither: unknown, not 0.
+    s = accumjax.stats(scan.opt_state)
+    assert (s.num_parameters, s.memory_bytes) == (None, None)
+    # Kept per data shard on 8 devices: the parameters once, every shard's sum.
+    mesh = jax.make_mesh((8,), ("data",))
+    placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    s = accumjax.stats(accumjax.make_train_step(lambda p, b: 0.0).init(placed, tx))
+    assert (s.num_parameters, s.memory_bytes) == (9, 8 * 36)
+
+
 def test_free_functions_on_state():
     tx = accumjax.accumulate(optax.sgd(1.0), 3, scaling="weighted")
     params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3, jnp.bfloat16)}

@@ -338,10 +338,11 @@ def test_errors():
         make_nnx_train_step(mse, has_aux=True)(state, window)
 
 
-def test_nnx_train_state_mode_is_deprecated_and_builds_the_step_init_state():
-    deprecated = r"nnx_train_state\(mode=\.\.\.\) is deprecated.*step\.init\(model, tx\)"
-    with pytest.warns(DeprecationWarning, match=deprecated):
-        old = nnx_train_state(MLP(nnx.Rngs(0)), _acc(), mode="scan")
+def test_nnx_train_state_takes_no_mode_and_with_mode_gives_the_step_init_state():
+    # 0.3 deprecated nnx_train_state(mode=...), 0.4 removed it: the step builds its state.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'mode'"):
+        nnx_train_state(MLP(nnx.Rngs(0)), _acc(), mode="scan")  # pyright: ignore[reportCallIssue]
+    old = accumjax.with_mode(nnx_train_state(MLP(nnx.Rngs(0)), _acc()), "scan")
     step = _step(mse, mode="scan")
     new = step.init(MLP(nnx.Rngs(0)), _acc())
     assert jax.tree.structure(old) == jax.tree.structure(new)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import accumjax
 from accumjax import planner
@@ -415,3 +417,44 @@ def test_multisteps_is_refused_by_the_step_and_named_with_k(setup):
     with pytest.raises(TypeError, match="MultiSteps") as info:
         plan_microbatches(_loss, multi, batch, memory_budget=2**40, candidates=[2])
     assert any("K=2" in note for note in getattr(info.value, "__notes__", []))
+
+
+# ----------------------------------------------------------------------------- on a mesh
+
+N = 8
+
+
+def _on_mesh(setup, kind, fsdp):
+    """The module's state and batch on 8 devices: the batch split over "data", the parameters
+    replicated or split over it on their first dimension (FSDP)."""
+    state, batch = setup
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(kind,))
+    params = jax.device_put(state.params, NamedSharding(mesh, P("data") if fsdp else P()))
+    return params, jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_on_a_mesh_the_plan_is_the_program_the_step_runs_per_device(setup, kind, fsdp):
+    """Issue 38: called as the guide shows (no ``jax.set_mesh``), on an Explicit mesh
+    (``jax.make_mesh``'s default) it raised, and on an Auto mesh it planned the unsharded
+    one-device program. Its bytes are ``memory_analysis()`` of the step it plans, as the step
+    runs it (state from ``step.init``), per device: exactly, and below the one-device
+    program's, which a plan of the unsharded program gives."""
+    params, batch = _on_mesh(setup, kind, fsdp)
+    step = accumjax.make_train_step(_loss, mode="scan")
+    tx = accumjax.accumulate(optax.adam(1e-3), 1)
+    plan = plan_microbatches(
+        _loss, step.init(params, tx), batch, memory_budget=2**40, candidates=[4]
+    )
+    ran = step.lower(step.init(params, accumjax.with_every_k(tx, 4)), batch).compile()
+    assert plan.tried == ((4, planner.compiled_memory_bytes(ran)),) and plan.devices == N
+    assert plan.predicted_bytes < _bytes_of_k(*setup, 4)  # 1.05 / 1.51 MB against 2.28 MB
+
+
+def test_on_a_mesh_candidates_divide_the_rows_each_device_gets(setup):
+    """The rule is global: K must divide the rows of each of the 8 devices (1024 / 8)."""
+    params, batch = _on_mesh(setup, AxisType.Explicit, fsdp=False)
+    state = accumjax.make_train_step(_loss, mode="scan").init(params, optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"\[256\].*1024 rows on 8 device.*divide the 128 rows"):
+        plan_microbatches(_loss, state, batch, memory_budget=2**40, candidates=[4, 256])

@@ -1,13 +1,16 @@
 """The train step on a mesh under ``jit`` (accumjax.sharded, accumjax._sharded_steps).
 
 8 host CPU devices: replicated data parallel and FSDP, Explicit and Auto meshes, a 2-D
-(data, model) mesh, BatchNorm model state. References: the same step on one device, plain
-optax on the whole batch, and the collectives in the compiled HLO. Every metric is a scalar
-equal to the one-device value; the gradient is reduced once per window in both modes.
+(data, model) mesh, BatchNorm model state. References: plain optax on the whole batch, every
+policy's window computed by hand in float64 NumPy (tests/_reference.py) on 1 and 8 devices,
+and the collectives in the compiled HLO. Every metric is a scalar equal to the one-device
+value; the gradient is reduced once per window in both modes.
 """
 
+import functools
 import re
 
+import _reference as reference
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,7 +29,8 @@ N = 8
 # A reduction of gradients moves at least one parameter's worth of bytes (the smallest, b1,
 # is 32 floats); the metrics a stream call reduces are a few scalars.
 GRADIENT_BYTES = 32 * 4
-# Per-device float32 sums reduced once against one device's sum over the same rows: ulps.
+# float32 sums of the same rows in another order (per device and microbatch, reduced once)
+# against plain optax's full-batch sum: a few ulps, which two momentum steps carry.
 SAME_SUM = dict(rtol=2e-5, atol=2e-6)
 
 
@@ -87,23 +91,40 @@ def _scan_run(mesh, fsdp, steps=2):
     return state, metrics, compiled
 
 
-@pytest.fixture(scope="module")
-def one_device_scan():
-    return _scan_run(None, False)
+@functools.cache
+def _plain_optax(steps):
+    """The reference of `_scan_run`: plain optax (SGD, 0.1, momentum 0.9) on one device,
+    ``steps`` steps on the whole batch's gradient (float32, one jitted program), and the last
+    step's loss and gradient norm (a mean over rows: the mean of equal microbatches' means)."""
+    params, batch = _problem()
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+    opt_state = tx.init(params)
+    for _ in range(steps):
+        params, opt_state, loss, norm = step(params, opt_state)
+    return jax.tree.map(np.asarray, params), {"loss": float(loss), "grad_norm": float(norm)}
 
 
 @pytest.mark.parametrize(
     "kind,fsdp", [("explicit", False), ("auto", False), ("explicit", True), ("auto", True)]
 )
-def test_scan_on_a_mesh_matches_one_device_and_reduces_once_per_window(kind, fsdp, one_device_scan):
+def test_scan_on_a_mesh_matches_plain_optax_and_reduces_once_per_window(kind, fsdp):
     state, metrics, compiled = _scan_run(_mesh(kind), fsdp)
-    ref, ref_metrics, _ = one_device_scan
-    for key in ref.params:
-        np.testing.assert_allclose(state.params[key], ref.params[key], **SAME_SUM)
+    ref, ref_metrics = _plain_optax(2)
+    for key in ref:
+        np.testing.assert_allclose(state.params[key], ref[key], **SAME_SUM)
     # Global values: the scalars of one device (the loss travels in the window's reduction).
-    assert {k: jnp.shape(v) for k, v in metrics.items()} == {k: () for k in ref_metrics}
+    assert {k: jnp.shape(v) for k, v in metrics.items()} == {
+        k: () for k in (*ref_metrics, "updated")
+    }
     for key in ("loss", "grad_norm"):  # float32 sums in another order: 1e-6
-        np.testing.assert_allclose(float(metrics[key]), float(ref_metrics[key]), rtol=1e-6)
+        np.testing.assert_allclose(float(metrics[key]), ref_metrics[key], rtol=1e-6)
     static = count_collectives(compiled, min_bytes=64)
     assert _counts(compiled, 1, min_bytes=64) == static  # nothing gradient-sized in the loop
     # Issue 32: the devices agree about each microbatch in an all-reduce of two scalars, so a
@@ -152,7 +173,7 @@ def test_layout_of_reads_the_data_axis_and_refuses_what_it_cannot_split():
         sharded.data_axis(mesh)
 
 
-def test_the_mesh_path_keeps_a_sharded_state_and_places_what_is_off_the_mesh(one_device_scan):
+def test_the_mesh_path_keeps_a_sharded_state_and_places_what_is_off_the_mesh():
     # make_train_step(mesh=, axis_name=) runs where the arrays lie: an FSDP state stays
     # sharded (it used to be refused), unsharded inputs go on the mesh.
     mesh = _mesh()
@@ -164,9 +185,9 @@ def test_the_mesh_path_keeps_a_sharded_state_and_places_what_is_off_the_mesh(one
     state = step.init(_put(params, mesh, fsdp=True), tx)
     for _ in range(2):
         state, metrics = step(state, batch)  # the batch is split over "data" by the step
-    ref, _, _ = one_device_scan
-    for key in ref.params:
-        np.testing.assert_allclose(state.params[key], ref.params[key], **SAME_SUM)
+    ref, _ = _plain_optax(2)
+    for key in ref:
+        np.testing.assert_allclose(state.params[key], ref[key], **SAME_SUM)
     assert state.params["w1"].sharding.spec[0] == "data" and metrics["loss"].shape == ()
 
 
@@ -197,31 +218,25 @@ def test_fsdp_gather_per_microbatch_trades_gathers_for_memory():
     # device must run the same gathers).
     assert window_counts["all-gather"] == 2 and micro_counts["all-gather"] == 2 * K
     assert window_counts["reduce-scatter"] == micro_counts["reduce-scatter"] == 2  # once
-    for key in window_params:  # the same arithmetic in two programs: to float32 rounding
-        np.testing.assert_allclose(window_params[key], micro_params[key], rtol=1e-6, atol=1e-7)
+    ref, _ = _plain_optax(1)
+    for key in ref:
+        np.testing.assert_allclose(window_params[key], ref[key], **SAME_SUM)
+        np.testing.assert_allclose(micro_params[key], ref[key], **SAME_SUM)
     with pytest.raises(ValueError, match="gather_params"):
         accumjax.make_train_step(_loss, mode="scan", gather_params="layer")
 
 
-def test_a_nan_on_one_device_with_a_gather_per_microbatch_is_skipped_on_that_device_only():
-    # A NaN in device 0's rows of microbatch 3. Gathering per microbatch puts collectives in
-    # the loop: a re-run decided on device 0 alone left the others waiting in the gather
-    # (XLA aborted after 40 s). Each device decides about its own rows (its share of the
-    # microbatch), so only device 0's share is left out, as when gathering once per window.
-    mesh = _mesh()
-    params, batch = _problem()
-    batch["x"][3] = np.nan
-    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    tx = accumjax.accumulate(optax.sgd(0.1), K)
-    out = {}
-    for gather in ("microbatch", "window"):
-        step = accumjax.make_train_step(_loss, mode="scan", gather_params=gather, donate=False)
-        out[gather] = step(step.init(_put(params, mesh, True), tx), batch)[0]
-    lean, usual = out["microbatch"], out["window"]
-    assert [int(s.opt_state.skipped_microbatches) for s in (lean, usual)] == [1, 1]
-    for key in params:  # two programs: to float32 rounding; finite
-        np.testing.assert_allclose(lean.params[key], usual.params[key], rtol=1e-6, atol=1e-7)
-        assert np.isfinite(np.asarray(lean.params[key])).all()
+@pytest.mark.parametrize("policy", ["skip_microbatch", "max_norm"])
+def test_a_gather_per_microbatch_matches_the_float64_reference(policy):
+    # A NaN target (a large one for max_norm) in device 0's rows of microbatch 1. Gathering
+    # per microbatch puts collectives in the loop: a re-run decided on device 0 alone left the
+    # others waiting in the gather (XLA aborted after 40 s). The whole microbatch is left out
+    # (clipped by its whole norm), as when gathering once per window.
+    params, batch, expected = _reference_problem(policy)
+    state, metrics = _reference_run(
+        policy, "scan", "8 fsdp", params, batch, gather_params="microbatch"
+    )
+    _check_against_reference(state, metrics, "scan", params, expected)
 
 
 @pytest.mark.parametrize("on_nonfinite", ["skip_microbatch", "skip_window"])
@@ -259,14 +274,24 @@ def test_aux_is_global_rows_concatenated_and_scalars_averaged():
     params, batch = _problem()
     tx = accumjax.accumulate(optax.sgd(0.1), K)
     mesh = _mesh()
-    for mode, rows in (("scan", batch), ("stream", jax.tree.map(lambda a: a[:N], batch))):
+    # The reference, float64 NumPy: each row's residual at the parameters.
+    wide = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    err = np.tanh(batch["x"] @ wide["w1"] + wide["b1"]) @ wide["w2"] - batch["y"]
+    scan_ref = {  # stacked per microbatch (rows i, i + K, ...)
+        "row": np.stack([np.mean(err[i::K] ** 2, axis=1) for i in range(K)]),
+        "mean": np.array([np.mean(err[i::K]) for i in range(K)]),
+    }
+    stream_ref = {"row": np.mean(err[:N] ** 2, axis=1), "mean": np.mean(err[:N])}
+    for mode, rows, ref in (
+        ("scan", batch, scan_ref),
+        ("stream", jax.tree.map(lambda a: a[:N], batch), stream_ref),
+    ):
         step = accumjax.make_train_step(loss, mode=mode, has_aux=True, donate=False)
-        _, ref = step(step.init(params, tx), rows)
         on_mesh = jax.device_put(rows, NamedSharding(mesh, P("data")))
         _, got = step(step.init(_put(params, mesh, False), tx), on_mesh)
-        assert jax.tree.map(jnp.shape, got["aux"]) == jax.tree.map(jnp.shape, ref["aux"])
-        for a, b in zip(jax.tree.leaves(got["aux"]), jax.tree.leaves(ref["aux"]), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32, another order
+        for key in ref:  # float32 against float64: sums of 16 and 32 terms, 1e-6
+            assert got["aux"][key].shape == ref[key].shape, key
+            np.testing.assert_allclose(got["aux"][key], ref[key], rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- stream mode
@@ -292,29 +317,33 @@ def _stream_run(mesh, fsdp, tx, step=None):
     return state, metrics, compiled
 
 
+@functools.cache
 def _full_batch_sgd():
-    """One device, plain optax SGD on each window's K * N rows at once (float32)."""
+    """One device, plain optax SGD on each window's K * N rows at once (float32, one jitted
+    program): the parameters after the two windows, and each stream call's loss (its N rows'
+    mean at the window's parameters)."""
     params, batch = _problem()
     tx = optax.sgd(0.5)
-    opt_state = tx.init(params)
+
+    @jax.jit
+    def window(params, opt_state, rows):
+        updates, opt_state = tx.update(jax.grad(_loss)(params, rows), opt_state, params)
+        calls = jax.tree.map(lambda a: a.reshape(K, N, *a.shape[1:]), rows)
+        losses = jax.vmap(_loss, in_axes=(None, 0))(params, calls)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    opt_state, losses = tx.init(params), []
     for w in range(len(batch["x"]) // (K * N)):
         rows = jax.tree.map(lambda a, w=w: a[w * K * N : (w + 1) * K * N], batch)
-        updates, opt_state = tx.update(jax.grad(_loss)(params, rows), opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-@pytest.fixture(scope="module")
-def one_device_stream():
-    return _stream_run(None, False, accumjax.accumulate(optax.sgd(0.5), K))
+        params, opt_state, window_losses = window(params, opt_state, rows)
+        losses += [float(x) for x in window_losses]
+    return jax.tree.map(np.asarray, params), losses
 
 
 @pytest.mark.parametrize(
     "kind,fsdp", [("explicit", False), ("auto", False), ("explicit", True), ("auto", True)]
 )
-def test_stream_on_a_mesh_reduces_once_per_window_with_global_metrics(
-    kind, fsdp, one_device_stream
-):
+def test_stream_on_a_mesh_reduces_once_per_window_with_global_metrics(kind, fsdp):
     # A state from step.init keeps one partial sum per device (FSDP: the gather of the
     # sharded parameters and the reduce-scatter of their gradient, per call); each call's
     # loss and counts travel in one small all-reduce; the gradient is reduced when the
@@ -323,14 +352,13 @@ def test_stream_on_a_mesh_reduces_once_per_window_with_global_metrics(
     state, metrics, compiled = _stream_run(
         _mesh(kind), fsdp, accumjax.accumulate(optax.sgd(0.5), K)
     )
-    ref = _full_batch_sgd()
+    ref, losses = _full_batch_sgd()
     for key in ref:
         np.testing.assert_allclose(state.params[key], ref[key], rtol=1e-5, atol=1e-6)
-    _, ref_metrics, _ = one_device_stream
     assert int(state.step) == 2
-    for got, want in zip(metrics, ref_metrics, strict=True):  # the one-device scalars
-        assert {k: jnp.shape(v) for k, v in got.items()} == {k: () for k in want}
-        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    for got, want in zip(metrics, losses, strict=True):  # global scalars: each call's rows
+        assert {k: jnp.shape(v) for k, v in got.items()} == dict.fromkeys(got, ())
+        np.testing.assert_allclose(float(got["loss"]), want, rtol=1e-6)  # another order
     # The close runs in a loop of at most one trip whose count XLA does not know: a trip
     # count of 0 counts what every call runs, 1 what the closing call runs.
     every, closing = _counts(compiled, 0), _counts(compiled, 1)
@@ -342,7 +370,7 @@ def test_stream_on_a_mesh_reduces_once_per_window_with_global_metrics(
     assert _counts(compiled, 1, GRADIENT_BYTES)["all-reduce"] == 1  # once per window
 
 
-def test_stream_states_from_create_train_on_a_mesh_reducing_every_call(one_device_stream):
+def test_stream_states_from_create_train_on_a_mesh_reducing_every_call():
     # TrainState.create's parameter-shaped window: the gradient is reduced on every call
     # (in the same shard_map), the result is the same.
     mesh = _mesh()
@@ -354,19 +382,19 @@ def test_stream_states_from_create_train_on_a_mesh_reducing_every_call(one_devic
     compiled = step.lower(state, micro[0]).compile()
     for mb in micro:
         state, _ = step(state, mb)
-    ref = _full_batch_sgd()
+    ref, _ = _full_batch_sgd()
     for key in ref:
         np.testing.assert_allclose(state.params[key], ref[key], rtol=1e-5, atol=1e-6)
     assert _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"] == 1
 
 
-def test_stream_on_a_2d_mesh_reduces_once_per_window_over_the_data_axis(one_device_stream):
+def test_stream_on_a_2d_mesh_reduces_once_per_window_over_the_data_axis():
     # (data=4, model=2): replicated parameters, and a tensor-parallel kernel split over
     # "model". The window is kept per data shard and reduced over "data" once per window.
     params, batch = _problem()
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     tx = accumjax.accumulate(optax.sgd(0.5), K)
-    ref = _full_batch_sgd()
+    ref, _ = _full_batch_sgd()
     for tp in (False, True):
         step = accumjax.make_train_step(_loss, mesh=mesh, axis_name="data")
         placed = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in params.items()}
@@ -424,26 +452,24 @@ def test_stream_with_batch_norm_pools_statistics_per_call_and_reduces_gradients_
         return jnp.mean((out - b["y"]) ** 2), new
 
     tx = accumjax.accumulate(optax.sgd(0.1), K)
-    ms = {"batch_stats": variables["batch_stats"]}
-    results = {}
-    for where in ("one device", "mesh"):
-        mesh = _mesh() if where == "mesh" else None
-        step = accumjax.make_train_step(loss, donate=False)
-        p = variables["params"]
-        p = p if mesh is None else jax.device_put(p, NamedSharding(mesh, P()))
-        state = step.init(p, tx, model_state=ms)
-        micro = _micro(batch, mesh)[:K]  # one window: the parameters are the same
-        compiled = step.lower(state, micro[0]).compile()
-        for mb in micro:
-            state, _ = step(state, mb)
-        results[where] = (state, compiled)
-    (one, _), (meshed, compiled) = results.values()
-    stats_one = one.model_state["batch_stats"]["AccumBatchNorm_0"]
-    stats_mesh = meshed.model_state["batch_stats"]["AccumBatchNorm_0"]
-    # The running statistics are the pooled window's (Chan et al.), as on one device (the
-    # updates differ: each device normalizes its own rows).
+    mesh = _mesh()
+    step = accumjax.make_train_step(loss, donate=False)
+    params = jax.device_put(variables["params"], NamedSharding(mesh, P()))
+    state = step.init(params, tx, model_state={"batch_stats": variables["batch_stats"]})
+    micro = _micro(batch, mesh)[:K]  # one window: the parameters are the same throughout
+    compiled = step.lower(state, micro[0]).compile()
+    for mb in micro:
+        state, _ = step(state, mb)
+    stats_mesh = state.model_state["batch_stats"]["AccumBatchNorm_0"]
+    # The running statistics move once by the pooled window's statistics (Chan et al.), as on
+    # one device (the updates differ: each device normalizes its own rows). The reference,
+    # float64 NumPy: the first Dense layer's outputs over the window's K * N rows, momentum
+    # 0.5 from the initial (0, 1). float32 sums of 32 rows: 1e-6.
+    dense = {k: np.asarray(v, np.float64) for k, v in variables["params"]["Dense_0"].items()}
+    h = batch["x"][: K * N] @ dense["kernel"] + dense["bias"]
+    want = {"mean": 0.5 * h.mean(0), "var": 0.5 + 0.5 * h.var(0)}
     for name in ("mean", "var"):
-        np.testing.assert_allclose(stats_mesh[name], stats_one[name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(stats_mesh[name], want[name], rtol=1e-5, atol=1e-6)
     assert int(stats_mesh["acc_step"]) == 0 and stats_mesh["acc_mean"].shape == (8,)
     assert _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"] == 0
     assert _counts(compiled, 1, GRADIENT_BYTES)["all-reduce"] == 1
@@ -549,81 +575,84 @@ def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx_state.params))
 
 
-# ----------------------------------------------------------------------------- a global microbatch
+# ----------------------------------------------------------------------------- a fixed reference
 
-# Issue 32: every policy decides about the whole microbatch, as one device holding all its rows
-# would. Each policy's own trait: a NaN row on one device (the default, skip_window, count,
-# weighted), a row whose targets are 1e4 times the others' (max_norm clips its microbatch,
-# skip_fn skips it, by the whole microbatch's norm).
-_LARGE = 1e4
+# Issues 32 and 36: every policy decides about the whole microbatch, as one device holding all
+# its rows would, and makes of the window what tests/_reference.py computes by hand in float64
+# NumPy, on one device, on 8 (replicated parameters) and under FSDP. Each policy's trait sits
+# in row 1 (microbatch 1; on a mesh, device 0's rows): a NaN target (the non-finite policies;
+# under "propagate" one column of the gradient is NaN and the other is checked) or targets
+# _LARGE times the others' (max_norm clips microbatch 1 and two more by their whole norms,
+# skip_fn skips microbatch 1; on one device's two rows of a microbatch the norms differ, up to
+# 111 against 13).
+_MAX_NORM, _SKIP_NORM, _LARGE = 7.0, 11.0, 30.0
 _POLICIES = {
     "skip_microbatch": {},
     "skip_window": {"on_nonfinite": "skip_window"},
-    "count": {"scaling": "count"},
-    "weighted": {"scaling": "weighted"},
-    "max_norm": {"max_norm": 1.0},
-    "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > 100.0},
     "propagate": {"on_nonfinite": "propagate"},
+    "count": {"scaling": "count"},
+    "sum": {"scaling": "sum"},
+    "weighted": {"scaling": "weighted"},
+    "max_norm": {"max_norm": _MAX_NORM},
+    "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > _SKIP_NORM},
 }
+_LR = 0.5
+# float32 against float64: each gradient entry is a sum of at most 64 products of O(1) terms,
+# each rounded once (2**-24 relative), and the SGD step rounds once more: a few 1e-7 of the
+# values' scale (measured: at most 5e-7, on 1 and 8 devices). A halved gradient, a microbatch
+# decided on one device's rows or a wrong K moves the parameters by 1e-2 or more.
+_FLOAT32 = 2e-6
 
 
-def _global_problem(policy):
-    """Two windows of K strided microbatches (rows i, i + K, ... on one device and on every
-    mesh); window 0 holds the policy's trait in one device's rows of microbatch 1."""
-    params, batch = _problem()
-    rows = N * K * 2
-    x = np.concatenate([batch["x"]] * 2)
-    y = np.concatenate([batch["y"]] * 2)
+def _reference_problem(policy):
+    """Parameters, one window's batch (K * N * 2 rows) with ``policy``'s trait, and the
+    float64 reference of that window."""
+    params, batch = reference.problem(N * K * 2)
     if policy in ("max_norm", "skip_fn"):
-        # One row of microbatch 1: its norm on device 0's rows is larger than the whole
-        # microbatch's, the other devices' rows are as usual.
-        y[1] *= _LARGE
-    elif policy != "propagate":
-        x[1, 3] = np.nan  # row 1: microbatch 1, on device 0 of every mesh
-    mask = (np.arange(2 * rows) % 3 != 0).astype(np.float32)  # weights differ by row
-    # Microbatch 2's rows in the last quarter of window 0 weigh nothing: on 4 and 8 devices
-    # the last devices' rows of it, whose unguarded masked mean is 0/0 (no vote, adds nothing).
-    mask[3 * rows // 4 + 2 : rows : K] = 0.0
-    cut = lambda a, w: a[w * rows : (w + 1) * rows]
-    windows = [{"x": cut(x, w), "y": cut(y, w), "m": cut(mask, w)} for w in range(2)]
-    return params, windows
+        batch["y"][1] *= _LARGE
+    else:
+        batch["y"][1, 0] = np.nan
+    if policy == "weighted":
+        rows = np.arange(N * K * 2)
+        batch["m"] = np.where(rows % 3 == 0, 0.0, np.where(rows % 5 == 0, 0.5, 1.0))
+        batch["m"] = batch["m"].astype(np.float32)
+        # Microbatch 2's rows on device 7 (rows 56-63) weigh nothing: that device's unguarded
+        # masked mean is 0/0, which must neither vote nor add.
+        batch["m"][[58, 62]] = 0.0
+    ref_kwargs = {k: v for k, v in _POLICIES[policy].items() if k != "skip_fn"}
+    if policy == "skip_fn":
+        ref_kwargs["skip_norm"] = _SKIP_NORM
+    expected = reference.window(params, reference.microbatches(batch, K), **ref_kwargs)
+    return params, batch, expected
 
 
-def _masked_loss(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    per_row = jnp.mean((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
-    return jnp.sum(per_row * batch["m"]) / jnp.sum(batch["m"])  # unguarded, as users write it
-
-
-def _global_run(policy, mode, devices):
-    """Two windows of ``policy`` in ``mode`` on the first ``devices`` devices: the final
-    parameters, the counts and every call's metrics (floats)."""
-    params, windows = _global_problem(policy)
-    weighted = policy == "weighted"
-    # A mean over rows is the whole microbatch's mean on a mesh only where every device has as
-    # many rows; "weighted" weighs each device's masked mean by its rows in the mask.
+def _reference_run(policy, mode, devices, params, batch, **step_kwargs):
+    """One window of ``policy`` in ``mode`` ("1", "8" or "8 fsdp" devices) from ``params``,
+    by ``make_train_step(..., **step_kwargs)``: the state and every call's metrics (floats)."""
+    scaling = _POLICIES[policy].get("scaling", "mean")
     step = accumjax.make_train_step(
-        _masked_loss if weighted else _loss,
+        reference.total_loss if scaling == "sum" else reference.loss,
         mode=mode,
-        weight_fn=(lambda b: jnp.sum(b["m"])) if weighted else None,
+        weight_fn=(lambda b: jnp.sum(b["m"])) if scaling == "weighted" else None,
+        **step_kwargs,
     )
-    tx = accumjax.accumulate(optax.sgd(0.1), K, **_POLICIES[policy])
+    tx = accumjax.accumulate(optax.sgd(_LR), K, **_POLICIES[policy])
     put = lambda tree, spec: tree
-    if devices > 1:
-        mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-        put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
-    state = step.init(put(params, P()), tx)
-    calls = []
-    for window in windows:
-        if mode == "scan":
-            calls.append(window)
-        else:  # the same microbatches, one a call: microbatch i is rows i, i + K, ...
-            calls += [jax.tree.map(lambda a, i=i: a[i::K], window) for i in range(K)]
+    specs = {"w": P(), "b": P()}
+    if devices != "1":
+        mesh = _mesh()
+        put = lambda tree, spec: jax.device_put(
+            tree, jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+        )
+        if devices == "8 fsdp":
+            specs["w"] = P("data", None)  # (8, 2): one row a device
+    state = step.init(put(params, specs), tx)
+    calls = [batch] if mode == "scan" else reference.microbatches(batch, K)
     metrics = []
-    for batch in calls:
-        state, m = step(state, put(batch, P("data")))
+    for call in calls:
+        state, m = step(state, put(call, dict.fromkeys(call, P("data"))))
         metrics.append({k: float(v) for k, v in m.items()})
-    return jax.tree.map(np.asarray, state.params), _counts_of(state), metrics
+    return state, metrics
 
 
 def _counts_of(state):
@@ -633,23 +662,43 @@ def _counts_of(state):
     return {k: int(v) for k, v in stats.items() if is_count(v)}
 
 
+def _check_against_reference(state, metrics, mode, params, expected):
+    counts = expected.counts
+    assert _counts_of(state) == {
+        **counts,
+        "accumulation_steps": K,
+        "current_step": 0,
+        "overflow_detected": int(counts["num_nonfinite"] > 0),
+    }
+    got = jax.tree.map(np.asarray, state.params)
+    if expected.gradient is None:  # not applied: the parameters bit for bit
+        jax.tree.map(np.testing.assert_array_equal, got, params)
+    want = expected.params_after(params, _LR)
+    for key in params:
+        scale = np.nanmax(np.abs(want[key]))
+        np.testing.assert_allclose(got[key], want[key], rtol=_FLOAT32, atol=_FLOAT32 * scale)
+    updated = expected.gradient is not None
+    if mode == "scan":
+        (m,) = metrics
+        assert m["updated"] == updated
+        np.testing.assert_allclose(m["loss"], expected.loss, rtol=_FLOAT32)
+        np.testing.assert_allclose(m["grad_norm"], expected.grad_norm, rtol=_FLOAT32)
+        return
+    assert [m["updated"] for m in metrics] == [False] * (K - 1) + [updated]
+    losses = [m["loss"] for m in metrics]  # each call's microbatch (NaN: microbatch 1)
+    np.testing.assert_allclose(losses, expected.losses, rtol=_FLOAT32)
+    norms = [m["grad_norm"] for m in metrics]
+    np.testing.assert_allclose(norms, [np.nan] * (K - 1) + [expected.grad_norm], rtol=_FLOAT32)
+
+
+@pytest.mark.parametrize("devices", ["1", "8", "8 fsdp"])
 @pytest.mark.parametrize("mode", ["scan", "stream"])
 @pytest.mark.parametrize("policy", list(_POLICIES))
-def test_a_microbatch_is_the_same_on_1_4_and_8_devices(policy, mode):
+def test_every_policy_matches_a_float64_reference(policy, mode, devices):
     assert jax.device_count() >= N
-    params, counts, metrics = _global_run(policy, mode, 1)
-    expected = {"skip_microbatch": 1, "count": 1, "weighted": 1, "skip_window": 1}
-    assert counts["num_nonfinite"] == expected.get(policy, 0), counts
-    if policy == "skip_fn":
-        assert counts["skipped_microbatches"] == 1, counts
-    for devices in (4, N):
-        got_params, got_counts, got_metrics = _global_run(policy, mode, devices)
-        assert got_counts == counts, (devices, got_counts, counts)
-        for key in params:  # float32 sums in another order; max_norm's clip factor too
-            np.testing.assert_allclose(got_params[key], params[key], **SAME_SUM)
-        assert [m.keys() for m in got_metrics] == [m.keys() for m in metrics]
-        for got, ref in zip(got_metrics, metrics, strict=True):
-            np.testing.assert_allclose(list(got.values()), list(ref.values()), rtol=1e-5)
+    params, batch, expected = _reference_problem(policy)
+    state, metrics = _reference_run(policy, mode, devices, params, batch)
+    _check_against_reference(state, metrics, mode, params, expected)
 
 
 @pytest.mark.parametrize("policy", ["max_norm", "skip_fn"])
@@ -675,23 +724,20 @@ def test_a_policy_that_reads_the_gradient_reduces_each_microbatch(policy):
 
 
 @pytest.mark.parametrize("mode", ["scan", "stream"])
-def test_a_microbatch_is_the_same_under_pmap(mode):
+def test_the_pmap_step_matches_the_float64_reference(mode):
     """The pmap step (make_train_step(axis_name=...)) decides about whole microbatches too: a
-    NaN row on one device leaves its microbatch out on every device, counted once."""
-    params, counts, _ = _global_run("skip_microbatch", mode, 1)
-    _, windows = _global_problem("skip_microbatch")
-    step = accumjax.make_train_step(_loss, mode=mode, axis_name="data")
-    state = step.init(params=_problem()[0], tx=accumjax.accumulate(optax.sgd(0.1), K))
+    NaN target on one device leaves its microbatch out on every device, counted once. Its
+    metrics are per device (pmap's convention): the devices' mean loss is the whole one."""
+    params, batch, expected = _reference_problem("skip_microbatch")
+    step = accumjax.make_train_step(reference.loss, mode=mode, axis_name="data")
+    state = step.init(params=params, tx=accumjax.accumulate(optax.sgd(_LR), K))
     per_device = lambda b: jax.tree.map(lambda a: a.reshape(N, -1, *a.shape[1:]), b)
-    for window in windows:
-        calls = (
-            [window]
-            if mode == "scan"
-            else [jax.tree.map(lambda a, i=i: a[i::K], window) for i in range(K)]
+    metrics = []
+    for call in [batch] if mode == "scan" else reference.microbatches(batch, K):
+        state, m = step(state, per_device(call))
+        m = jax.tree.map(np.asarray, m)  # per device, as pmap's: the mean of the losses
+        assert all(
+            np.array_equal(v, v[:1].repeat(N), equal_nan=True) for k, v in m.items() if k != "loss"
         )
-        for batch in calls:
-            state, _ = step(state, per_device(batch))
-    state = accumjax.unreplicate(state)
-    assert _counts_of(state) == counts
-    for key in params:
-        np.testing.assert_allclose(state.params[key], params[key], **SAME_SUM)
+        metrics.append({k: float(np.mean(v) if k == "loss" else v[0]) for k, v in m.items()})
+    _check_against_reference(accumjax.unreplicate(state), metrics, mode, params, expected)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -117,14 +118,19 @@ def test_each_mode_refuses_the_other_layout_and_names_the_fix():
         scan_state.apply_gradients(grads=grads)
 
 
-def test_create_with_a_mode_is_deprecated_naming_step_init_and_still_builds_it():
+class _WithAMode(accumjax.TrainState):
+    mode: str = struct.field(pytree_node=False, default="")
+
+
+def test_create_takes_no_mode_and_names_step_init():
+    # 0.3 deprecated TrainState.create(mode=...), 0.4 removed it: the step builds its state.
     params, _ = _problem(width=8)
     tx = accumjax.accumulate(optax.adam(1e-3), K)
-    with pytest.warns(DeprecationWarning, match=r"step\.init\(params, tx"):
-        state = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
-    assert state.opt_state.window.grad_sum is None
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="mode must be one"):
-        accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="window")
+    with pytest.raises(TypeError, match=r"takes no mode.*step\.init\(params, tx"):
+        accumjax.TrainState.create(apply_fn=None, params=params, tx=tx, mode="scan")
+    # A subclass's own field of that name is a field like any other.
+    state = _WithAMode.create(apply_fn=None, params=params, tx=tx, mode="scan")
+    assert state.mode == "scan" and state.opt_state.window.grad_sum is not None  # tx.init's
 
 
 def test_with_mode_converts_create_and_init_states_and_refuses_an_open_window():

@@ -1,0 +1,99 @@
+"""The window's cross-device reductions (internal): where each leaf of a sum stands, its one
+reduction and its global norm. `accumjax.window` re-exports the markers and `global_norm`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+
+from accumjax.clipping import squared_norm
+
+__all__ = [
+    "REDUCED",
+    "WHOLE",
+    "gathered",
+    "global_norm",
+    "reduce_window",
+    "reduced_scatter",
+    "sharded_norm",
+]
+
+
+def global_norm(tree: Any) -> jax.Array:
+    r"""Global L2 norm of a pytree: the leaves' `accumjax.clipping.squared_norm`\s (float32 or
+    wider whatever the leaf dtype), summed, float32."""
+    squares = [squared_norm(x) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))).astype(jnp.float32)
+
+
+REDUCED = -1  # a `close_window` scatter entry: this leaf's sum is a reduced shard already
+WHOLE = -2  # a `close_window` scatter entry: this leaf's sum is reduced and whole already
+
+
+def reduced_scatter(dims: Any, like: Any) -> Any:
+    """The ``scatter`` of `close_window` for a sum reduced microbatch by microbatch: `REDUCED`
+    for the leaves split over the axis (``dims``, a pytree like ``like``, or None for none),
+    `WHOLE` for the others."""
+    leaves, treedef = jax.tree.flatten(like)
+    split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
+    return jax.tree.unflatten(treedef, [WHOLE if d is None else REDUCED for d in split])
+
+
+def reduce_window(
+    grad_sum: Any, scalars: list[jax.Array], axis_name: str, scatter: Any
+) -> tuple[Any, list[jax.Array]]:
+    """The window's one reduction: a grouped ``psum`` of the leaves still partial on each
+    device and the scalars (which travel in the accumulator's dtype when it is float32 or
+    float64, so counts stay exact below 2**24), and a ``psum_scatter`` of the leaves sharded
+    over the axis. Returns the reduced sum and the summed scalars (float32, their shapes)."""
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    dims = [None] * len(leaves) if scatter is None else treedef.flatten_up_to(scatter)
+    summed = [i for i, d in enumerate(dims) if d is None]
+    scattered = [i for i, d in enumerate(dims) if d is not None and d >= 0]
+    dtypes = {jnp.dtype(leaves[i].dtype) for i in summed}
+    dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
+        dtype = jnp.dtype(jnp.float32)
+    parts = [jnp.ravel(x).astype(dtype) for x in scalars]
+    stacked = jnp.concatenate(parts or [jnp.zeros(0, dtype)])
+    reduced, stacked = jax.lax.psum(([leaves[i] for i in summed], stacked), axis_name)
+    for i, x in zip(summed, reduced, strict=True):
+        leaves[i] = x
+    for i in scattered:
+        leaves[i] = jax.lax.psum_scatter(
+            leaves[i], axis_name, scatter_dimension=cast(int, dims[i]), tiled=True
+        )
+    out, offset = [], 0
+    for x in scalars:
+        size = int(jnp.size(x))
+        out.append(stacked[offset : offset + size].reshape(jnp.shape(x)).astype(jnp.float32))
+        offset += size
+    return jax.tree.unflatten(treedef, leaves), out
+
+
+def sharded_norm(grad_sum: Any, axis_name: str | None, scatter: Any) -> jax.Array:
+    """Global norm of a reduced sum whose leaves marked in ``scatter`` (a dimension or
+    `REDUCED`) are this device's shards of the whole."""
+    if axis_name is None or scatter is None:
+        return global_norm(grad_sum)
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    dims = treedef.flatten_up_to(scatter)
+    shard = lambda d: d is not None and d != WHOLE
+    whole = global_norm([x for x, d in zip(leaves, dims, strict=True) if not shard(d)])
+    shards = global_norm([x for x, d in zip(leaves, dims, strict=True) if shard(d)])
+    return jnp.sqrt(jnp.square(whole) + jax.lax.psum(jnp.square(shards), axis_name))
+
+
+def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
+    """The whole of a tree whose leaves split on ``dims`` are this device's shards."""
+    if dims is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    gathered = [
+        x if d is None else jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
+        for x, d in zip(leaves, treedef.flatten_up_to(dims), strict=True)
+    ]
+    return jax.tree.unflatten(treedef, gathered)

@@ -1,0 +1,186 @@
+"""Fixed references the tests share: what each accumulation policy must make of a window,
+computed by hand in float64 NumPy (no accumjax, no JAX).
+
+The model is linear regression, ``pred = x @ w + b``, with a masked squared loss: per row
+``e_r = sum_o (pred_ro - y_ro)**2``, the microbatch's loss ``sum_r m_r e_r / sum_r m_r`` (a
+mean, the default) or ``sum_r m_r e_r`` (``total=True``, for ``scaling="sum"``). Its gradient
+is closed-form: with ``d = 2 m[:, None] (pred - y) / sum(m)`` (without the division for a
+total), ``dw = x.T @ d`` and ``db = sum_r d_r``. A NaN target ``y[r, o]`` makes column ``o``
+of ``dw`` and ``db[o]`` NaN and leaves the other column finite, as JAX's gradient does.
+
+`window` applies a policy of `accumjax.accumulate` to K microbatches as its documentation
+states: a microbatch with a NaN/Inf gradient is left out (``"skip_microbatch"``) or drops the
+window (``"skip_window"``) or is added as it is (``"propagate"``); each kept microbatch is
+clipped to ``max_norm`` by its own global norm; ``skip_norm`` stands for a ``skip_fn`` that
+skips a microbatch whose whole gradient's norm exceeds it; the sum of the kept ones is divided
+by K (``"mean"``), 1 (``"sum"``), their number (``"count"``) or their weight, ``sum m``
+(``"weighted"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+FEATURES, OUTPUTS = 8, 2
+
+
+def problem(rows: int, seed: int = 0) -> tuple[dict, dict]:
+    """float32 parameters ``{"w": (8, 2), "b": (2,)}`` and a batch ``{"x", "y", "m"}`` of
+    ``rows`` rows (``m``: every row weighs 1)."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "w": rng.normal(size=(FEATURES, OUTPUTS)).astype(np.float32),
+        "b": rng.normal(size=OUTPUTS).astype(np.float32),
+    }
+    batch = {
+        "x": rng.normal(size=(rows, FEATURES)).astype(np.float32),
+        "y": rng.normal(size=(rows, OUTPUTS)).astype(np.float32),
+        "m": np.ones(rows, np.float32),
+    }
+    return params, batch
+
+
+def loss(params: Any, batch: Any, total: bool = False) -> Any:
+    """The loss the train step differentiates (JAX): the masked mean (or total) squared error."""
+    err = jnp.sum((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2, axis=-1)
+    summed = jnp.sum(err * batch["m"])
+    return summed if total else summed / jnp.sum(batch["m"])
+
+
+def total_loss(params: Any, batch: Any) -> Any:
+    """`loss` with ``total=True``: the loss for ``scaling="sum"``."""
+    return loss(params, batch, total=True)
+
+
+def _wide(tree: dict) -> dict:
+    return {k: np.asarray(v, np.float64) for k, v in tree.items()}
+
+
+def value_and_grad(params: dict, batch: dict, total: bool = False) -> tuple[float, dict]:
+    """`loss` and its gradient in float64 NumPy, closed-form."""
+    p, b = _wide(params), _wide(batch)
+    residual = b["x"] @ p["w"] + p["b"] - b["y"]
+    scale = 1.0 if total else 1.0 / np.sum(b["m"])
+    value = float(np.sum(np.sum(residual**2, axis=-1) * b["m"]) * scale)
+    with np.errstate(invalid="ignore"):  # NaN targets: NaN gradients, as JAX's
+        d = 2.0 * scale * b["m"][:, None] * residual
+        return value, {"w": b["x"].T @ d, "b": np.sum(d, axis=0)}
+
+
+def global_norm(tree: dict) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(v)) for v in tree.values())))
+
+
+def microbatches(batch: dict, k: int) -> list[dict]:
+    """The K strided microbatches of ``batch`` (microbatch i holds rows i, i + K, ...), as the
+    scan step splits a batch."""
+    return [{key: v[i::k] for key, v in batch.items()} for i in range(k)]
+
+
+class Window(NamedTuple):
+    """What a policy must make of one window.
+
+    Attributes:
+      gradient: the window gradient the inner optimizer sees (float64), None when the window
+        is not applied.
+      loss: the scan step's loss metric, the mean of the added microbatches' losses weighted
+        by their weights (NaN when none is added).
+      losses: each microbatch's loss (the stream step's loss metric, call by call).
+      counts: `accumjax.stats`' counts after the window: ``num_nonfinite``,
+        ``skipped_microbatches``, ``skipped_windows``, ``total_cycles``.
+    """
+
+    gradient: dict | None
+    loss: float
+    losses: list[float]
+    counts: dict[str, int]
+
+    @property
+    def grad_norm(self) -> float:
+        """The metric ``grad_norm`` of the closing call (NaN without an update)."""
+        return float("nan") if self.gradient is None else global_norm(self.gradient)
+
+    def params_after(self, params: dict, lr: float) -> dict:
+        """``params`` after one SGD step of ``lr`` on the window gradient (float64)."""
+        p = _wide(params)
+        if self.gradient is None:
+            return p
+        return {k: p[k] - lr * self.gradient[k] for k in p}
+
+
+def window(
+    params: dict,
+    micro: list[dict],
+    *,
+    scaling: str = "mean",
+    max_norm: float | None = None,
+    on_nonfinite: str = "skip_microbatch",
+    skip_norm: float | None = None,
+) -> Window:
+    """The reference for one window of ``micro`` (the model's microbatches, ``"m"`` their
+    rows' weights) under a policy of `accumjax.accumulate`, from ``params``."""
+    total = scaling == "sum"
+    values, grads = zip(*(value_and_grad(params, mb, total) for mb in micro), strict=True)
+    weights = [float(np.sum(np.asarray(mb["m"], np.float64))) for mb in micro]
+    return window_of(
+        list(grads),
+        losses=list(values),
+        weights=weights,
+        scaling=scaling,
+        max_norm=max_norm,
+        on_nonfinite=on_nonfinite,
+        skip_norm=skip_norm,
+    )
+
+
+def window_of(
+    grads: list[dict],
+    *,
+    losses: list[float] | None = None,
+    weights: list[float] | None = None,
+    scaling: str = "mean",
+    max_norm: float | None = None,
+    on_nonfinite: str = "skip_microbatch",
+    skip_norm: float | None = None,
+) -> Window:
+    """The reference for one window of K microbatch gradients ``grads`` (their ``losses``,
+    and their ``weights`` for ``"weighted"``), as `window` (``skip_norm``: a ``skip_fn``
+    skipping a microbatch whose gradient's global norm exceeds it)."""
+    losses = [float("nan")] * len(grads) if losses is None else losses
+    weights = [1.0] * len(grads) if weights is None else weights
+    nonfinite = skipped = 0
+    kept = []
+    for grad, value, weight in zip(grads, losses, weights, strict=True):
+        grad = _wide(grad)
+        norm = global_norm(grad)
+        if on_nonfinite != "propagate" and not np.isfinite(norm):
+            nonfinite, skipped = nonfinite + 1, skipped + 1
+            continue
+        if skip_norm is not None and norm > skip_norm:
+            skipped += 1
+            continue
+        clip = 1.0 if max_norm is None else min(1.0, max_norm / norm)
+        kept.append((weight if scaling == "weighted" else 1.0, clip, grad, value))
+    total = sum(w for w, _, _, _ in kept)
+    denominator = {"mean": len(grads), "sum": 1.0, "count": len(kept), "weighted": total}
+    gradient = None
+    if kept and total > 0:
+        names = kept[0][2]
+        gradient = {
+            k: sum(w * c * g[k] for w, c, g, _ in kept) / denominator[scaling] for k in names
+        }
+        finite = np.isfinite(global_norm(gradient))
+        dropped = on_nonfinite == "skip_window" and nonfinite > 0
+        if dropped or (not finite and on_nonfinite != "propagate"):
+            gradient = None
+    loss = sum(w * v for w, _, _, v in kept) / total if total > 0 else float("nan")
+    counts = {
+        "num_nonfinite": nonfinite,
+        "skipped_microbatches": skipped,
+        "skipped_windows": int(gradient is None),
+        "total_cycles": int(gradient is not None),
+    }
+    return Window(gradient, loss, list(losses), counts)
