@@ -51,7 +51,7 @@ __all__ = [
     "close_model_state",
     "finish",
     "gradient",
-    "metric_weight",
+    "loss_share",
     "microbatch",
     "pvary",
     "start_carry",
@@ -282,15 +282,13 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 
 
-def metric_weight(ctx: Context, weight: jax.Array | None) -> jax.Array:
-    """What a microbatch's loss weighs in the loss metric (float32): its weight, else 1, or on
-    a mesh with ``"sum"`` (whose loss is each device's share of the whole) 1 over the
-    devices' number, so that the devices' weighted mean is one device's loss."""
-    if weight is not None:
-        return weight
+def loss_share(ctx: Context) -> Any:
+    """What a microbatch's loss counts for in the loss metric's denominator: on a mesh with
+    ``"sum"`` (whose loss is each device's share of the whole) 1 over the devices' number, so
+    that the metric is one device's loss; else 1."""
     if ctx.axis_name is None or ctx.config.policy.scaling != "sum":
-        return jnp.ones((), jnp.float32)
-    return 1.0 / jnp.float32(jax.lax.axis_size(ctx.axis_name))
+        return 1.0
+    return 1.0 / jax.lax.axis_size(ctx.axis_name)
 
 
 def _share_of_scale(ctx: Context) -> DynamicLossScale | None:
@@ -331,7 +329,8 @@ def microbatch(
     mine = None
     if ctx.blind:  # this device's verdict on its rows; the devices decide at the window's end
         m = window_lib.inspect_microbatch(policy, grads, weight, params)
-        mine = verdict(policy.scaling, m.nonfinite, metric_weight(ctx, weight))
+        w = jnp.ones((), jnp.float32) if weight is None else weight
+        mine = verdict(policy.scaling, m.nonfinite, w)
         gate = jnp.ones((), bool) if gate is None else gate
         m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
     else:
@@ -342,11 +341,11 @@ def microbatch(
     model_state = carry.model_state
     if model_state is not None:
         model_state = optax.tree.where(micro.added, new_model_state, model_state)
-    w = jnp.where(micro.added, metric_weight(ctx, weight), 0.0)
+    w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
-    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w)
+    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
     return Outcome(carry, loss, aux, micro.added, mine)
 
 

@@ -30,6 +30,7 @@ from accumjax._loop import (
     close_fields,
     close_model_state,
     finish,
+    loss_share,
     microbatch,
     pvary,
     start_carry,
@@ -121,7 +122,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
     def one(carry: Carry, i: jax.Array, gate: jax.Array | None) -> tuple[Carry, Any]:
         p, mb = take(i)
         outcome = microbatch(ctx, carry, p, mb, i, gate=gate)
-        return outcome.carry, _marks(outcome)
+        return outcome.carry, _marks(ctx, outcome)
 
     one = jax.jit(one)
 
@@ -162,14 +163,14 @@ def _loop_over(
     return jax.lax.fori_loop(first, ctx.n_real, step, (init, stacked))
 
 
-def _marks(outcome: Outcome) -> tuple[Any, Verdict | None, jax.Array | None]:
+def _marks(ctx: Context, outcome: Outcome) -> tuple[Any, Verdict | None, jax.Array | None]:
     """What a microbatch leaves in the loop's stacked outputs: its aux, and its verdict and
-    loss parts when it was added as it came."""
+    loss parts (as `accumjax._loop.microbatch` adds them) when it was added as it came."""
     v = outcome.verdict
     if v is None:
         return outcome.aux, None, None
     loss = jnp.asarray(outcome.loss, jnp.float32)
-    return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight])
+    return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight * loss_share(ctx)])
 
 
 def _microbatch_loop(
@@ -187,7 +188,7 @@ def _microbatch_loop(
         first = ctx.setup.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
         outcome = microbatch(ctx, start, p, mb, 0, first=first)
-        marks = jax.tree.map(lambda a: a[None], _marks(outcome))
+        marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
         return Pass(outcome.carry, *marks)
     gates = jnp.ones(ctx.k, bool) if gate is None else gate
 
@@ -215,37 +216,40 @@ def window_k(ctx: Context, every_k: Any) -> Any:
     return every_k if ctx.n_real is None else ctx.n_real
 
 
-#: ``close(carry, verdicts, losses) -> (closed, extras)``: a pass's window reduced and
-#: decided, with the values the caller reduces with it (the loss metric first).
-Close = Callable[[Carry, Verdict | None, jax.Array | None], tuple[window_lib.Closed, list[Any]]]
+#: ``close(carry, verdicts, losses) -> (closed, model state, extras)``: a pass's window reduced
+#: and decided, its model state closed with the decision (BatchNorm windows pooled in the same
+#: reduction), and the values the caller reduces with it (the loss metric first).
+Close = Callable[
+    [Carry, Verdict | None, jax.Array | None], tuple[window_lib.Closed, Any, list[Any]]
+]
 
 
 def settle(
     ctx: Context, first: Pass, run: Run, close: Close
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
-    """A window's decision after its ``first`` pass (``run(None)``): ``(closed, model state,
-    extras)``.
+    """A window's decision after its ``first`` pass (``run(None)``): ``(closed, closed model
+    state, extras)``.
 
     A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
     devices refused one (and accepted another), the window runs again, adding only the
     accepted ones, each as it comes: a second pass only for such a window, in
     `accumjax.window.run_once` (no loop on the data; on a GPU one conditional).
     """
-    closed, extras = close(first.carry, first.verdicts, first.losses)
+    closed, model_state, extras = close(first.carry, first.verdicts, first.losses)
     policy = ctx.config.policy
     if first.verdicts is None or policy.on_nonfinite != "skip_microbatch" or ctx.k == 1:
-        return closed, first.carry.model_state, extras
+        return closed, model_state, extras
 
     def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         before = operand[0]
         second = run(before.accepted)
-        after, extras = close(second.carry, None, None)
+        after, model_state, extras = close(second.carry, None, None)
         counts = ("nonfinite_count", "skipped_count", "accepted")
         after = after._replace(**{name: getattr(before, name) for name in counts})
-        return after, second.carry.model_state, extras
+        return after, model_state, extras
 
     redo = (closed.nonfinite_count > 0) & jnp.any(cast(jax.Array, closed.accepted))
-    return window_lib.run_once(redo, again, (closed, first.carry.model_state, extras))
+    return window_lib.run_once(redo, again, (closed, model_state, extras))
 
 
 class Closing(NamedTuple):
@@ -305,7 +309,7 @@ def scan_step(setup: Setup) -> Step:
         # gradient-sized buffer of its own (+0.4 MiB of temp on a 0.6M-parameter MLP).
         every_k = window_k(ctx, acc.every_k)
 
-        def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, list]:
+        def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
             whole = axis is not None and policy.reads  # reduced microbatch by microbatch
             scatter = window_lib.reduced_scatter(None, carry.window.grad_sum) if whole else None
             closed = window_lib.close_window(
@@ -314,10 +318,9 @@ def scan_step(setup: Setup) -> Step:
             loss = window_loss(carry)
             if losses is not None:
                 loss = accepted_loss(losses, cast(jax.Array, closed.accepted))
-            return closed, [loss]
+            return closed, close_model_state(carry.model_state, closed.apply, axis), [loss]
 
         closed, model_state, (loss,) = settle(ctx, first, run, close)
-        model_state = close_model_state(model_state, closed.apply, axis)
         return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, first.aux))
 
     return step

@@ -43,7 +43,7 @@ from accumjax._loop import (
     close_model_state,
     finish,
     gradient,
-    metric_weight,
+    loss_share,
     stream_step,
 )
 from accumjax._scan import (
@@ -256,7 +256,7 @@ def _local_window(
     split = _Aux([], []) if first.aux is None else _split_aux(first.aux, setup.aux_rows ^ 1, cell)
     every_k = window_k(ctx, ctx.k)
 
-    def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, list]:
+    def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
         extras = [carry.loss_sum, carry.loss_weight, *split.means]
         extras += [] if losses is None else [losses]
         closed = window_lib.close_window(
@@ -274,10 +274,10 @@ def _local_window(
             loss = jnp.where(out[1] > 0, out[0] / out[1], jnp.nan)
         else:
             loss = accepted_loss(out[-1], cast(jax.Array, closed.accepted))
-        return closed._replace(extras=None), [loss, *out[2 : 2 + len(split.means)]]
+        model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
+        return closed._replace(extras=None), model_state, [loss, *out[2 : 2 + len(split.means)]]
 
     closed, model_state, extras = settle(ctx, first, run, close)
-    model_state = close_model_state(model_state, closed.apply, layout.axis)
     return closed._replace(accepted=None), model_state, extras[0], _Aux(split.rows, extras[1:])
 
 
@@ -453,7 +453,7 @@ def _local_call(
     m = window_lib.inspect_microbatch(
         policy, grads, weight, params, axis_name=axis, keep_whole=False
     )
-    weighs = metric_weight(ctx, weight)
+    weighs = jnp.ones((), jnp.float32) if weight is None else weight
     mine = verdict(policy.scaling, ~m.added, weighs)
     m = _share(policy, m, layout)
     split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
@@ -463,7 +463,7 @@ def _local_call(
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
     weighted_loss = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
     loss_parts, ballot, bn, *rest = psum_together(
-        [jnp.stack([weighted_loss, weighs]), ballot, bn, *floats, *split.means],
+        [jnp.stack([weighted_loss, weighs * loss_share(ctx)]), ballot, bn, *floats, *split.means],
         layout.axis,
     )
     added = accepted(policy.scaling, Verdict(*ballot[1:]))

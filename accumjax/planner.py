@@ -250,17 +250,20 @@ def _device_budget() -> int:
 
 
 def _abstract(tree: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves with the arrays' own shardings (a concrete mesh, as
-    the step is lowered on; static fields such as ``tx`` are kept).
+    """``jax.ShapeDtypeStruct`` leaves with the shardings of committed arrays (placed: on a
+    mesh, as the step is lowered there) or given ones; uncommitted arrays (``jnp.zeros``:
+    JAX may place them) have none, as a jitted call sees them. Static fields such as ``tx``
+    are kept.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> _abstract({"w": jnp.zeros(2, jnp.int32)})["w"].shape
-      (2,)
+      >>> _abstract({"w": jnp.zeros(2, jnp.int32)})["w"].sharding is None
+      True
     """
 
     def with_sharding(shape: jax.ShapeDtypeStruct, x: Any) -> jax.ShapeDtypeStruct:
-        sharding = getattr(x, "sharding", None)  # an array's, or a ShapeDtypeStruct's own
+        placed = not isinstance(x, jax.Array) or x.committed
+        sharding = getattr(x, "sharding", None) if placed else None
         weak = shape.weak_type
         return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding, weak_type=weak)
 
@@ -363,12 +366,15 @@ def _as_initialized(loss_fn: Callable[..., Any], state: Any, tx: Any, kwargs: An
     only; an NNX state's fields are built by the same `accumjax.TrainStep.init`)."""
     f16 = kwargs.get("mixed_precision") == "float16"
     init = make_train_step(loss_fn, mode="scan", **kwargs).init
+    params = _abstract(state.params)
     built = init(
-        _abstract(state.params),
+        params,
         tx,
         model_state=_abstract(state.model_state),
         loss_scale=_abstract(state.loss_scale) if f16 else None,
     )
+    if all(x.sharding is None for x in jax.tree.leaves(params)):  # as step.init's outputs
+        built = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), built)
     fields = ("step", "params", "opt_state", "model_state", "loss_scale")
     return state.replace(tx=tx, **{name: getattr(built, name) for name in fields})
 

@@ -283,7 +283,7 @@ def test_float16_with_propagate_is_refused_at_init():
         step.init(params, accumjax.accumulate(optax.sgd(0.1), K, on_nonfinite="propagate"))
 
 
-def _fsdp_state(step):
+def _mesh_state(step):
     mesh = jax.make_mesh((8,), ("data",))
     params, _ = _problem()
     return mesh, step.init(jax.device_put(params, NamedSharding(mesh, P())), _TX)
@@ -292,7 +292,7 @@ def _fsdp_state(step):
 def test_a_batch_that_does_not_split_over_devices_and_k_states_the_global_rule():
     # It was "the (per-device) batch size 9 is not divisible by K=4".
     step = accumjax.make_train_step(_loss, mode="scan")
-    mesh, state = _fsdp_state(step)
+    mesh, state = _mesh_state(step)
     x = np.ones((72, 5), np.float32)
     batch = jax.device_put({"x": x, "y": x[:, :3]}, NamedSharding(mesh, P("data")))
     rule = r"72 rows on 8 devices with K=4.*devices x K = 8 x 4 = 32.*64 or 96 rows.*divides 9"
@@ -303,7 +303,7 @@ def test_a_batch_that_does_not_split_over_devices_and_k_states_the_global_rule()
 def test_a_batch_accumjax_puts_on_the_mesh_says_so_and_states_the_rule():
     # A 66-row batch off the mesh got JAX's own sharding error from the step's device_put.
     step = accumjax.make_train_step(_loss)
-    _, state = _fsdp_state(step)
+    _, state = _mesh_state(step)
     x = np.ones((66, 5), np.float32)
     said = r"not on the mesh, so accumjax puts it there.*'data'.*66 rows on 8 devices.*64 or 72"
     with pytest.raises(ValueError, match=said):
