@@ -36,7 +36,15 @@ WHOLE = -2  # a `close_window` scatter entry: this leaf's sum is reduced and who
 def reduced_scatter(dims: Any, like: Any) -> Any:
     """The ``scatter`` of `close_window` for a sum reduced microbatch by microbatch: `REDUCED`
     for the leaves split over the axis (``dims``, a pytree like ``like``, or None for none),
-    `WHOLE` for the others."""
+    `WHOLE` for the others.
+
+    Example (a kernel split on its first dimension, a bias replicated):
+      >>> import jax.numpy as jnp
+      >>> from accumjax._reduction import reduced_scatter
+      >>> like = {"b": jnp.zeros(2), "w": jnp.zeros((4, 2))}
+      >>> reduced_scatter({"b": None, "w": 0}, like)
+      {'b': -2, 'w': -1}
+    """
     leaves, treedef = jax.tree.flatten(like)
     split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
     return jax.tree.unflatten(treedef, [WHOLE if d is None else REDUCED for d in split])

@@ -436,10 +436,11 @@ def add_microbatch(
         add = lambda a, g: a + part(a, g) if gate is None else jnp.where(gate, a + part(a, g), a)
         grad_sum = jax.tree.map(add, window.grad_sum, source)
     else:
-        kept = lambda a, g: part(a, g) if gate is None else jnp.where(gate, part(a, g), 0)
-        grad_sum = jax.tree.map(
-            jnp.add, window.grad_sum, reduce(jax.tree.map(kept, window.grad_sum, source))
-        )
+        # Selected after the reduction (every device reduces, whatever the decision), on the
+        # shard: a selection before it would be a full-size buffer of its own.
+        reduced = reduce(jax.tree.map(part, window.grad_sum, source))
+        add = lambda a, r: a + r if gate is None else jnp.where(gate, a + r, a)
+        grad_sum = jax.tree.map(add, window.grad_sum, reduced)
     window = Window(
         grad_sum=grad_sum,
         weight_sum=window.weight_sum + m.weight,

@@ -1217,7 +1217,11 @@ def test_float16_needs_the_loss_scale_in_the_state():
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 def test_float16_with_propagate_is_refused(mode):
     step = _step(mode=mode, mixed_precision="float16")
-    state = step.init(_params(), _sgd(on_nonfinite="propagate"))
+    propagate = _sgd(on_nonfinite="propagate")
+    with pytest.raises(ValueError, match=r"float16.*propagate.*skip_microbatch"):
+        step.init(_params(), propagate)  # at step.init (issue 38)
+    # A state built elsewhere (a checkpoint's, another step's) is refused at the call.
+    state = step.init(_params(), _sgd()).replace(tx=propagate)
     batch = _windows(*_data())[0]
     with pytest.raises(ValueError, match=r"float16.*propagate.*skip_microbatch"):
         step(state, batch if mode == "scan" else _microbatches(batch)[0])
