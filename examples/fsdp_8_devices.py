@@ -133,20 +133,19 @@ print(f"optimizer state (Adam's mu['w1']) sharding: {short(mu['w1'].sharding.spe
 assert short(mu["w1"].sharding.spec) == P("data")
 assert state.opt_state.window.grad_sum is None  # scan mode: the state holds no accumulator
 
-# Collectives of 64 bytes or more: the gradient's and the parameters'. Besides them, each
-# microbatch's decision is agreed in an all-reduce of two scalars (4 per window).
+# Collectives of 64 bytes or more: the gradient's and the parameters', on a clean window
+# (default_trip_count=0: the loop that runs a window again after a refused microbatch does not
+# run). Each microbatch's gradient of a sharded kernel is reduce-scattered into an accumulator
+# sharded like it (issue 37); each microbatch's verdict travels in the window's one small
+# all-reduce (biases and scalars).
 counts = accumjax.count_collectives(
-    compiled, per_execution=True, default_trip_count=1, min_bytes=64
+    compiled, per_execution=True, default_trip_count=0, min_bytes=64
 )
-in_program = accumjax.count_collectives(compiled, min_bytes=64)
 print(
     "collectives per window (K=4): "
     + ", ".join(f"{op} {counts[op]}" for op in ("all-reduce", "reduce-scatter", "all-gather"))
 )
-# One reduce-scatter per sharded kernel, one all-gather of each kernel, one small all-reduce
-# (biases and scalars); nothing gradient-sized runs inside the microbatch loop.
-assert counts == in_program, (counts, in_program)
-assert counts["reduce-scatter"] == counts["all-gather"] == 3
+assert counts["reduce-scatter"] == 3 * 4 and counts["all-gather"] == 3
 assert counts["all-reduce"] <= 1
 
 # --- 2. The same step with replicated parameters (plain data parallel): compiled, not run --------

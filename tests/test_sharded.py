@@ -742,3 +742,41 @@ def test_the_pmap_step_matches_the_float64_reference(mode):
         )
         metrics.append({k: float(np.mean(v) if k == "loss" else v[0]) for k, v in m.items()})
     _check_against_reference(accumjax.unreplicate(state), metrics, mode, params, expected)
+
+
+# ----------------------------------------------------------------------------- float16 shares
+
+
+def _f16_run(devices):
+    """One float16 scan step on a microbatch of 4 rows whose two large residuals (40) lie in
+    the first two rows: on 2 devices, all on device 0."""
+    x = np.ones((4, 1), np.float32)
+    y = np.array([-40.0, -40.0, 0.0, 0.0], np.float32)
+    params = {"w": jnp.zeros(1), "b": jnp.zeros(())}
+    loss = lambda p, b: jnp.mean((b[0] @ p["w"] + p["b"] - b[1]) ** 2)
+    step = accumjax.make_train_step(loss, mode="scan", mixed_precision="float16")
+    batch = (jnp.asarray(x), jnp.asarray(y))
+    if devices > 1:
+        mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    scale = accumjax.dynamic_loss_scale(2.0**10)
+    state = step.init(params, accumjax.accumulate(optax.sgd(1e-3), 1), loss_scale=scale)
+    state, metrics = step(state, batch)
+    return state, metrics
+
+
+def test_float16_overflows_on_two_devices_as_on_one():
+    """Issue 37: each device's float16 backward sees its share of the whole microbatch's loss
+    (the scale over the devices' number). The whole microbatch's scaled bias gradient is
+    2**10 * 2 * 80 / 4 = 40960, finite in float16 (max 65504); device 0's mean over its own two
+    rows at the full scale would be 81920, an overflow that skipped the microbatch on 2
+    devices only. The expected update is float64 SGD: the bias gradient is 2 * (0 - y).mean()."""
+    one, m1 = _f16_run(1)
+    two, m2 = _f16_run(2)
+    for state, metrics in ((one, m1), (two, m2)):
+        assert bool(metrics["updated"]) and float(metrics["loss_scale"]) == 2.0**10
+        assert int(accumjax.stats(state.opt_state).num_nonfinite) == 0
+        # float16 round-off of a few products: 1e-3 relative.
+        np.testing.assert_allclose(float(state.params["b"]), -1e-3 * 40.0, rtol=1e-3)
+    np.testing.assert_array_equal(one.params["b"], two.params["b"])

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import accumjax
 from accumjax import TrainState, accumulate, make_train_step, window
@@ -612,3 +613,36 @@ def test_scan_nonfinite_microbatches_match_the_float64_reference(case):
     x_sum = sum((np.sum(mb["x"], axis=0, dtype=np.float64) for mb in added), np.zeros(8))
     scale = np.max(np.abs(x_sum))  # float16: the inputs the loss sees are rounded to float16
     np.testing.assert_allclose(after.model_state["x_sum"], x_sum, rtol=tol, atol=tol * scale)
+
+
+def test_float16_shares_of_a_whole_gradient_are_summed_in_float32():
+    """Issue 37: in a user's shard_map loop, a policy that reads the whole gradient sums the
+    devices' float16 shares and weights in float32: two devices' gradients of 40000 (their
+    float16 sum, 80000, overflows) weighted by 40000 tokens each (80000 in all) give the
+    weighted mean 40000, finite, as one device holding both would; max_norm=1e9 clips nothing.
+    Expected: SGD with learning rate 1 from 0, so the parameter becomes -40000."""
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx = accumjax.accumulate(optax.sgd(1.0), 1, scaling="weighted", max_norm=1e9, axis_name="data")
+    params = {"w": jnp.zeros(1, jnp.float16)}
+
+    def step(params, state, grads, weight):
+        updates, state = tx.update({"w": grads}, state, params, weight=weight[0])
+        return optax.apply_updates(params, updates), state
+
+    mapped = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), P(), P("data"), P("data")),
+            out_specs=(P(), P()),
+            check_vma=False,
+        )
+    )
+    split = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+    grads = split(jnp.full((2,), 40000.0, jnp.float16))
+    weights = split(jnp.full((2,), 40000.0, jnp.float16))
+    whole = jax.sharding.NamedSharding(mesh, P())
+    state = jax.device_put(tx.init(params), whole)
+    new, state = mapped(jax.device_put(params, whole), state, grads, weights)
+    assert bool(state.updated) and int(accumjax.stats(state).num_nonfinite) == 0
+    np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [-40000.0])
