@@ -383,7 +383,9 @@ def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
         spec = getattr(sharded.sharding_of(x), "spec", PartitionSpec())
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(twin, spec))
 
-    shapes = jax.eval_shape(partial(opt_state_for, tx, mode="scan"), jax.tree.map(typed, params))
+    with jax.set_mesh(twin):  # the twin, whatever mesh the caller set
+        init = partial(opt_state_for, tx, mode="scan")
+        shapes = jax.eval_shape(init, jax.tree.map(typed, params))
     return mesh, tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
 
 

@@ -155,8 +155,9 @@ class Context(NamedTuple):
     def blind(self) -> bool:
         """Whether scan mode adds each microbatch as it comes and decides about them all at the
         window's end (`accumjax.window.close_window`'s verdicts): every policy that does not
-        read the gradient's values."""
-        return self.setup.mode == "scan" and not self.config.policy.reads
+        read the gradient's values, in a window of more than one microbatch (one microbatch's
+        gradient is the window's sum: it is decided about as it comes)."""
+        return self.setup.mode == "scan" and not self.config.policy.reads and self.k > 1
 
 
 class Carry(NamedTuple):

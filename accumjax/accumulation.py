@@ -43,7 +43,7 @@ from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
 from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
 from accumjax._control import select_once
-from accumjax.accumulation_state import AccumulationState
+from accumjax.accumulation_state import CONFIG_ATTR, AccumulationState, config_of
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
 __all__ = [
@@ -91,9 +91,6 @@ class Config(NamedTuple):
         if not jnp.issubdtype(k.dtype, jnp.integer):
             raise TypeError(f"every_k schedule must return an integer K, got dtype {k.dtype}.")
         return jnp.clip(k, 1, INT32_MAX).astype(jnp.int32)
-
-
-_CONFIG_ATTR = "_accumjax_config"
 
 
 # ----------------------------------------------------------------------------- validation
@@ -307,13 +304,8 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         updates = jax.tree.map(lambda u: jnp.where(state.updated, u, jnp.zeros_like(u)), updates)
         return updates, state
 
-    setattr(update_fn, _CONFIG_ATTR, config)
+    setattr(update_fn, CONFIG_ATTR, config)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-
-
-def config_of(tx: Any) -> Config | None:
-    """The `Config` of an `accumulate` transformation, or None for any other transformation."""
-    return getattr(getattr(tx, "update", None), _CONFIG_ATTR, None)
 
 
 def with_every_k(tx: optax.GradientTransformation, every_k: int | Schedule) -> Any:

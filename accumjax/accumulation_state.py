@@ -22,9 +22,11 @@ from accumjax._variables import unwrap_variables
 from accumjax.window import Window
 
 __all__ = [
+    "CONFIG_ATTR",
     "AccumulationState",
     "AccumulationStats",
     "accumulated_gradients",
+    "config_of",
     "has_updated",
     "reset",
     "should_update",
@@ -263,6 +265,24 @@ def stats(state: Any) -> AccumulationStats:
     )
 
 
+#: The attribute of an `accumjax.accumulate` transformation's ``update`` that holds its
+#: `accumjax.accumulation.Config` (set by ``accumulate``).
+CONFIG_ATTR = "_accumjax_config"
+
+
+def config_of(tx: Any) -> Any:
+    """The `accumjax.accumulation.Config` of an `accumjax.accumulate` transformation, or None
+    for any other transformation.
+
+    Example:
+      >>> import optax, accumjax
+      >>> from accumjax.accumulation_state import config_of
+      >>> config_of(accumjax.accumulate(optax.sgd(0.1), 4)).every_k, config_of(optax.sgd(0.1))
+      (4, None)
+    """
+    return getattr(getattr(tx, "update", None), CONFIG_ATTR, None)
+
+
 def _sizes(window: Any, params: Any, tx: Any) -> dict[str, int | None]:
     """``num_parameters`` and ``memory_bytes`` of a window: its sums', or for a scan-mode
     window (none) the sum the step makes for ``params`` and ``tx`` (None, None without)."""
@@ -273,8 +293,6 @@ def _sizes(window: Any, params: Any, tx: Any) -> dict[str, int | None]:
             "num_parameters": sum(math.prod(x.shape[1:] if per_shard else x.shape) for x in held),
             "memory_bytes": sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in held),
         }
-    from accumjax.accumulation import config_of  # accumulation imports this module
-
     config = config_of(tx)
     if params is None or config is None:
         return {"num_parameters": None, "memory_bytes": None}

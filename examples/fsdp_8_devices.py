@@ -4,10 +4,11 @@ The parameters are sharded over the "data" mesh axis on their first dimension (F
 each device stores 1/8 of every kernel), the optimizer state follows them (a scan-mode state
 holds no accumulator: the step makes its own), and the batch is split over the same axis.
 `make_train_step(loss_fn, mode="scan")` takes no mesh and no axis name: under `jit` it reads the
-arrays' shardings, runs the 4 microbatches of each device's rows locally and reduces the
-window's gradient *once*: one reduce-scatter per sharded kernel (each device keeps the slice it
-owns) and one small all-reduce, with the kernels all-gathered once per window. The update runs
-on the sharded optimizer state.
+arrays' shardings and runs the 4 microbatches of each device's rows: each microbatch's
+gradient of a sharded kernel is reduce-scattered into an accumulator sharded like the kernel
+(each device keeps the slice it owns, so no device holds a full-size sum), the kernels are
+all-gathered once per window, and one small all-reduce closes the window (biases, the loss and
+each microbatch's verdict). The update runs on the sharded optimizer state.
 
 The result agrees with the same scan step on one device, on the whole batch.
 
