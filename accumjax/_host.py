@@ -320,7 +320,8 @@ class TrainStep:
             state = _build(setup.mode, tx, where, None, params, model_state, loss_scale)
             state = state.replace(opt_state=opt_state_for(tx, params, setup.mode))
             return replicate(state).replace(apply_fn=apply_fn)
-        build, jitted = self._builder(tx, self._mesh_and_axis(params), _opt_specs(tx, params))
+        specs = _opt_specs(tx, params)
+        build, jitted = self._builder(tx, self._mesh_and_axis(params), specs)
         args = (params, model_state, loss_scale)
         if _abstract(params):
             shapes = jax.eval_shape(build, *args)
@@ -331,7 +332,7 @@ class TrainStep:
         elif _traced(args):
             state = build(*args)
         else:
-            state = unalias(jitted(*args))
+            state = _as_returned(unalias(jitted(*args)), specs)
         return state.replace(apply_fn=apply_fn)
 
     def _builder(self, tx: Any, where: tuple[Any, str | None, Any], specs: Any) -> tuple[Any, Any]:
@@ -386,7 +387,19 @@ def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
     with jax.set_mesh(twin):  # the twin, whatever mesh the caller set
         init = partial(opt_state_for, tx, mode="scan")
         shapes = jax.eval_shape(init, jax.tree.map(typed, params))
+    if mesh.size == 1:  # one device: replicated, as the step returns every array there
+        return mesh, tuple(PartitionSpec() for _ in jax.tree.leaves(shapes))
     return mesh, tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
+
+
+def _as_returned(state: Any, specs: OptSpecs | None) -> Any:
+    """On an ``Auto`` mesh of one device, every array of ``state`` replicated, as the step
+    returns them (``P()`` and ``P("data")`` are one layout there, but not one ``jit`` cache
+    entry): the first call then compiles the step once."""
+    if specs is None or specs[0].size != 1:
+        return state
+    one = NamedSharding(specs[0], PartitionSpec())
+    return jax.tree.map(lambda x: jax.device_put(x, one) if isinstance(x, jax.Array) else x, state)
 
 
 def _laid_out(opt_state: Any, specs: OptSpecs | None) -> Any:

@@ -200,6 +200,25 @@ def test_init_lays_the_optimizer_state_out_like_the_parameters_and_compiles_once
     assert _lowerings(step, two_calls) == 1  # the second call runs the first one's program
 
 
+def test_init_on_a_one_device_auto_mesh_compiles_the_step_once():
+    """Issue 38 (a new user's run): on an Auto mesh of one device the step returns every array
+    replicated; ``step.init`` left some of them ``P("data")`` (the same layout there, another
+    ``jit`` cache entry), so the second call compiled the step again."""
+    params, batch = _problem()
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+    params = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), params)
+    step = accumjax.make_train_step(_loss, mode="scan")
+    state = step.init(params, accumjax.accumulate(optax.adam(1e-2), K))
+    batch = jax.device_put(_calls(batch, "scan")[0], NamedSharding(mesh, P("data")))
+
+    def two_calls():
+        nonlocal state
+        for _ in range(2):
+            state, _ = step(state, batch)
+
+    assert _lowerings(step, two_calls) == 1
+
+
 class _Embed(nn.Module):
     """The smallest linen GPT part that failed: an embedding lookup (a gather)."""
 
