@@ -147,7 +147,6 @@ _POLICIES = {
     "skip_microbatch": {},
     "skip_window": {"on_nonfinite": "skip_window"},
     "propagate": {"on_nonfinite": "propagate"},
-    "count": {"scaling": "count"},
     "weighted": {"scaling": "weighted"},
     "max_norm": {"max_norm": 1.0},
     "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > 1e3},

@@ -691,9 +691,19 @@ def _check_against_reference(state, metrics, mode, params, expected):
     np.testing.assert_allclose(norms, [np.nan] * (K - 1) + [expected.grad_norm], rtol=_FLOAT32)
 
 
-@pytest.mark.parametrize("devices", ["1", "8", "8 fsdp"])
+# FSDP for the policies whose decision reads a sharded gradient differently (the verdicts of
+# the rows beside a reduce-scatter, the shards' norm, the gathered gradient, the weights):
+# the scalings without them ("count", "sum") and skip_window add nothing there.
+_CASES = [
+    (policy, devices)
+    for policy in _POLICIES
+    for devices in ("1", "8", "8 fsdp")
+    if devices != "8 fsdp" or policy not in ("count", "sum", "skip_window")
+]
+
+
 @pytest.mark.parametrize("mode", ["scan", "stream"])
-@pytest.mark.parametrize("policy", list(_POLICIES))
+@pytest.mark.parametrize("policy, devices", _CASES)
 def test_every_policy_matches_a_float64_reference(policy, mode, devices):
     assert jax.device_count() >= N
     params, batch, expected = _reference_problem(policy)
