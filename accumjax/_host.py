@@ -387,8 +387,6 @@ def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
     with jax.set_mesh(twin):  # the twin, whatever mesh the caller set
         init = partial(opt_state_for, tx, mode="scan")
         shapes = jax.eval_shape(init, jax.tree.map(typed, params))
-    if mesh.size == 1:  # one device: replicated, as the step returns every array there
-        return mesh, tuple(PartitionSpec() for _ in jax.tree.leaves(shapes))
     return mesh, tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
 
 

@@ -332,7 +332,7 @@ def microbatch(
         m = window_lib.inspect_microbatch(policy, grads, weight, params)
         w = jnp.ones((), jnp.float32) if weight is None else weight
         mine = verdict(policy.scaling, m.nonfinite, w)
-        gate = jnp.ones((), bool) if gate is None else gate
+        gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
         m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
     else:
         m = window_lib.inspect_microbatch(

@@ -310,11 +310,7 @@ def scan_step(setup: Setup) -> Step:
         every_k = window_k(ctx, acc.every_k)
 
         def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
-            whole = axis is not None and policy.reads  # reduced microbatch by microbatch
-            scatter = window_lib.reduced_scatter(None, carry.window.grad_sum) if whole else None
-            closed = window_lib.close_window(
-                policy, carry.window, every_k, axis, scatter, whole_counts=whole, verdicts=verdicts
-            )
+            closed = window_lib.close_window(policy, carry.window, every_k, axis, verdicts=verdicts)
             loss = window_loss(carry)
             if losses is not None:
                 loss = accepted_loss(losses, cast(jax.Array, closed.accepted))

@@ -392,7 +392,7 @@ def close_and_update(
       ``(updates, state)``: the updates are meaningful only when ``state.updated``; the new
       state has an empty window and updated counters.
     """
-    closed = _close(config, state)
+    closed = window_lib.close_window(config.policy, state.window, state.every_k, config.axis_name)
     dtypes = jax.tree.map(_like, grads_like)
 
     def update(operand: Any) -> Any:
@@ -407,19 +407,6 @@ def close_and_update(
     operand = (placeholder, state.inner_tx_state, params, closed, extra_args, norms)
     out, inner_state, *_, norms = window_lib.run_once(closed.apply, update, operand)
     return out, _after_close(config, state, closed, inner_state, norms)
-
-
-def _close(config: Config, state: AccumulationState) -> window_lib.Closed:
-    """``state``'s window closed: reduced once across ``config.axis_name`` (none left for a
-    policy that reads the gradient, which added each microbatch's whole gradient and agreed
-    about its counts), scaled and decided."""
-    policy, axis = config.policy, config.axis_name
-    if axis is None or not policy.reads:
-        return window_lib.close_window(policy, state.window, state.every_k, axis)
-    whole = window_lib.reduced_scatter(None, state.window.grad_sum)
-    return window_lib.close_window(
-        policy, state.window, state.every_k, axis, whole, whole_counts=True
-    )
 
 
 def close_and_apply(
@@ -449,7 +436,9 @@ def close_and_apply(
       ``(params, state)``: the new parameters and the state with an empty window.
     """
     if closed is None:
-        closed = _close(config, state)
+        closed = window_lib.close_window(
+            config.policy, state.window, state.every_k, config.axis_name
+        )
     dtypes = jax.tree.map(_like, params)
 
     def update(operand: Any) -> Any:

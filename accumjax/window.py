@@ -550,7 +550,8 @@ def close_window(
         dimension its parameter is sharded on over ``axis_name`` (that leaf is
         reduce-scattered: each device keeps its shard), `REDUCED` (a shard reduced
         already, microbatch by microbatch), `WHOLE` (reduced already, whole) or None
-        (all-reduced); None for all.
+        (all-reduced); None for all (`WHOLE` for all with a policy that reads the gradient,
+        whose microbatches `add_microbatch` added reduced).
       extras: with ``axis_name``, a float vector of the caller's own per-device values
         (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
       whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
@@ -567,6 +568,9 @@ def close_window(
       (when the policy detects non-finite values) and no microbatch was non-finite under
       ``"skip_window"`` (or in a first pass that added every microbatch as it came).
     """
+    if axis_name is not None and policy.reads and scatter is None:
+        # `add_microbatch` added each microbatch's whole gradient, its counts agreed on.
+        scatter, whole_counts = reduced_scatter(None, window.grad_sum), True
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices, ok = 1, None

@@ -23,8 +23,25 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 FEATURES, OUTPUTS = 8, 2
+
+
+def policies(max_norm: float, skip_norm: float) -> dict[str, dict[str, Any]]:
+    """``accumulate``'s keyword arguments of each policy the tests check against the
+    reference, by name: the non-finite policies, the scalings, ``max_norm`` and a ``skip_fn``
+    that skips a microbatch whose gradient's norm is above ``skip_norm``."""
+    return {
+        "skip_microbatch": {},
+        "skip_window": {"on_nonfinite": "skip_window"},
+        "propagate": {"on_nonfinite": "propagate"},
+        "count": {"scaling": "count"},
+        "sum": {"scaling": "sum"},
+        "weighted": {"scaling": "weighted"},
+        "max_norm": {"max_norm": max_norm},
+        "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > skip_norm},
+    }
 
 
 def problem(rows: int, seed: int = 0) -> tuple[dict, dict]:

@@ -586,16 +586,7 @@ def test_embedding_models_train_in_stream_mode_on_the_default_explicit_mesh():
 # skip_fn skips microbatch 1; on one device's two rows of a microbatch the norms differ, up to
 # 111 against 13).
 _MAX_NORM, _SKIP_NORM, _LARGE = 7.0, 11.0, 30.0
-_POLICIES = {
-    "skip_microbatch": {},
-    "skip_window": {"on_nonfinite": "skip_window"},
-    "propagate": {"on_nonfinite": "propagate"},
-    "count": {"scaling": "count"},
-    "sum": {"scaling": "sum"},
-    "weighted": {"scaling": "weighted"},
-    "max_norm": {"max_norm": _MAX_NORM},
-    "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > _SKIP_NORM},
-}
+_POLICIES = reference.policies(_MAX_NORM, _SKIP_NORM)
 _LR = 0.5
 # float32 against float64: each gradient entry is a sum of at most 64 products of O(1) terms,
 # each rounded once (2**-24 relative), and the SGD step rounds once more: a few 1e-7 of the

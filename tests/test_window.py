@@ -349,16 +349,7 @@ def test_skip_fn_skips_and_counts():
 # float64 reference of tests/_reference.py: microbatch 1's gradient has a NaN (the non-finite
 # policies; "propagate" makes that one entry of the window gradient NaN and the rest is
 # checked) and the largest norm; microbatch 2 weighs nothing ("weighted").
-_OWN_LOOP = {
-    "skip_microbatch": {},
-    "skip_window": {"on_nonfinite": "skip_window"},
-    "propagate": {"on_nonfinite": "propagate"},
-    "count": {"scaling": "count"},
-    "sum": {"scaling": "sum"},
-    "weighted": {"scaling": "weighted"},
-    "max_norm": {"max_norm": 2.0},
-    "skip_fn": {"skip_fn": lambda g, p: optax.tree.norm(g) > 4.0},
-}
+_OWN_LOOP = reference.policies(max_norm=2.0, skip_norm=4.0)
 # float32 against float64: the window's sums of K terms and one division, each rounded to
 # 2**-24 relative: 1e-6 of the values' scale is a margin of about 10 (measured: 1e-7).
 _FLOAT32 = 1e-6
