@@ -431,8 +431,8 @@ def finish(
         "loss": outcome.loss,
         "updated": updated,
         "grad_norm": grad_norm,
-        "skipped_microbatches": jnp.asarray(counts.skipped, jnp.int32),
-        "nonfinite_microbatches": jnp.asarray(counts.nonfinite, jnp.int32),
+        "skipped_microbatches": counts.skipped,
+        "nonfinite_microbatches": counts.nonfinite,
     }
     if fields.loss_scale is not None:
         metrics["grads_finite"] = outcome.carry.window.window_nonfinite == 0
@@ -477,7 +477,8 @@ def stream_step(setup: Setup) -> Step:
             fields = window_lib.run_once(window_closes(opt), close, fields)
         else:
             fields = close(fields)
-        counts = Counts(~outcome.added, outcome.nonfinite)
+        one = lambda flag: jnp.asarray(flag).astype(jnp.int32)
+        counts = Counts(one(~outcome.added), one(outcome.nonfinite))
         return finish(ctx, state, fields, outcome, counts)
 
     return step
