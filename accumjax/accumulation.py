@@ -168,8 +168,8 @@ def check_state(config: Config, state: Any) -> AccumulationState:
 
     A state whose (concrete) K or scaling differs from ``config`` (a checkpoint resumed under
     other settings) is refused (``"mean"``, ``"count"`` and ``"sum_over_k"`` states are one
-    state: `accumjax.scaling.compatible`); under ``jit`` the values are traced and only the type is
-    checked (`make_train_step` checks the values on its first call).
+    state: `accumjax.scaling.compatible`); under ``jit`` the values are traced and only the
+    type is checked (`make_train_step` checks the values on its first call).
     """
     if not isinstance(state, AccumulationState):
         raise TypeError(

@@ -396,12 +396,13 @@ def test_an_own_loop_window_matches_the_float64_reference(policy):
         np.testing.assert_allclose(s.max_grad_norm, expected.grad_norm, rtol=_FLOAT32)
 
 
-@pytest.mark.parametrize("way", ["scan", "stream", "own loop"])
+@pytest.mark.parametrize("way", ["scan", "stream", "own loop", "own loop, pmap"])
 def test_a_window_that_skips_a_microbatch_applies_the_mean_of_the_others(way):
     """SGD, K=4, microbatch 1 of 4 has a NaN target: the default policy leaves it out and the
     step is the float64 mean of the other three microbatches' gradients (not their sum over
-    K: a 3/4-size step), in both modes of the train step and in a loop of your own; the
-    metrics count the one microbatch."""
+    K: a 3/4-size step), in both modes of the train step and in a loop of your own (on one
+    device, and under pmap on 2 devices, each with half of every microbatch's rows: the NaN
+    is on device 0's); the metrics and counts say one microbatch was left out."""
     lr = 0.5
     params, batch = reference.problem(K * ROWS, seed=2)
     batch["y"][1, 0] = np.nan  # row 1: microbatch 1
@@ -416,6 +417,24 @@ def test_a_window_that_skips_a_microbatch_applies_the_mean_of_the_others(way):
             updates, state = update(grad(params, mb), state, params)
         got = optax.apply_updates(params, updates)
         counts = [(int(state.skipped_microbatches), int(state.nonfinite_count))]
+    elif way == "own loop, pmap":
+        tx = accumulate(optax.sgd(lr), K, axis_name="d")
+        devices = jax.devices()[:2]
+
+        @functools.partial(jax.pmap, axis_name="d", devices=devices)
+        def step(params, state, mb):
+            updates, state = tx.update(jax.grad(reference.loss)(params, mb), state, params)
+            return optax.apply_updates(params, updates), state
+
+        got = jax.tree.map(lambda p: np.stack([p] * 2), params)
+        state = jax.pmap(tx.init, devices=devices)(got)
+        for mb in micro:  # device d holds rows 4d to 4d + 3 of each microbatch
+            got, state = step(
+                got, state, jax.tree.map(lambda a: a.reshape(2, -1, *a.shape[1:]), mb)
+            )
+        assert int(state.update_count[1]) == 1
+        got = jax.tree.map(lambda p: p[1], got)  # device 1: its own rows were all finite
+        counts = [(int(state.skipped_microbatches[1]), int(state.nonfinite_count[1]))]
     else:
         step = make_train_step(reference.loss, mode=way, donate=False)
         state = step.init(params, tx)
