@@ -74,7 +74,7 @@ def whole_gradient(
 ) -> tuple[Any, Verdict]:
     """Inside a map over ``axis_name``: the whole microbatch's gradient from each device's
     gradient of its rows, as one device would compute it: their mean (``"mean"``,
-    ``"count"``), sum (``"sum"``) or weighted mean (``"weighted"``; a device of weight 0 adds
+    ``"sum_over_k"``), sum (``"sum"``) or weighted mean (``"weighted"``; a device of weight 0 adds
     nothing). The devices' shares are summed in the accumulator's precision (at least
     float32: float16 shares that are each finite stay finite), with the verdicts in the same
     reduction.

@@ -42,6 +42,7 @@ from accumjax.train_state import TrainState, count_update
 __all__ = [
     "Carry",
     "Context",
+    "Counts",
     "Fields",
     "Outcome",
     "Setup",
@@ -171,14 +172,24 @@ class Carry(NamedTuple):
 
 class Outcome(NamedTuple):
     """What a window's microbatches produced: the carry, the loss metric and the aux; for one
-    microbatch, also whether it was added to the window and, added as it came, this device's
-    `accumjax._agreement.Verdict` about it."""
+    microbatch, also whether it was added to the window, added as it came this device's
+    `accumjax._agreement.Verdict` about it, and whether it was found non-finite."""
 
     carry: Carry
     loss: Any
     aux: Any
     added: Any = None
     verdict: Verdict | None = None
+    nonfinite: Any = None
+
+
+class Counts(NamedTuple):
+    """What a call did with the microbatches it computed (the step's count metrics): how
+    many it left out of the window (``skipped``) and how many of those were non-finite
+    (``nonfinite``), int32 scalars, the same on every device."""
+
+    skipped: jax.Array
+    nonfinite: jax.Array
 
 
 class Fields(NamedTuple):
@@ -347,7 +358,7 @@ def microbatch(
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
     carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
-    return Outcome(carry, loss, aux, micro.added, mine)
+    return Outcome(carry, loss, aux, micro.added, mine, micro.nonfinite)
 
 
 # ----------------------------------------------------------------------------- the window's end
@@ -402,9 +413,10 @@ def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None)
 
 
 def finish(
-    ctx: Context, state: TrainState, fields: Fields, outcome: Outcome
+    ctx: Context, state: TrainState, fields: Fields, outcome: Outcome, counts: Counts
 ) -> tuple[TrainState, dict[str, Any]]:
-    """The new train state and the step's metrics, after the window's end (if any)."""
+    """The new train state and the step's metrics, after the window's end (if any);
+    ``counts``: what this call did with its microbatches."""
     updated = fields.opt.updated
     new = state.replace(
         step=count_update(jnp.asarray(state.step), updated),
@@ -413,9 +425,15 @@ def finish(
         model_state=fields.model_state,
         loss_scale=fields.loss_scale if fields.loss_scale is not None else state.loss_scale,
     )
-    # The norm of the gradient the inner optimizer saw at this call (NaN: no update here).
-    grad_norm = jnp.where(updated, fields.opt.grad_norm, jnp.nan)
-    metrics: dict[str, Any] = {"loss": outcome.loss, "updated": updated, "grad_norm": grad_norm}
+    # The norm of the gradient the inner optimizer saw at this call (0.0: no update here).
+    grad_norm = jnp.where(updated, fields.opt.grad_norm, 0.0)
+    metrics: dict[str, Any] = {
+        "loss": outcome.loss,
+        "updated": updated,
+        "grad_norm": grad_norm,
+        "skipped_microbatches": counts.skipped,
+        "nonfinite_microbatches": counts.nonfinite,
+    }
     if fields.loss_scale is not None:
         metrics["grads_finite"] = outcome.carry.window.window_nonfinite == 0
         metrics["loss_scale"] = fields.loss_scale.loss_scale
@@ -459,7 +477,9 @@ def stream_step(setup: Setup) -> Step:
             fields = window_lib.run_once(window_closes(opt), close, fields)
         else:
             fields = close(fields)
-        return finish(ctx, state, fields, outcome)
+        one = lambda flag: jnp.asarray(flag).astype(jnp.int32)
+        counts = Counts(one(~outcome.added), one(outcome.nonfinite))
+        return finish(ctx, state, fields, outcome, counts)
 
     return step
 

@@ -22,6 +22,7 @@ from accumjax._agreement import Verdict, weigh
 from accumjax._loop import (
     Carry,
     Context,
+    Counts,
     Fields,
     Outcome,
     Setup,
@@ -276,7 +277,7 @@ def scan_finish(
     closed = closing.closed
     window = acc.window._replace(window_nonfinite=closed.nonfinite_count)
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
-    if ctx.n_real is not None:  # "mean" divides by the real microbatches
+    if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
     fields = Fields(state.params, opt, closing.model_state, ctx.loss_scale)
     fields = close_fields(ctx, fields, closed)
@@ -289,7 +290,8 @@ def scan_finish(
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
     outcome = Outcome(Carry(window, closing.model_state, zero, zero), closing.loss, closing.aux)
-    return finish(ctx, state, fields, outcome)
+    counts = Counts(closed.skipped_count, closed.nonfinite_count)
+    return finish(ctx, state, fields, outcome, counts)
 
 
 def scan_step(setup: Setup) -> Step:

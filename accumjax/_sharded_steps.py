@@ -35,6 +35,7 @@ from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, mer
 from accumjax._loop import (
     Carry,
     Context,
+    Counts,
     Fields,
     Outcome,
     Setup,
@@ -426,7 +427,8 @@ def _mesh_call(
     fields = window_lib.run_once(window_closes(opt), close, fields)
     aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
     carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
-    return finish(ctx, state, fields, Outcome(carry, pooled.loss, aux))
+    counts = Counts(inc[2].astype(jnp.int32), inc[1].astype(jnp.int32))
+    return finish(ctx, state, fields, Outcome(carry, pooled.loss, aux), counts)
 
 
 def _local_call(
@@ -488,10 +490,10 @@ def _share(
     policy: window_lib.Policy, m: window_lib.Microbatch, layout: sharded.Layout
 ) -> window_lib.Microbatch:
     """A device's decision about its rows, as its share of the whole microbatch: for losses
-    that are means (``"mean"``, ``"count"``), its gradient and weight count 1/shards of
+    that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight count 1/shards of
     the microbatch's, so that a `accumjax.window.DeviceWindow` holds what one device's window
     would (its sum and counts do not depend on the number of devices)."""
-    if policy.scaling not in ("mean", "count"):
+    if policy.scaling not in ("mean", "sum_over_k"):
         return m
     share = 1.0 / layout.shards
     factor = share if m.factor is None else m.factor * share

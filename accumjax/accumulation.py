@@ -108,12 +108,17 @@ def _check_every_k(every_k: Any) -> int | Schedule:
     return cast(Schedule, every_k)
 
 
-def _check_policy(scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any) -> None:
-    scaling_lib.validate_scaling(scaling)
+def _check_policy(
+    scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any
+) -> scaling_lib.Scaling:
+    """Validates the policy's arguments; returns the strategy's name (``"count"``:
+    ``"mean"``)."""
+    scaling = scaling_lib.validate_scaling(scaling)
     check_choice("on_nonfinite", on_nonfinite, ON_NONFINITE)
     if max_norm is not None:
         check_real("max_norm", max_norm, low=0.0, low_open=True)
     check_callable("skip_fn", skip_fn)
+    return scaling
 
 
 def _check_params(params: Any) -> None:
@@ -162,19 +167,20 @@ def check_state(config: Config, state: Any) -> AccumulationState:
     """``state`` if it is this transformation's `AccumulationState`, else a clear error.
 
     A state whose (concrete) K or scaling differs from ``config`` (a checkpoint resumed under
-    other settings) is refused; under ``jit`` the values are traced and only the type is
-    checked (`make_train_step` checks the values on its first call).
+    other settings) is refused (``"mean"``, ``"count"`` and ``"sum_over_k"`` states are one
+    state: `accumjax.scaling.compatible`); under ``jit`` the values are traced and only the
+    type is checked (`make_train_step` checks the values on its first call).
     """
     if not isinstance(state, AccumulationState):
         raise TypeError(
             "accumulate's update needs the AccumulationState made by its own init, got "
             f"{type(state).__name__} (a plain optax state? pass state=tx.init(params))."
         )
-    code = scaling_lib.SCALINGS.index(config.policy.scaling)
     got_code = scaling_lib.concrete_value(state.scaling_code)
-    if got_code is not None and int(got_code) != code:
+    made = None if got_code is None else scaling_lib.SCALINGS[int(got_code)]
+    if made is not None and not scaling_lib.compatible(made, config.policy.scaling):
         raise ValueError(
-            f"this state was made with scaling={scaling_lib.SCALINGS[int(got_code)]!r}; "
+            f"this state was made with scaling={made!r}; "
             f"this accumulate uses scaling={config.policy.scaling!r}."
         )
     got_k = scaling_lib.concrete_value(state.every_k)
@@ -220,12 +226,14 @@ def accumulate(
       every_k: K, an int in ``[1, 2**31)`` (numpy integers welcome), or a schedule
         ``update_count -> K`` (as ``optax.MultiSteps.every_k_schedule``) returning an integer,
         evaluated after each applied update.
-      scaling: ``"mean"``, ``"sum"``, ``"count"`` or ``"weighted"`` (see `accumjax.scaling`).
-        ``"weighted"`` needs ``update(..., weight=w)`` on every call.
+      scaling: ``"mean"`` (the mean of the microbatches the window used), ``"sum"``,
+        ``"weighted"`` or ``"sum_over_k"`` (the sum over K, skips or not); see
+        `accumjax.scaling`. ``"weighted"`` needs ``update(..., weight=w)`` on every call.
+        ``"count"`` is deprecated: it is ``"mean"``.
       max_norm: if set, each microbatch gradient's global norm is clipped to this before it is
         added (per-microbatch clipping, as in DP-SGD style training).
       on_nonfinite: what a microbatch with a NaN/Inf gradient does: ``"skip_microbatch"`` (not
-        added, counted, the window goes on; pair with ``"count"`` so the step does not shrink),
+        added, counted, the window goes on; ``"mean"`` divides by the microbatches used),
         ``"skip_window"`` (the whole window is dropped) or ``"propagate"`` (added as is and
         not looked for, as a plain optimizer would).
       skip_fn: ``skip_fn(grads, params) -> bool``: skip a microbatch for a reason of your own
@@ -236,9 +244,10 @@ def accumulate(
         and float64 ones stay float64. ``None`` uses the parameters' dtypes.
       axis_name: a mapped axis (``pmap``/``shard_map``) over which the window's sum, weights and
         counts are all-reduced once, at the end of the window; each device then applies the
-        same update. ``"mean"`` divides by K times the axis size. Each call's microbatch is
-        decided about whole, the same on every device (an all-reduce of two scalars; of the
-        gradient for ``max_norm`` and ``skip_fn``; none with ``"propagate"``).
+        same update. ``"mean"`` divides by the microbatches used times the axis size. Each
+        call's microbatch is decided about whole, the same on every device (an all-reduce of
+        two scalars; of the gradient for ``max_norm`` and ``skip_fn``; none with
+        ``"propagate"``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulationState`.
@@ -261,7 +270,7 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    _check_policy(scaling, max_norm, on_nonfinite, skip_fn)
+    scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn)
     config = Config(
         inner=optax.with_extra_args_support(inner),
         every_k=_check_every_k(every_k),

@@ -177,7 +177,7 @@ def accumulated_gradients(state: Any) -> Any:
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
-      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4, scaling="count")
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4)  # "mean": of the microbatches added
       >>> state = tx.init({"w": jnp.zeros(())})
       >>> _, state = tx.update({"w": jnp.array(2.0)}, state)
       >>> _, state = tx.update({"w": jnp.array(4.0)}, state)

@@ -1,43 +1,95 @@
 """How an accumulated gradient is normalised: the scaling strategies of `accumulate`.
 
-Every strategy accumulates ``sum_i w_i * g_i`` (``w_i = 1`` unless ``scaling="weighted"``)
-and divides once, at the end of the window, by a denominator:
+Every strategy accumulates ``sum_i w_i * g_i`` over the microbatches a window used (``w_i = 1``
+unless ``scaling="weighted"``; a skipped microbatch adds nothing) and divides once, at the end
+of the window, by a denominator:
 
-=============  =========================================  ==================================
-strategy       denominator                                use it when
-=============  =========================================  ==================================
-``"mean"``     ``K`` (times the data-parallel axis size)  losses are means; as optax.MultiSteps
-``"sum"``      ``1``                                      losses are sums over examples
-``"count"``    microbatches actually added                some microbatches may be skipped
-``"weighted"`` ``sum_i w_i`` of the added microbatches    per-token losses, ragged batches
-=============  =========================================  ==================================
+================  ============================================  ===============================
+strategy          denominator                                   use it when
+================  ============================================  ===============================
+``"mean"``        the microbatches used (times the data axis)   losses are means (the default)
+``"sum"``         ``1``                                         losses are sums over examples
+``"weighted"``    ``sum_i w_i`` of the microbatches used        per-token losses, ragged batches
+``"sum_over_k"``  ``K`` (times the data axis), skips or not     0.4's ``"mean"``: a skipped
+                                                                microbatch counts as a zero
+                                                                gradient (a smaller step)
+================  ============================================  ===============================
+
+``"mean"`` is the mean of the microbatches the window used: without skips the sum over K
+(``optax.MultiSteps``' mean), and a window that skips one microbatch of 4 applies the mean of
+the other 3. ``"count"``, which did this before 0.5, is a deprecated name for it (a
+``DeprecationWarning``; removed in 0.6). On a data axis each device's rows are its share of
+every microbatch, and every device counts the same microbatches, so the step is the one a
+single device would take.
 
 With ``"weighted"`` and ``w_i`` the number of tokens (examples) of microbatch ``i`` whose loss
 is the mean over its own tokens, ``sum_i w_i g_i / sum_i w_i`` is exactly the gradient of the
 token-mean loss of the whole accumulated batch.
 
 The accumulation window (`accumjax.window`) applies the denominator when it closes; the
-weight of a microbatch is validated here.
+weight of a microbatch is validated here. A state records its strategy as an index into
+`SCALINGS` (``scaling_code``): new strategies are appended, so a checkpoint's code keeps its
+meaning.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SCALINGS", "Scaling", "concrete_value", "microbatch_weight", "validate_scaling"]
+__all__ = [
+    "SCALINGS",
+    "Scaling",
+    "compatible",
+    "concrete_value",
+    "microbatch_weight",
+    "validate_scaling",
+]
 
-Scaling = Literal["mean", "sum", "count", "weighted"]
-SCALINGS: tuple[Scaling, ...] = ("mean", "sum", "count", "weighted")
+Scaling = Literal["mean", "sum", "count", "weighted", "sum_over_k"]
+#: The strategies by ``scaling_code`` (append only: a checkpoint stores the index).
+SCALINGS: tuple[Scaling, ...] = ("mean", "sum", "count", "weighted", "sum_over_k")
+_MEANS = ("mean", "count", "sum_over_k")
 
 
 def validate_scaling(scaling: str) -> Scaling:
-    """Returns ``scaling`` if it names a strategy, else raises ``ValueError``."""
+    """``scaling`` if it names a strategy (``"count"``: ``"mean"``, with a
+    ``DeprecationWarning``), else ``ValueError``.
+
+    Example:
+      >>> from accumjax import scaling
+      >>> scaling.validate_scaling("sum_over_k")
+      'sum_over_k'
+    """
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}.")
+    if scaling == "count":
+        warnings.warn(
+            "accumulate(scaling='count') is deprecated and will be removed in 0.6: write "
+            "scaling='mean', which since 0.5 divides by the microbatches a window used, as "
+            "'count' did.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return "mean"
     return scaling  # type: ignore[return-value]
+
+
+def compatible(stored: str, wanted: str) -> bool:
+    """Whether a state made with scaling ``stored`` resumes under ``wanted``: the same
+    strategy, or two of ``"mean"``, ``"count"`` and ``"sum_over_k"`` (one state, whose
+    windows differ only when a microbatch is skipped; 0.4's ``"mean"`` and ``"count"``
+    checkpoints resume under 0.5's ``"sum_over_k"`` and ``"mean"``).
+
+    Example:
+      >>> from accumjax import scaling
+      >>> scaling.compatible("count", "mean"), scaling.compatible("sum", "mean")
+      (True, False)
+    """
+    return stored == wanted or (stored in _MEANS and wanted in _MEANS)
 
 
 def concrete_value(x: jax.typing.ArrayLike) -> float | None:

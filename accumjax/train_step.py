@@ -111,9 +111,21 @@ def make_train_step(
 
       * ``"loss"``: scan mode, the window's weighted mean loss over the microbatches it
         added (NaN if none); stream mode, this call's microbatch's loss.
-      * ``"updated"``: this call applied an update (``state.step`` counts those).
+      * ``"updated"``: this call closed a window and applied its update (``state.step``
+        counts those). False on a stream call that does not close its window, and on a
+        call whose window was not usable: nothing added, a non-finite sum, or
+        ``on_nonfinite="skip_window"`` after a non-finite microbatch (`accumjax.stats`'
+        ``skipped_windows``).
+      * ``"skipped_microbatches"``: int32, how many of the microbatches this call computed
+        were left out of the window (non-finite, an invalid weight, ``skip_fn``): scan mode,
+        of its K (or ``num_real_microbatches``); stream mode, its one, 0 or 1. Summed over
+        the calls it is `accumjax.stats`' ``skipped_microbatches``.
+      * ``"nonfinite_microbatches"``: int32, how many of those had a NaN/Inf gradient or an
+        invalid weight (0 under ``on_nonfinite="propagate"``, which does not look); summed,
+        `accumjax.stats`' ``num_nonfinite``. Both counts are whole microbatches, the same on
+        one device and on N.
       * ``"grad_norm"``: the global norm of the window gradient the inner optimizer saw at
-        this call; NaN on a call that applied no update.
+        this call; 0.0 on a call that applied no update (never NaN for that reason).
       * ``"grads_finite"`` (float16): no microbatch of this call's window so far had a
         non-finite gradient (an overflow) or an invalid weight. Scan mode: none of the K.
         Stream mode: False from the call whose microbatch overflowed through the call that

@@ -76,7 +76,8 @@ class Policy(NamedTuple):
     """How a window treats its microbatches (static: part of the program, not of the state).
 
     Attributes:
-      scaling: ``"mean"``, ``"sum"``, ``"count"`` or ``"weighted"`` (see `accumjax.scaling`).
+      scaling: ``"mean"``, ``"sum"``, ``"weighted"`` or ``"sum_over_k"`` (see
+        `accumjax.scaling`).
       max_norm: clip each microbatch gradient's global norm to this before adding, or None.
       on_nonfinite: ``"skip_microbatch"``, ``"skip_window"`` or ``"propagate"``.
       skip_fn: ``skip_fn(grads, params) -> bool``: the user's reason to skip a microbatch.
@@ -511,16 +512,23 @@ def _scaled(policy: Policy, m: Microbatch, g: jax.Array) -> jax.Array:
 def denominator(
     scaling: scaling_lib.Scaling, every_k: Any, weight_sum: jax.Array, devices: Any = 1
 ) -> jax.Array:
-    """What a window's sum is divided by: K times the devices (``"mean"``), 1 (``"sum"``)
-    or the weight sum (``"count"``, ``"weighted"``), float32.
+    """What a window's sum is divided by, float32: its weight sum (``"mean"``: the number of
+    microbatches it used, each of weight 1; ``"weighted"``: their weights), 1 (``"sum"``) or
+    K times the devices (``"sum_over_k"``, skips or not).
+
+    ``weight_sum`` is the whole window's: on a mapped axis whose devices each counted the
+    window (``devices`` of them), their sum, so ``"mean"`` divides by the microbatches used
+    times the devices, as ``"sum_over_k"`` by K times the devices.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from accumjax import window
-      >>> float(window.denominator("mean", 4, jnp.float32(3.0), devices=2))
+      >>> float(window.denominator("mean", 4, jnp.float32(3.0)))  # 3 of 4 used
+      3.0
+      >>> float(window.denominator("sum_over_k", 4, jnp.float32(3.0), devices=2))
       8.0
     """
-    if scaling == "mean":
+    if scaling == "sum_over_k":
         return jnp.asarray(every_k, jnp.float32) * devices
     if scaling == "sum":
         return jnp.ones((), jnp.float32)
@@ -543,7 +551,7 @@ def close_window(
     Args:
       policy: the window's `Policy`.
       window: the window to close.
-      every_k: K of this window (``"mean"`` divides by K times the number of devices).
+      every_k: K of this window (``"sum_over_k"`` divides by K times the number of devices).
       axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
         one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
       scatter: with ``axis_name``, a pytree like the sum holding, for each leaf, the
@@ -556,8 +564,8 @@ def close_window(
         (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
       whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
         values already (the devices agreed about each microbatch, or the window is one
-        device's part of a `DeviceWindow`): they are not reduced, and ``"mean"`` divides by
-        K.
+        device's part of a `DeviceWindow`): they are not reduced, and ``"sum_over_k"``
+        divides by K.
       verdicts: the window's microbatches were added as they came (`Policy.waits` is False,
         or a first pass of a policy that waits): each one's `accumjax._agreement.Verdict`
         from this device, stacked. They travel in the reduction and decide the counts;

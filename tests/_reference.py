@@ -13,8 +13,8 @@ states: a microbatch with a NaN/Inf gradient is left out (``"skip_microbatch"``)
 window (``"skip_window"``) or is added as it is (``"propagate"``); each kept microbatch is
 clipped to ``max_norm`` by its own global norm; ``skip_norm`` stands for a ``skip_fn`` that
 skips a microbatch whose whole gradient's norm exceeds it; the sum of the kept ones is divided
-by K (``"mean"``), 1 (``"sum"``), their number (``"count"``) or their weight, ``sum m``
-(``"weighted"``).
+by their number (``"mean"``: the mean of the microbatches used), 1 (``"sum"``), K
+(``"sum_over_k"``, kept or not) or their weight, ``sum m`` (``"weighted"``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def policies(max_norm: float, skip_norm: float) -> dict[str, dict[str, Any]]:
         "skip_microbatch": {},
         "skip_window": {"on_nonfinite": "skip_window"},
         "propagate": {"on_nonfinite": "propagate"},
-        "count": {"scaling": "count"},
+        "sum_over_k": {"scaling": "sum_over_k"},
         "sum": {"scaling": "sum"},
         "weighted": {"scaling": "weighted"},
         "max_norm": {"max_norm": max_norm},
@@ -117,8 +117,8 @@ class Window(NamedTuple):
 
     @property
     def grad_norm(self) -> float:
-        """The metric ``grad_norm`` of the closing call (NaN without an update)."""
-        return float("nan") if self.gradient is None else global_norm(self.gradient)
+        """The metric ``grad_norm`` of the closing call (0.0 without an update)."""
+        return 0.0 if self.gradient is None else global_norm(self.gradient)
 
     def params_after(self, params: dict, lr: float) -> dict:
         """``params`` after one SGD step of ``lr`` on the window gradient (float64)."""
@@ -182,7 +182,7 @@ def window_of(
         clip = 1.0 if max_norm is None else min(1.0, max_norm / norm)
         kept.append((weight if scaling == "weighted" else 1.0, clip, grad, value))
     total = sum(w for w, _, _, _ in kept)
-    denominator = {"mean": len(grads), "sum": 1.0, "count": len(kept), "weighted": total}
+    denominator = {"mean": len(kept), "sum": 1.0, "sum_over_k": len(grads), "weighted": total}
     gradient = None
     if kept and total > 0:
         names = kept[0][2]

@@ -239,19 +239,31 @@ def test_float32_accumulator_for_bf16_grads_is_accurate():
     assert float(bad["a"]) != float(g["a"])
 
 
-def test_count_scaling_ignores_dropped_microbatch():
-    tx = accumjax.accumulate(optax.scale(1.0), 3, scaling="count")
-    mean_tx = accumjax.accumulate(optax.scale(1.0), 3, scaling="mean")
+def test_mean_divides_by_the_microbatches_used_and_sum_over_k_by_k():
+    tx = accumjax.accumulate(optax.scale(1.0), 3)
+    over_k = accumjax.accumulate(optax.scale(1.0), 3, scaling="sum_over_k")
     params = {"a": jnp.zeros(2)}
     grads = [jnp.array([1.0, 2.0]), jnp.array([np.nan, 0.0]), jnp.array([3.0, 6.0])]
-    s, s_mean = tx.init(params), mean_tx.init(params)
-    update, mean_update = jax.jit(tx.update), jax.jit(mean_tx.update)  # one program each
+    s, s_k = tx.init(params), over_k.init(params)
+    update, k_update = jax.jit(tx.update), jax.jit(over_k.update)  # one program each
     for g in grads:
         out, s = update({"a": g}, s, params)
-        out_mean, s_mean = mean_update({"a": g}, s_mean, params)
+        out_k, s_k = k_update({"a": g}, s_k, params)
     np.testing.assert_array_equal(out["a"], [2.0, 4.0])  # (1+3)/2, (2+6)/2: exact in binary
-    np.testing.assert_array_equal(out_mean["a"], np.array([4.0, 8.0], np.float32) / np.float32(3))
+    np.testing.assert_array_equal(out_k["a"], np.array([4.0, 8.0], np.float32) / np.float32(3))
     assert int(s.nonfinite_count) == 1 and bool(accumjax.stats(s).overflow_detected)
+
+
+def test_a_state_resumes_under_another_name_of_a_mean_and_not_under_sum():
+    """A checkpoint stores its strategy's index: a 0.4 "count" state (index 2) resumes under
+    "mean", a "mean" state under "sum_over_k" (0.4's "mean"); "sum" refuses either."""
+    params, g = {"a": jnp.zeros(2)}, {"a": jnp.ones(2)}
+    state = accumjax.accumulate(optax.sgd(0.1), 2).init(params)
+    count_state = state._replace(scaling_code=jnp.int32(2))
+    accumjax.accumulate(optax.sgd(0.1), 2).update(g, count_state, params)
+    accumjax.accumulate(optax.sgd(0.1), 2, scaling="sum_over_k").update(g, state, params)
+    with pytest.raises(ValueError, match="made with scaling='count'"):
+        accumjax.accumulate(optax.sgd(0.1), 2, scaling="sum").update(g, count_state, params)
 
 
 def test_weighted_token_mean_is_exact():

@@ -140,7 +140,7 @@ def test_a_scan_checkpoint_restores_on_another_number_of_devices(
 
 def test_windows_move_between_layouts_and_an_open_one_is_not_dropped(tmp_path):
     params, batch = _problem()
-    tx = accumjax.accumulate(optax.sgd(0.1), K, scaling="count")
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
     stream, scan = _step("stream"), _step("scan")
     created = accumjax.TrainState.create(apply_fn=None, params=params, tx=tx)  # one sum
     calls = _batches(batch, "stream", None)

@@ -209,6 +209,10 @@ def modes_own_step_with_a_nan_microbatch(guide: Path, run: GuideRun) -> None:
         params, opt_state = g["train_step"](params, opt_state, batch)
     _assert_one_skipped_and_closed(before, opt_state)
     assert _finite(params) and _changed(start, params)
+    # The logging block: four clean calls, one update at the schedule's first rate.
+    assert [call[1:] for call in g["per_call"]] == [(0, 0)] * 4
+    ((count, lr, norm),) = g["per_update"]
+    assert (count, lr) == (1, 0.1) and 0 < norm < float("inf")
 
 
 @_own_loop("mixed_precision")

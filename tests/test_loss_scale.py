@@ -287,16 +287,17 @@ def _hand_loop(tx, params, ls, microbatches):
 
 
 def _float64_sgd(lr, params, windows):
-    """Plain SGD in float64 on each window's mean gradient over K; ``None`` microbatches are
-    left out (they add nothing, as ``"skip_microbatch"`` with ``"mean"``)."""
+    """Plain SGD in float64 on each window's mean gradient over the microbatches it used;
+    ``None`` microbatches are left out (as ``"skip_microbatch"`` with ``"mean"``)."""
     w, b = (np.asarray(params[k], np.float64) for k in ("w", "b"))
     for window in windows:
         gw, gb = np.zeros_like(w), np.zeros_like(b)
-        for mb in (m for m in window if m is not None):
+        used = [m for m in window if m is not None]
+        for mb in used:
             x, ids, y = np.asarray(mb["x"], np.float64), mb["ids"], np.asarray(mb["y"], np.float64)
             r = 2 * (x @ w + b[ids] - y) / len(y)
             gw, gb = gw + x.T @ r, gb + np.bincount(ids, r, minlength=len(b))
-        w, b = w - lr * gw / len(window), b - lr * gb / len(window)
+        w, b = w - lr * gw / len(used), b - lr * gb / len(used)
     return {"b": b, "w": w}
 
 

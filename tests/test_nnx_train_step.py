@@ -173,6 +173,26 @@ def test_float64_params_equal_nnx_full_batch_reference(mode):
 
 
 @pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_metrics_count_the_skipped_microbatches(mode):
+    """NaN inputs in microbatch 2: the metrics of the call(s) count it (int32 scalars, as
+    `stats` does), the window applies the other three."""
+    (window,) = _windows(windows=1)
+    window = {**window, "x": window["x"].at[2, 0].set(jnp.nan)}  # row 2: microbatch 2
+    step = _step(mse, mode=mode)
+    state = step.init(MLP(nnx.Rngs(0)), _acc())
+    counts = []
+    for batch in [window] if mode == "scan" else _microbatches(window):
+        state, metrics = step(state, batch)
+        got = (metrics["skipped_microbatches"], metrics["nonfinite_microbatches"])
+        assert all((c.shape, c.dtype) == ((), jnp.int32) for c in got)
+        counts.append(tuple(int(c) for c in got))
+    assert counts == ([(1, 1)] if mode == "scan" else [(0, 0), (0, 0), (1, 1), (0, 0)])
+    stats = accumjax.stats(state.opt_state)
+    assert (int(stats.skipped_microbatches), int(stats.num_nonfinite)) == (1, 1)
+    assert bool(metrics["updated"]) and int(state.step) == 1
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
 def test_batch_norm_stats_after_one_window_equal_batch_norm_on_whole_window(mode):
     window = _windows(seed=1, windows=1)[0]
     model = BNNet(nnx.Rngs(0))

@@ -76,6 +76,8 @@ def test_the_quick_start_is_the_same_program_on_one_device_and_eight():
     assert shapes(eight["state"]) == shapes(one["state"])
     metrics = lambda m: {k: np.shape(v) for k, v in m.items()}
     assert metrics(eight["metrics"]) == metrics(one["metrics"]) == dict.fromkeys(one["metrics"], ())
+    for name in ("updated", "skipped_microbatches", "nonfinite_microbatches"):  # exact counts
+        assert int(eight["metrics"][name]) == int(one["metrics"][name]) == int(name == "updated")
     # Both runs give one device's values (float32 sums in another order: 1e-5 after 200 Adam
     # steps of the optax loop, then 20 of the scan step).
     for got, want in [

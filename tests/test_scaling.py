@@ -2,15 +2,34 @@
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import accumjax
 from accumjax import scaling
 
 
 def test_validate_scaling():
-    assert scaling.validate_scaling("count") == "count"
+    assert scaling.validate_scaling("sum_over_k") == "sum_over_k"
     with pytest.raises(ValueError, match="scaling must be one of"):
         scaling.validate_scaling("avg")
+
+
+def test_count_is_a_deprecated_name_of_mean():
+    """0.5's "mean" divides by the microbatches used, which 0.4's "count" did: "count" warns,
+    names "mean", and gives a transformation whose policy is "mean"."""
+    with pytest.warns(DeprecationWarning, match="scaling='mean'.*0.6|0.6.*scaling='mean'"):
+        tx = accumjax.accumulate(optax.sgd(0.1), 2, scaling="count")
+    assert accumjax.accumulation.config_of(tx).policy.scaling == "mean"
+
+
+def test_the_state_codes_keep_their_meaning():
+    """A checkpoint stores its strategy as an index into SCALINGS: 0.4's indices stay, new
+    strategies come after them; the "mean" family resumes across its names."""
+    assert scaling.SCALINGS[:4] == ("mean", "sum", "count", "weighted")
+    assert scaling.SCALINGS[4] == "sum_over_k"
+    assert scaling.compatible("count", "mean") and scaling.compatible("mean", "sum_over_k")
+    assert not scaling.compatible("mean", "sum") and not scaling.compatible("weighted", "mean")
 
 
 def test_microbatch_weight_checks_concrete_and_flags_traced():

@@ -120,8 +120,9 @@ def test_scan_on_a_mesh_matches_plain_optax_and_reduces_once_per_window(kind, fs
     for key in ref:
         np.testing.assert_allclose(state.params[key], ref[key], **SAME_SUM)
     # Global values: the scalars of one device (the loss travels in the window's reduction).
+    counts = ("skipped_microbatches", "nonfinite_microbatches")
     assert {k: jnp.shape(v) for k, v in metrics.items()} == {
-        k: () for k in (*ref_metrics, "updated")
+        k: () for k in (*ref_metrics, "updated", *counts)
     }
     for key in ("loss", "grad_norm"):  # float32 sums in another order: 1e-6
         np.testing.assert_allclose(float(metrics[key]), ref_metrics[key], rtol=1e-6)
@@ -642,6 +643,8 @@ def _reference_run(policy, mode, devices, params, batch, **step_kwargs):
     metrics = []
     for call in calls:
         state, m = step(state, put(call, dict.fromkeys(call, P("data"))))
+        for name in ("skipped_microbatches", "nonfinite_microbatches"):  # counts: int scalars
+            assert (m[name].shape, m[name].dtype) == ((), jnp.int32)
         metrics.append({k: float(v) for k, v in m.items()})
     return state, metrics
 
@@ -669,6 +672,14 @@ def _check_against_reference(state, metrics, mode, params, expected):
         scale = np.nanmax(np.abs(want[key]))
         np.testing.assert_allclose(got[key], want[key], rtol=_FLOAT32, atol=_FLOAT32 * scale)
     updated = expected.gradient is not None
+    # The count metrics: what each call did with its microbatches (scan: the window's K;
+    # stream: its one, the policy's trait in microbatch 1), the counts `stats` adds up.
+    skipped, nonfinite = counts["skipped_microbatches"], counts["num_nonfinite"]
+    per_call = [(m["skipped_microbatches"], m["nonfinite_microbatches"]) for m in metrics]
+    if mode == "scan":
+        assert per_call == [(skipped, nonfinite)]
+    else:
+        assert per_call == [(0, 0), (skipped, nonfinite)] + [(0, 0)] * (K - 2)
     if mode == "scan":
         (m,) = metrics
         assert m["updated"] == updated
@@ -678,18 +689,18 @@ def _check_against_reference(state, metrics, mode, params, expected):
     assert [m["updated"] for m in metrics] == [False] * (K - 1) + [updated]
     losses = [m["loss"] for m in metrics]  # each call's microbatch (NaN: microbatch 1)
     np.testing.assert_allclose(losses, expected.losses, rtol=_FLOAT32)
-    norms = [m["grad_norm"] for m in metrics]
-    np.testing.assert_allclose(norms, [np.nan] * (K - 1) + [expected.grad_norm], rtol=_FLOAT32)
+    norms = [m["grad_norm"] for m in metrics]  # 0.0 on a call without an update
+    np.testing.assert_allclose(norms, [0.0] * (K - 1) + [expected.grad_norm], rtol=_FLOAT32)
 
 
 # FSDP for the policies whose decision reads a sharded gradient differently (the verdicts of
 # the rows beside a reduce-scatter, the shards' norm, the gathered gradient, the weights):
-# the scalings without them ("count", "sum") and skip_window add nothing there.
+# the scalings without them ("sum_over_k", "sum") and skip_window add nothing there.
 _CASES = [
     (policy, devices)
     for policy in _POLICIES
     for devices in ("1", "8", "8 fsdp")
-    if devices != "8 fsdp" or policy not in ("count", "sum", "skip_window")
+    if devices != "8 fsdp" or policy not in ("sum_over_k", "sum", "skip_window")
 ]
 
 

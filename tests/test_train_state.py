@@ -175,7 +175,7 @@ def test_a_window_kept_per_data_shard_reads_as_the_whole_batch_and_is_refused_by
     # stats report is the whole batch's, the values of the same run on one device.
     params, batch = _problem(width=8)
     mesh = jax.make_mesh((N,), ("data",))
-    tx = accumjax.accumulate(optax.sgd(0.1), K, scaling="count")
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
     step = accumjax.make_train_step(_loss, donate=False)
     runs = {}
     for where, placed in (

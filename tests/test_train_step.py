@@ -1309,11 +1309,53 @@ def test_metrics_grad_norm_is_the_norm_of_the_window_gradient(mode, agc):
         _assert_tree_close(state.params, _sgd_reference(clipped, lr=0.1), F32)
 
 
-def test_metrics_grad_norm_is_nan_on_a_call_without_update():
-    micro = _microbatches(_windows(*_data())[0])
+def test_metrics_of_a_call_without_update_are_not_nan():
+    """A call that applies no update (stream mode's first K - 1 calls; a scan window that
+    skip_window drops) reports grad_norm 0.0, and on clean data no metric is NaN."""
+    window = _windows(*_data())[0]
     step = _step()
-    _, metrics = step(step.init(_params(), _sgd()), micro[0])
-    assert not bool(metrics["updated"]) and bool(jnp.isnan(metrics["grad_norm"]))
+    state = step.init(_params(), _sgd())
+    for i, mb in enumerate(_microbatches(window)):
+        state, metrics = step(state, mb)
+        assert bool(metrics["updated"]) == (i == K - 1)
+        assert all(np.isfinite(np.asarray(v)).all() for v in metrics.values())
+        assert (float(metrics["grad_norm"]) == 0.0) == (i < K - 1)
+    scan = _step(mode="scan")
+    bad = {**window, "y": window["y"].copy()}
+    bad["y"][1, 0] = np.nan  # row 1: microbatch 1
+    _, metrics = scan(scan.init(_params(), _sgd(on_nonfinite="skip_window")), bad)
+    assert not bool(metrics["updated"]) and float(metrics["grad_norm"]) == 0.0
+    assert all(np.isfinite(np.asarray(v)).all() for v in metrics.values())
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_metrics_count_skipped_microbatches_under_pmap(mode):
+    """Under pmap every device reports the counts of the whole microbatches: NaN rows on
+    devices 0 and 3 in microbatch 1 (one microbatch, counted once) and on device 5 in
+    microbatch 2: 2 skipped, 2 non-finite, as `stats` says; int32, one entry per device."""
+    window = _dp_windows()[0]
+    rows = len(window["x"]) // N_DEV  # per device; its microbatch i holds its rows i, i + K
+    bad = [1, 3 * rows + 1, 5 * rows + 2]
+    window = {**window, "x": window["x"].copy()}
+    window["x"][bad, 0] = np.nan
+    step = _step(mode=mode, axis_name="data")
+    state = step.init(_params(), _sgd())
+    calls = (
+        [_per_device(window)] if mode == "scan" else [b for _, b in _stream_dp_microbatches(window)]
+    )
+    counts = []
+    for call in calls:
+        state, metrics = step(state, call)
+        for name in ("skipped_microbatches", "nonfinite_microbatches"):
+            assert (metrics[name].shape, metrics[name].dtype) == ((N_DEV,), jnp.int32)
+            assert len(set(np.asarray(metrics[name]).tolist())) == 1  # the same on each device
+        counts.append(
+            (int(metrics["skipped_microbatches"][0]), int(metrics["nonfinite_microbatches"][0]))
+        )
+    assert bool(metrics["updated"][0])
+    assert counts == ([(2, 2)] if mode == "scan" else [(0, 0), (1, 1), (1, 1), (0, 0)])
+    stats = accumjax.stats(unreplicate(state.opt_state))
+    assert (int(stats.skipped_microbatches), int(stats.num_nonfinite)) == (2, 2)
 
 
 # ----------------------------------------------------------------------------- optax.microbatch

@@ -136,9 +136,9 @@ def test_stream_nan_microbatch_changes_nothing_and_is_counted(policy, precision)
 
 
 def _bn_reference(batch, added):
-    """A scan window of `_MODEL` over the microbatches ``added`` of ``batch`` with
-    ``scaling="count"`` and SGD (0.1, momentum 0.9: its first step is -0.1 g), in float64:
-    flax's own BatchNorm normalizes each microbatch by its statistics, and the running
+    """A scan window of `_MODEL` over the microbatches ``added`` of ``batch`` with the
+    default ``scaling="mean"`` and SGD (0.1, momentum 0.9: its first step is -0.1 g), in
+    float64: flax's own BatchNorm normalizes each microbatch by its statistics, and the running
     statistics move once (momentum 0.8) by the pooled statistics of the added rows (NumPy).
     Returns the parameters and the running ``(mean, var)``."""
     variables = _bn_variables()
@@ -172,7 +172,7 @@ def _bn_reference(batch, added):
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("policy", ["skip_microbatch", "skip_window"])
 def test_scan_nan_microbatch(policy, precision):
-    tx = accumulate(optax.sgd(0.1, momentum=0.9), K, on_nonfinite=policy, scaling="count")
+    tx = accumulate(optax.sgd(0.1, momentum=0.9), K, on_nonfinite=policy)
     step = _step(mode="scan", mixed_precision=precision, donate=False)
     state = _bn_state(step, tx, precision)
     batch = _data()
@@ -341,7 +341,7 @@ def test_skip_fn_skips_and_counts():
     update = jax.jit(tx.update)  # one program, not each op of the update compiled
     _, state = update({"a": jnp.array([100.0, 0.0])}, state, params)
     updates, state = update({"a": jnp.array([2.0, 2.0])}, state, params)
-    np.testing.assert_allclose(updates["a"], [-1.0, -1.0])  # mean over K = 2: only one added
+    np.testing.assert_allclose(updates["a"], [-2.0, -2.0])  # the mean of the one added
     assert int(state.skipped_microbatches) == 1 and int(state.nonfinite_count) == 0
 
 
@@ -396,6 +396,65 @@ def test_an_own_loop_window_matches_the_float64_reference(policy):
         np.testing.assert_allclose(s.max_grad_norm, expected.grad_norm, rtol=_FLOAT32)
 
 
+@pytest.mark.parametrize("way", ["scan", "stream", "own loop", "own loop, pmap"])
+def test_a_window_that_skips_a_microbatch_applies_the_mean_of_the_others(way):
+    """SGD, K=4, microbatch 1 of 4 has a NaN target: the default policy leaves it out and the
+    step is the float64 mean of the other three microbatches' gradients (not their sum over
+    K: a 3/4-size step), in both modes of the train step and in a loop of your own (on one
+    device, and under pmap on 2 devices, each with half of every microbatch's rows: the NaN
+    is on device 0's); the metrics and counts say one microbatch was left out."""
+    lr = 0.5
+    params, batch = reference.problem(K * ROWS, seed=2)
+    batch["y"][1, 0] = np.nan  # row 1: microbatch 1
+    micro = reference.microbatches(batch, K)
+    used = [reference.value_and_grad(params, mb)[1] for i, mb in enumerate(micro) if i != 1]
+    want = {k: np.float64(params[k]) - lr * sum(g[k] for g in used) / 3 for k in params}
+    tx = accumulate(optax.sgd(lr), K)
+    if way == "own loop":
+        state = tx.init(params)
+        update, grad = jax.jit(tx.update), jax.jit(jax.grad(reference.loss))
+        for mb in micro:
+            updates, state = update(grad(params, mb), state, params)
+        got = optax.apply_updates(params, updates)
+        counts = [(int(state.skipped_microbatches), int(state.nonfinite_count))]
+    elif way == "own loop, pmap":
+        tx = accumulate(optax.sgd(lr), K, axis_name="d")
+        devices = jax.devices()[:2]
+
+        @functools.partial(jax.pmap, axis_name="d", devices=devices)
+        def step(params, state, mb):
+            updates, state = tx.update(jax.grad(reference.loss)(params, mb), state, params)
+            return optax.apply_updates(params, updates), state
+
+        got = jax.tree.map(lambda p: np.stack([p] * 2), params)
+        state = jax.pmap(tx.init, devices=devices)(got)
+        for mb in micro:  # device d holds rows 4d to 4d + 3 of each microbatch
+            got, state = step(
+                got, state, jax.tree.map(lambda a: a.reshape(2, -1, *a.shape[1:]), mb)
+            )
+        assert int(state.update_count[1]) == 1
+        got = jax.tree.map(lambda p: p[1], got)  # device 1: its own rows were all finite
+        counts = [(int(state.skipped_microbatches[1]), int(state.nonfinite_count[1]))]
+    else:
+        step = make_train_step(reference.loss, mode=way, donate=False)
+        state = step.init(params, tx)
+        counts = []
+        for call in [batch] if way == "scan" else micro:
+            state, metrics = step(state, jax.tree.map(jnp.asarray, call))
+            counts.append(
+                (int(metrics["skipped_microbatches"]), int(metrics["nonfinite_microbatches"]))
+            )
+        got = state.params
+        assert bool(metrics["updated"]) and int(state.step) == 1
+    assert counts == ([(1, 1)] if way != "stream" else [(0, 0), (1, 1), (0, 0), (0, 0)])
+    # float32 against float64: sums of 8 rows' products and of 3 microbatches, one division
+    # and the SGD step, each rounded to 2**-24 relative: 1e-6 of the values' scale (measured:
+    # 1e-7). A division by K instead of 3 moves the parameters by a quarter of the step.
+    for key in params:
+        scale = np.max(np.abs(want[key]))
+        np.testing.assert_allclose(got[key], want[key], rtol=_FLOAT32, atol=_FLOAT32 * scale)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -427,7 +486,7 @@ def test_shard_map_nan_on_one_device_keeps_replicas_identical():
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     params = {"w": jnp.ones((5, 3))}
     batch = _data(rows=8 * K * 2)
-    tx = accumulate(optax.adam(0.1), K, scaling="count")
+    tx = accumulate(optax.adam(0.1), K)
     step = make_train_step(_loss, mode="scan", axis_name="data", mesh=mesh, donate=False)
     state = step.init(params, tx)
     after, metrics = step(state, _nan_rows(batch, slice(len(batch["x"]) - 1, None)))
@@ -507,7 +566,9 @@ def _float64_problem():
         total = jax.tree.map(lambda *g: sum(g), *micro)  # "sum": K times the mean's
         mean = jax.tree.map(lambda g: g / K, total)  # the mean of the microbatch gradients
         # "weighted": sum_i n_i g_i / sum_i n_i, the full-batch masked mean
-        grads = {"mean": mean, "count": mean, "sum": total, "weighted": grad(params, batch)}
+        # Nothing is skipped: "mean" and "sum_over_k" divide by K alike.
+        grads = {"mean": mean, "sum_over_k": mean, "sum": total}
+        grads["weighted"] = grad(params, batch)
         return grads, accumjax.adaptive_clip_grad(params, total, 0.05, 1e-3)
 
     with jax.enable_x64(True):
@@ -518,7 +579,7 @@ def _float64_problem():
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 @pytest.mark.parametrize(
     ("scaling", "agc"),
-    [("mean", False), ("sum", False), ("count", False), ("weighted", False), ("sum", True)],
+    [("mean", False), ("sum", False), ("sum_over_k", False), ("weighted", False), ("sum", True)],
 )
 def test_every_scaling_matches_a_float64_full_batch_reference(scaling, mode, agc):
     # AGC (adaptive_clip first in the inner chain) clips the window gradient the scaling
