@@ -108,12 +108,27 @@ def _check_every_k(every_k: Any) -> int | Schedule:
     return cast(Schedule, every_k)
 
 
-def _check_policy(scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any) -> None:
+def _check_policy(
+    scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any, microbatch_transform: Any
+) -> None:
     scaling_lib.validate_scaling(scaling)
     check_choice("on_nonfinite", on_nonfinite, ON_NONFINITE)
     if max_norm is not None:
         check_real("max_norm", max_norm, low=0.0, low_open=True)
     check_callable("skip_fn", skip_fn)
+    if microbatch_transform is None:
+        return
+    if not all(callable(getattr(microbatch_transform, f, None)) for f in ("init", "update")):
+        raise TypeError(
+            "microbatch_transform must be an optax GradientTransformation (init and update), "
+            f"e.g. accumjax.adaptive_clip(0.01), got {microbatch_transform!r}."
+        )
+    if max_norm is not None:
+        raise ValueError(
+            "give max_norm or microbatch_transform, not both: max_norm=c is "
+            "microbatch_transform=optax.clip_by_global_norm(c); to clip by both, chain them: "
+            "microbatch_transform=optax.chain(..., optax.clip_by_global_norm(c))."
+        )
 
 
 def _check_params(params: Any) -> None:
@@ -199,6 +214,7 @@ def accumulate(
     skip_fn: SkipFn | None = None,
     accumulator_dtype: Any = jnp.float32,
     axis_name: str | None = None,
+    microbatch_transform: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates K microbatch gradients and applies ``inner`` once per window.
 
@@ -223,7 +239,9 @@ def accumulate(
       scaling: ``"mean"``, ``"sum"``, ``"count"`` or ``"weighted"`` (see `accumjax.scaling`).
         ``"weighted"`` needs ``update(..., weight=w)`` on every call.
       max_norm: if set, each microbatch gradient's global norm is clipped to this before it is
-        added (per-microbatch clipping, as in DP-SGD style training).
+        added (per-microbatch clipping, as in DP-SGD style training): the same as
+        ``microbatch_transform=optax.clip_by_global_norm(max_norm)`` (to float rounding),
+        as a scalar factor (on a mesh each device scales its own rows' gradient by it).
       on_nonfinite: what a microbatch with a NaN/Inf gradient does: ``"skip_microbatch"`` (not
         added, counted, the window goes on; pair with ``"count"`` so the step does not shrink),
         ``"skip_window"`` (the whole window is dropped) or ``"propagate"`` (added as is and
@@ -238,14 +256,29 @@ def accumulate(
         counts are all-reduced once, at the end of the window; each device then applies the
         same update. ``"mean"`` divides by K times the axis size. Each call's microbatch is
         decided about whole, the same on every device (an all-reduce of two scalars; of the
-        gradient for ``max_norm`` and ``skip_fn``; none with ``"propagate"``).
+        gradient for ``max_norm``, ``skip_fn`` and ``microbatch_transform``; none with
+        ``"propagate"``).
+      microbatch_transform: a stateless optax transformation (its ``init`` state holds no
+        array, e.g. `accumjax.adaptive_clip`) applied to each microbatch's gradient before
+        it is added: ``update(g_i, empty state, params)``. ``g_i`` is what ``max_norm`` and
+        ``skip_fn`` see: the microbatch's gradient as the loss gives it (the gradient of its
+        own mean loss; on a mesh, of the whole microbatch, the same on every device), before
+        its weight and before the window's division. The window adds ``T(g_i)`` (times its
+        weight under ``"weighted"``) and divides the sum as always. GradientAccumulator's
+        ``use_agc=True`` clips the gradient of ``loss / K`` instead; since
+        ``AGC(g / K, c) == AGC(g, K * c) / K``, its ``clip_factor=c`` is
+        ``microbatch_transform=accumjax.adaptive_clip(K * c, eps)`` with ``scaling="mean"``
+        (``docs/guides/clipping.md``). It reads the gradient as ``max_norm`` does, at the
+        same memory cost; exclusive with ``max_norm`` (chain the two instead).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulationState`.
 
     Raises:
       ValueError, TypeError: naming the argument, for a bad K or schedule, an unknown
-        ``scaling`` or ``on_nonfinite``, a ``max_norm`` that is not a finite number > 0; at
+        ``scaling`` or ``on_nonfinite``, a ``max_norm`` that is not a finite number > 0, a
+        ``microbatch_transform`` that is not a transformation or comes with ``max_norm``;
+        at ``init`` for a ``microbatch_transform`` with state; at
         trace time for grads whose structure, shape or dtype do not match the parameters, a
         missing, negative or non-finite ``weight``, or a state that is not this
         transformation's (a plain optax state, or one made with another K or scaling).
@@ -261,11 +294,14 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    _check_policy(scaling, max_norm, on_nonfinite, skip_fn)
+    _check_policy(scaling, max_norm, on_nonfinite, skip_fn, microbatch_transform)
+    policy = Policy(
+        scaling, max_norm, on_nonfinite, skip_fn, accumulator_dtype, microbatch_transform
+    )
     config = Config(
         inner=optax.with_extra_args_support(inner),
         every_k=_check_every_k(every_k),
-        policy=Policy(scaling, max_norm, on_nonfinite, skip_fn, accumulator_dtype),
+        policy=policy,
         axis_name=axis_name,
     )
     return _transformation(config)
@@ -274,6 +310,9 @@ def accumulate(
 def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
     def init_fn(params: Any) -> AccumulationState:
         _check_params(params)
+        transform = config.policy.microbatch_transform
+        if transform is not None:
+            jax.eval_shape(lambda p: window_lib.transform_state(transform, p), params)
         return init_state(config, params)
 
     def update_fn(grads, state, params=None, *, weight=None, **extra_args):
