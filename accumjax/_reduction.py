@@ -108,10 +108,10 @@ def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
     return jax.tree.unflatten(treedef, gathered)
 
 
-def own_shard(tree: Any, axis_name: str, dims: Any) -> Any:
+def own_shard(tree: Any, axis_name: str | None, dims: Any) -> Any:
     """`gathered` undone: of each leaf split on ``dims`` (whole here, the same on every
-    device), this device's shard along its dimension."""
-    if dims is None:
+    device), this device's shard along its dimension (no axis or no ``dims``: ``tree``)."""
+    if axis_name is None or dims is None:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     index = jax.lax.axis_index(axis_name)

@@ -43,6 +43,7 @@ from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
 from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
 from accumjax._control import select_once
+from accumjax._policy import check_microbatch_transform, transform_state
 from accumjax.accumulation_state import CONFIG_ATTR, AccumulationState, config_of
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
@@ -116,19 +117,7 @@ def _check_policy(
     if max_norm is not None:
         check_real("max_norm", max_norm, low=0.0, low_open=True)
     check_callable("skip_fn", skip_fn)
-    if microbatch_transform is None:
-        return
-    if not all(callable(getattr(microbatch_transform, f, None)) for f in ("init", "update")):
-        raise TypeError(
-            "microbatch_transform must be an optax GradientTransformation (init and update), "
-            f"e.g. accumjax.adaptive_clip(0.01), got {microbatch_transform!r}."
-        )
-    if max_norm is not None:
-        raise ValueError(
-            "give max_norm or microbatch_transform, not both: max_norm=c is "
-            "microbatch_transform=optax.clip_by_global_norm(c); to clip by both, chain them: "
-            "microbatch_transform=optax.chain(..., optax.clip_by_global_norm(c))."
-        )
+    check_microbatch_transform(microbatch_transform, max_norm)
 
 
 def _check_params(params: Any) -> None:
@@ -312,7 +301,7 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         _check_params(params)
         transform = config.policy.microbatch_transform
         if transform is not None:
-            jax.eval_shape(lambda p: window_lib.transform_state(transform, p), params)
+            jax.eval_shape(lambda p: transform_state(transform, p), params)
         return init_state(config, params)
 
     def update_fn(grads, state, params=None, *, weight=None, **extra_args):

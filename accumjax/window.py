@@ -24,15 +24,15 @@ scales: the policy is a static value, never a chain of ``None`` checks in the ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from accumjax import scaling as scaling_lib
 from accumjax._agreement import Verdict, accepted, verdict, weigh, whole_gradient
 from accumjax._control import run_once
+from accumjax._policy import ON_NONFINITE, OnNonfinite, Policy, SkipFn, transformed_gradient
 from accumjax._reduction import (
     REDUCED,
     WHOLE,
@@ -51,7 +51,9 @@ __all__ = [
     "Closed",
     "DeviceWindow",
     "Microbatch",
+    "OnNonfinite",
     "Policy",
+    "SkipFn",
     "Window",
     "add_microbatch",
     "agreed",
@@ -68,59 +70,8 @@ __all__ = [
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
-    "transform_state",
     "window_sum",
 ]
-
-OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
-ON_NONFINITE: tuple[str, ...] = ("skip_microbatch", "skip_window", "propagate")
-SkipFn = Callable[[Any, Any], Any]
-
-
-class Policy(NamedTuple):
-    """How a window treats its microbatches (static: part of the program, not of the state).
-
-    Attributes:
-      scaling: ``"mean"``, ``"sum"``, ``"count"`` or ``"weighted"`` (see `accumjax.scaling`).
-      max_norm: clip each microbatch gradient's global norm to this before adding, or None.
-      on_nonfinite: ``"skip_microbatch"``, ``"skip_window"`` or ``"propagate"``.
-      skip_fn: ``skip_fn(grads, params) -> bool``: the user's reason to skip a microbatch.
-      accumulator_dtype: minimum accumulator precision (``None``: the parameters' dtypes).
-      microbatch_transform: a stateless optax transformation applied to each microbatch's
-        gradient before it is added (``update(g, empty state, params)``), or None. It sees
-        what ``max_norm`` and ``skip_fn`` see: the microbatch's gradient as the loss gives it
-        (on a mesh the whole microbatch's), before its weight and the window's division.
-    """
-
-    scaling: scaling_lib.Scaling = "mean"
-    max_norm: float | None = None
-    on_nonfinite: OnNonfinite = "skip_microbatch"
-    skip_fn: SkipFn | None = None
-    accumulator_dtype: Any = jnp.float32
-    microbatch_transform: optax.GradientTransformation | None = None
-
-    @property
-    def detects(self) -> bool:
-        """Whether non-finite microbatches and sums are looked for."""
-        return self.on_nonfinite != "propagate"
-
-    @property
-    def reads(self) -> bool:
-        """Whether the decision reads the gradient's values (``max_norm``, ``skip_fn``,
-        ``microbatch_transform``): on a mesh, the whole microbatch's gradient."""
-        return (
-            self.max_norm is not None
-            or self.skip_fn is not None
-            or self.microbatch_transform is not None
-        )
-
-    @property
-    def waits(self) -> bool:
-        """Whether a gradient waits for the decision about it before it is added (a policy
-        that detects or skips): its window stays clean of what it leaves out. Scan mode adds
-        each gradient as it comes instead and decides at the window's end (`close_window`'s
-        verdicts)."""
-        return self.detects or self.skip_fn is not None
 
 
 class Window(NamedTuple):
@@ -369,7 +320,7 @@ def inspect_microbatch(
         added = added & ~jnp.asarray(policy.skip_fn(seen, params), bool)
     transformed = None
     if policy.microbatch_transform is not None:
-        transformed = _transform(policy.microbatch_transform, seen, params)
+        transformed = transformed_gradient(policy.microbatch_transform, seen, params)
         if whole is not None:  # in the whole gradient's layout: this device's shards
             whole, transformed = own_shard(transformed, axis_name, dims), None
     factor = w if policy.scaling == "weighted" else None
@@ -379,36 +330,6 @@ def inspect_microbatch(
         factor = clip if factor is None else factor * clip
     weight_added = jnp.where(added, w, 0.0)
     return Microbatch(jnp.asarray(added), ~finite, weight_added, factor, whole, transformed)
-
-
-def transform_state(transform: optax.GradientTransformation, params: Any) -> Any:
-    """The state a ``microbatch_transform`` runs with: its ``init(params)``, which must hold
-    no array (a per-microbatch transform runs K times a window and keeps nothing between
-    microbatches), else a ``ValueError`` naming the fix.
-
-    Example:
-      >>> import jax.numpy as jnp, optax
-      >>> from accumjax import window
-      >>> window.transform_state(optax.clip_by_global_norm(1.0), {"w": jnp.zeros(2)})
-      EmptyState()
-    """
-    state = transform.init(params)
-    kept = jax.tree.leaves(state)
-    if kept:
-        raise ValueError(
-            "microbatch_transform must be stateless (its init state holds no array: clipping "
-            "such as optax.clip_by_global_norm or accumjax.adaptive_clip), but its init "
-            f"state {type(state).__name__} holds {len(kept)} array(s). It runs on every "
-            "microbatch and keeps nothing between them: put a stateful transformation in "
-            "the inner optimizer, accumulate(optax.chain(..., inner), K)."
-        )
-    return state
-
-
-def _transform(transform: optax.GradientTransformation, grads: Any, params: Any) -> Any:
-    """``transform``'s update of one microbatch's gradient, from its empty state."""
-    state = transform_state(transform, grads if params is None else params)
-    return transform.update(grads, state, params)[0]
 
 
 def agreed(

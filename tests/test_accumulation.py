@@ -6,13 +6,12 @@ References: the bare optimizer on the full batch (float64 under ``jax.enable_x64
 
 import functools
 
+import _reference as reference
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import _reference as reference
 
 import accumjax
 
