@@ -734,7 +734,8 @@ _AGC_C, _AGC_EPS = 0.8, 1e-3
 
 
 @pytest.mark.parametrize(
-    ("mode", "devices"), [("scan", "8 fsdp"), ("stream", "8"), ("stream", "8 fsdp")]
+    ("mode", "devices"),
+    [("scan", "8 fsdp"), ("stream", "8"), ("stream", "8 fsdp"), ("stream", "pmap")],
 )
 def test_microbatch_agc_on_a_mesh_is_gradient_accumulators_use_agc(mode, devices):
     params, batch = reference.problem(2 * N * K * 2)
@@ -746,19 +747,26 @@ def test_microbatch_agc_on_a_mesh_is_gradient_accumulators_use_agc(mode, devices
     assert 0.2 < clipped < 0.8  # some gradient entries clipped, some not
     agc = accumjax.adaptive_clip(K * _AGC_C, _AGC_EPS)
     tx = accumjax.accumulate(optax.sgd(_LR), K, microbatch_transform=agc)
-    mesh = _mesh()
-    put = lambda tree, spec: jax.device_put(
-        tree, jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
-    )
-    specs = {"w": P("data", None) if devices == "8 fsdp" else P(), "b": P()}
-    step = accumjax.make_train_step(reference.loss, mode=mode)
-    state = step.init(put(params, specs), tx)
+    if devices == "pmap":  # make_train_step(axis_name=...): each device's rows in a row
+        put = lambda tree, spec: jax.tree.map(lambda a: a.reshape(N, -1, *a.shape[1:]), tree)
+        step = accumjax.make_train_step(reference.loss, mode=mode, axis_name="data")
+        state = step.init(params=params, tx=tx)
+    else:
+        mesh = _mesh()
+        put = lambda tree, spec: jax.device_put(
+            tree, jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+        )
+        specs = {"w": P("data", None) if devices == "8 fsdp" else P(), "b": P()}
+        step = accumjax.make_train_step(reference.loss, mode=mode)
+        state = step.init(put(params, specs), tx)
     for batch, micro in zip(batches, windows, strict=True):
         for call in [batch] if mode == "scan" else micro:
             state, metrics = step(state, put(call, dict.fromkeys(call, P("data"))))
-        assert bool(metrics["updated"])
+        assert np.all(metrics["updated"])
     if devices == "8 fsdp":  # the kernel stays split over the devices
         assert state.params["w"].sharding.spec == P("data", None)
+    if devices == "pmap":
+        state = accumjax.unreplicate(state)
     for key, want in expected.items():
         got = np.asarray(state.params[key])
         scale = np.max(np.abs(want))
@@ -766,38 +774,42 @@ def test_microbatch_agc_on_a_mesh_is_gradient_accumulators_use_agc(mode, devices
 
 
 @pytest.mark.parametrize("scaling", ["sum", "weighted"])
-def test_a_microbatch_transform_gives_the_same_parameters_on_1_and_8_devices(scaling):
+def test_a_microbatch_transform_under_sum_and_weighted_on_8_devices(scaling):
     """Under "sum" and "weighted" the whole microbatch's transformed gradient is the same on
     every device: in a stream window kept per device each device adds its share of it (its
-    weight's share), so that the window holds what one device's would. (Scan mode adds the
-    whole gradient once, as under "mean": the tests above.)"""
+    weight's share), so that the window holds what one device's would: the float64
+    window of AGC'd microbatch gradients, summed (times their weights, over their weights).
+    (Scan mode adds the whole gradient once, as under "mean": the tests above.)"""
     params, batch = reference.problem(N * K * 2)
     batch["m"] = np.where(np.arange(N * K * 2) % 3 == 0, 0.5, 1.0).astype(np.float32)
-    agc = accumjax.adaptive_clip(0.05)
-    tx = accumjax.accumulate(optax.sgd(0.05), K, scaling=scaling, microbatch_transform=agc)
-    step = accumjax.make_train_step(
-        reference.total_loss if scaling == "sum" else reference.loss,
-        weight_fn=(lambda b: jnp.sum(b["m"])) if scaling == "weighted" else None,
-    )
+    total = scaling == "sum"
     micro = reference.microbatches(batch, K)
-    results = []
-    for mesh in (None, _mesh()):
-        put = lambda tree, m=mesh: (
-            tree if m is None else jax.device_put(tree, NamedSharding(m, P()))
-        )
-        state = step.init(put(params), tx)
-        for call in micro:
-            shard = lambda a, m=mesh: (
-                a if m is None else jax.device_put(a, NamedSharding(m, P("data")))
-            )
-            state, metrics = step(state, jax.tree.map(shard, call))
-        assert bool(metrics["updated"])
-        results.append(jax.tree.map(np.asarray, state.params))
-    grads = [reference.value_and_grad(params, mb, scaling == "sum")[1] for mb in micro]
+    grads = [reference.value_and_grad(params, mb, total)[1] for mb in micro]
     clipped = [reference.ga_adaptive_clip_grad(params, g, 0.05, 1e-3) for g in grads]
     assert any(not np.array_equal(c["w"], g["w"]) for c, g in zip(clipped, grads, strict=True))
-    for key in params:  # sums of the same rows in another order: a few float32 ulps
-        np.testing.assert_allclose(results[1][key], results[0][key], rtol=1e-6, atol=1e-6)
+    weights = [1.0 if total else float(np.sum(mb["m"], dtype=np.float64)) for mb in micro]
+    divide = 1.0 if total else sum(weights)
+    want = {
+        k: params[k] - 0.05 * sum(w * c[k] for w, c in zip(weights, clipped, strict=True)) / divide
+        for k in params
+    }
+    tx = accumjax.accumulate(
+        optax.sgd(0.05), K, scaling=scaling, microbatch_transform=accumjax.adaptive_clip(0.05)
+    )
+    step = accumjax.make_train_step(
+        reference.total_loss if total else reference.loss,
+        weight_fn=None if total else (lambda b: jnp.sum(b["m"])),
+    )
+    mesh = _mesh()
+    state = step.init(jax.device_put(params, NamedSharding(mesh, P())), tx)
+    for call in micro:
+        state, metrics = step(state, jax.device_put(call, NamedSharding(mesh, P("data"))))
+    assert bool(metrics["updated"])
+    for key in params:  # float32 against float64, as _FLOAT32
+        scale = np.max(np.abs(want[key]))
+        np.testing.assert_allclose(
+            state.params[key], want[key], rtol=_FLOAT32, atol=_FLOAT32 * scale
+        )
 
 
 @pytest.mark.parametrize("mode", ["scan", "stream"])
