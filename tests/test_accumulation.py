@@ -355,6 +355,48 @@ def test_microbatch_agc_is_gradient_accumulators_use_agc(entry):
         np.testing.assert_allclose(got, want, rtol=_GA_FLOAT32, atol=_GA_FLOAT32 * scale)
 
 
+def test_a_microbatch_transform_sees_only_the_microbatches_added():
+    # The non-finite microbatch is left out and counted; the others are clipped unit by unit
+    # and "count" divides by the two added (float64 NumPy AGC, same units, as reference).
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(3, 2)).astype(np.float32), "b": np.zeros(2, np.float32)}
+    grads = [
+        {"w": rng.normal(size=(3, 2)).astype(np.float32) * s, "b": np.ones(2, np.float32)}
+        for s in (1.0, 1.0, 0.01)
+    ]
+    grads[1]["w"][0, 0] = np.nan
+    agc = accumjax.adaptive_clip(0.1)
+    tx = accumjax.accumulate(optax.sgd(1.0), 3, scaling="count", microbatch_transform=agc)
+    state = tx.init(params)
+    update = jax.jit(tx.update)  # one program, not each op of an update compiled
+    for g in grads:
+        updates, state = update(g, state, params)
+    clipped = [reference.ga_adaptive_clip_grad(params, g, 0.1, 1e-3) for g in grads[::2]]
+    assert not np.array_equal(clipped[0]["w"], grads[0]["w"])  # clipped
+    assert np.array_equal(clipped[1]["w"], grads[2]["w"])  # not clipped
+    s = accumjax.stats(state)
+    assert int(s.skipped_microbatches) == 1 and int(s.num_nonfinite) == 1
+    for key in params:  # a norm, a division and a sum of 2, in float32
+        want = -(clipped[0][key] + clipped[1][key]) / 2
+        np.testing.assert_allclose(updates[key], want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_scan_window_of_one_microbatch_is_transformed():
+    # K=1: the microbatch opens the window as its sum (no loop); it is transformed too.
+    params, batch = reference.problem(8)
+    params["b"] = np.zeros_like(params["b"])
+    agc = accumjax.adaptive_clip(0.1)
+    tx = accumjax.accumulate(optax.sgd(1.0), 1, microbatch_transform=agc)
+    step = accumjax.make_train_step(reference.loss, mode="scan", donate=False)
+    state, _ = step(step.init(params, tx), batch)
+    grad = reference.value_and_grad(params, batch)[1]
+    clipped = reference.ga_adaptive_clip_grad(params, grad, 0.1, 1e-3)
+    assert not np.array_equal(clipped["w"], grad["w"])
+    for key in params:  # float32 against float64: an 8-row sum, norms and one step
+        want = params[key] - clipped[key]
+        np.testing.assert_allclose(state.params[key], want, rtol=1e-6, atol=1e-6)
+
+
 def test_max_norm_is_microbatch_clip_by_global_norm():
     grads = [{"a": jnp.array([3.0, 4.0])}, {"a": jnp.array([0.3, 0.4])}]  # norms 5 and 0.5
     outs = []
