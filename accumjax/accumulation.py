@@ -257,8 +257,9 @@ def accumulate(
         ``use_agc=True`` clips the gradient of ``loss / K`` instead; since
         ``AGC(g / K, c) == AGC(g, K * c) / K``, its ``clip_factor=c`` is
         ``microbatch_transform=accumjax.adaptive_clip(K * c, eps)`` with ``scaling="mean"``
-        (``docs/guides/clipping.md``). It reads the gradient as ``max_norm`` does, at the
-        same memory cost; exclusive with ``max_norm`` (chain the two instead).
+        (``docs/guides/clipping.md``). It reads the gradient as ``max_norm`` does, at that
+        memory cost (more under FSDP, where it gathers the whole gradient:
+        ``docs/limits.md``); exclusive with ``max_norm`` (chain the two instead).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulationState`.
