@@ -16,6 +16,7 @@ __all__ = [
     "WHOLE",
     "gathered",
     "global_norm",
+    "own_shard",
     "reduce_window",
     "reduced_scatter",
     "sharded_norm",
@@ -105,3 +106,22 @@ def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
         for x, d in zip(leaves, treedef.flatten_up_to(dims), strict=True)
     ]
     return jax.tree.unflatten(treedef, gathered)
+
+
+def own_shard(tree: Any, axis_name: str | None, dims: Any) -> Any:
+    """`gathered` undone: of each leaf split on ``dims`` (whole here, the same on every
+    device), this device's shard along its dimension (no axis or no ``dims``: ``tree``)."""
+    if axis_name is None or dims is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    index = jax.lax.axis_index(axis_name)
+    devices = jax.lax.axis_size(axis_name)
+
+    def shard(x: jax.Array, d: int | None) -> jax.Array:
+        if d is None:
+            return x
+        size = x.shape[d] // devices
+        return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=d)
+
+    out = [shard(x, d) for x, d in zip(leaves, treedef.flatten_up_to(dims), strict=True)]
+    return jax.tree.unflatten(treedef, out)

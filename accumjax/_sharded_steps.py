@@ -492,10 +492,14 @@ def _share(
     """A device's decision about its rows, as its share of the whole microbatch: for losses
     that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight count 1/shards of
     the microbatch's, so that a `accumjax.window.DeviceWindow` holds what one device's window
-    would (its sum and counts do not depend on the number of devices)."""
-    if policy.scaling not in ("mean", "sum_over_k"):
-        return m
+    would (its sum and counts do not depend on the number of devices). A transformed
+    gradient is the whole microbatch's on every device: under ``"sum"`` each device adds
+    1/shards of it too (``"weighted"``: its own weight's share, as its factor says)."""
     share = 1.0 / layout.shards
+    if policy.scaling not in ("mean", "sum_over_k"):
+        if m.transformed is None or policy.scaling != "sum":
+            return m
+        return m._replace(factor=jnp.asarray(share, jnp.float32))
     factor = share if m.factor is None else m.factor * share
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
 

@@ -43,6 +43,7 @@ from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
 from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
 from accumjax._control import select_once
+from accumjax._policy import check_microbatch_transform, transform_state
 from accumjax.accumulation_state import CONFIG_ATTR, AccumulationState, config_of
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
@@ -109,7 +110,7 @@ def _check_every_k(every_k: Any) -> int | Schedule:
 
 
 def _check_policy(
-    scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any
+    scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any, microbatch_transform: Any
 ) -> scaling_lib.Scaling:
     """Validates the policy's arguments; returns the strategy's name (``"count"``:
     ``"mean"``)."""
@@ -118,6 +119,7 @@ def _check_policy(
     if max_norm is not None:
         check_real("max_norm", max_norm, low=0.0, low_open=True)
     check_callable("skip_fn", skip_fn)
+    check_microbatch_transform(microbatch_transform, max_norm)
     return scaling
 
 
@@ -205,6 +207,7 @@ def accumulate(
     skip_fn: SkipFn | None = None,
     accumulator_dtype: Any = jnp.float32,
     axis_name: str | None = None,
+    microbatch_transform: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates K microbatch gradients and applies ``inner`` once per window.
 
@@ -231,7 +234,9 @@ def accumulate(
         `accumjax.scaling`. ``"weighted"`` needs ``update(..., weight=w)`` on every call.
         ``"count"`` is deprecated: it is ``"mean"``.
       max_norm: if set, each microbatch gradient's global norm is clipped to this before it is
-        added (per-microbatch clipping, as in DP-SGD style training).
+        added (per-microbatch clipping, as in DP-SGD style training): the same as
+        ``microbatch_transform=optax.clip_by_global_norm(max_norm)`` (to float rounding),
+        as a scalar factor (on a mesh each device scales its own rows' gradient by it).
       on_nonfinite: what a microbatch with a NaN/Inf gradient does: ``"skip_microbatch"`` (not
         added, counted, the window goes on; ``"mean"`` divides by the microbatches used),
         ``"skip_window"`` (the whole window is dropped) or ``"propagate"`` (added as is and
@@ -246,15 +251,30 @@ def accumulate(
         counts are all-reduced once, at the end of the window; each device then applies the
         same update. ``"mean"`` divides by the microbatches used times the axis size. Each
         call's microbatch is decided about whole, the same on every device (an all-reduce of
-        two scalars; of the gradient for ``max_norm`` and ``skip_fn``; none with
-        ``"propagate"``).
+        two scalars; of the gradient for ``max_norm``, ``skip_fn`` and
+        ``microbatch_transform``; none with ``"propagate"``).
+      microbatch_transform: a stateless optax transformation (its ``init`` state holds no
+        array, e.g. `accumjax.adaptive_clip`) applied to each microbatch's gradient before
+        it is added: ``update(g_i, empty state, params)``. ``g_i`` is what ``max_norm`` and
+        ``skip_fn`` see: the microbatch's gradient as the loss gives it (the gradient of its
+        own mean loss; on a mesh, of the whole microbatch, the same on every device), before
+        its weight and before the window's division. The window adds ``T(g_i)`` (times its
+        weight under ``"weighted"``) and divides the sum as always. GradientAccumulator's
+        ``use_agc=True`` clips the gradient of ``loss / K`` instead; since
+        ``AGC(g / K, c) == AGC(g, K * c) / K``, its ``clip_factor=c`` is
+        ``microbatch_transform=accumjax.adaptive_clip(K * c, eps)`` with ``scaling="mean"``
+        (``docs/guides/clipping.md``). It reads the gradient as ``max_norm`` does, at that
+        memory cost (more under FSDP, where it gathers the whole gradient:
+        ``docs/limits.md``); exclusive with ``max_norm`` (chain the two instead).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulationState`.
 
     Raises:
       ValueError, TypeError: naming the argument, for a bad K or schedule, an unknown
-        ``scaling`` or ``on_nonfinite``, a ``max_norm`` that is not a finite number > 0; at
+        ``scaling`` or ``on_nonfinite``, a ``max_norm`` that is not a finite number > 0, a
+        ``microbatch_transform`` that is not a transformation or comes with ``max_norm``;
+        at ``init`` for a ``microbatch_transform`` with state; at
         trace time for grads whose structure, shape or dtype do not match the parameters, a
         missing, negative or non-finite ``weight``, or a state that is not this
         transformation's (a plain optax state, or one made with another K or scaling).
@@ -270,11 +290,14 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn)
+    scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn, microbatch_transform)
+    policy = Policy(
+        scaling, max_norm, on_nonfinite, skip_fn, accumulator_dtype, microbatch_transform
+    )
     config = Config(
         inner=optax.with_extra_args_support(inner),
         every_k=_check_every_k(every_k),
-        policy=Policy(scaling, max_norm, on_nonfinite, skip_fn, accumulator_dtype),
+        policy=policy,
         axis_name=axis_name,
     )
     return _transformation(config)
@@ -283,6 +306,9 @@ def accumulate(
 def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
     def init_fn(params: Any) -> AccumulationState:
         _check_params(params)
+        transform = config.policy.microbatch_transform
+        if transform is not None:
+            jax.eval_shape(lambda p: transform_state(transform, p), params)
         return init_state(config, params)
 
     def update_fn(grads, state, params=None, *, weight=None, **extra_args):

@@ -156,7 +156,10 @@ class AccumBatchNorm(nn.Module):
         update nothing.
       axis: the feature axis or axes; the statistics reduce over all other axes.
       momentum: decay rate of the running averages, in ``[0, 1]``.
-      epsilon: small float added to the variance to avoid dividing by zero.
+      epsilon: small float added to the variance to avoid dividing by zero; 1e-5 by
+        default, as Flax's ``BatchNorm``. Keras' ``BatchNormalization`` and
+        GradientAccumulator's ``AccumBatchNormalization`` default to 1e-3: pass
+        ``epsilon=1e-3`` to normalize as a model ported from them did.
       dtype: the dtype of the result (default: inferred from input and params).
       param_dtype: the dtype of ``scale`` and ``bias`` (default: float32).
       use_bias: if True, add the learned ``bias``.

@@ -6,9 +6,11 @@ loop around ``accumulate`` follow the same steps, defined once here (BatchNorm s
 keep windows of their own, `accumjax.batch_norm`, closed with this window's decision):
 
 1. ``init_window``: an empty accumulator created like the parameters (same sharding).
-2. ``add_microbatch`` (or ``first_microbatch``): add ``w_i * c_i * g_i``. A policy that reads
-   the gradient (``max_norm``, ``skip_fn``) or skips one microbatch decides first
-   (``inspect_microbatch``); the others add each gradient as it comes and count it.
+2. ``add_microbatch`` (or ``first_microbatch``): add ``w_i * c_i * T(g_i)`` (``T`` the
+   policy's ``microbatch_transform``, the identity without one). A policy that reads the
+   gradient (``max_norm``, ``skip_fn``, ``microbatch_transform``) or skips one microbatch
+   decides first (``inspect_microbatch``); the others add each gradient as it comes and
+   count it.
 3. ``close_window``: at most one cross-device reduction (`accumjax._reduction`), then the
    decision: a window is *usable* when its weight sum is > 0, its scaled sum is finite and
    the policy allows it. Scan mode adds every microbatch as it comes and decides about them
@@ -22,7 +24,7 @@ scales: the policy is a static value, never a chain of ``None`` checks in the ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +32,13 @@ import jax.numpy as jnp
 from accumjax import scaling as scaling_lib
 from accumjax._agreement import Verdict, accepted, verdict, weigh, whole_gradient
 from accumjax._control import run_once
+from accumjax._policy import ON_NONFINITE, OnNonfinite, Policy, SkipFn, transformed_gradient
 from accumjax._reduction import (
     REDUCED,
     WHOLE,
     gathered,
     global_norm,
+    own_shard,
     reduce_window,
     reduced_scatter,
     sharded_norm,
@@ -47,7 +51,9 @@ __all__ = [
     "Closed",
     "DeviceWindow",
     "Microbatch",
+    "OnNonfinite",
     "Policy",
+    "SkipFn",
     "Window",
     "add_microbatch",
     "agreed",
@@ -66,48 +72,6 @@ __all__ = [
     "sum_dtype",
     "window_sum",
 ]
-
-OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
-ON_NONFINITE: tuple[str, ...] = ("skip_microbatch", "skip_window", "propagate")
-SkipFn = Callable[[Any, Any], Any]
-
-
-class Policy(NamedTuple):
-    """How a window treats its microbatches (static: part of the program, not of the state).
-
-    Attributes:
-      scaling: ``"mean"``, ``"sum"``, ``"weighted"`` or ``"sum_over_k"`` (see
-        `accumjax.scaling`).
-      max_norm: clip each microbatch gradient's global norm to this before adding, or None.
-      on_nonfinite: ``"skip_microbatch"``, ``"skip_window"`` or ``"propagate"``.
-      skip_fn: ``skip_fn(grads, params) -> bool``: the user's reason to skip a microbatch.
-      accumulator_dtype: minimum accumulator precision (``None``: the parameters' dtypes).
-    """
-
-    scaling: scaling_lib.Scaling = "mean"
-    max_norm: float | None = None
-    on_nonfinite: OnNonfinite = "skip_microbatch"
-    skip_fn: SkipFn | None = None
-    accumulator_dtype: Any = jnp.float32
-
-    @property
-    def detects(self) -> bool:
-        """Whether non-finite microbatches and sums are looked for."""
-        return self.on_nonfinite != "propagate"
-
-    @property
-    def reads(self) -> bool:
-        """Whether the decision reads the gradient's values (``max_norm``, ``skip_fn``): on a
-        mesh, the whole microbatch's gradient."""
-        return self.max_norm is not None or self.skip_fn is not None
-
-    @property
-    def waits(self) -> bool:
-        """Whether a gradient waits for the decision about it before it is added (a policy
-        that detects or skips): its window stays clean of what it leaves out. Scan mode adds
-        each gradient as it comes instead and decides at the window's end (`close_window`'s
-        verdicts)."""
-        return self.detects or self.skip_fn is not None
 
 
 class Window(NamedTuple):
@@ -164,7 +128,11 @@ class Microbatch(NamedTuple):
       weight: what it adds to the window's weight sum (0 when not added), float32.
       factor: what its gradient is multiplied by (weight times clip factor), or None for 1.
       whole: the whole microbatch's gradient, reduced while deciding (a policy that reads it,
-        on a mesh), added instead of this device's own; or None.
+        on a mesh; transformed by its ``microbatch_transform``), added instead of this
+        device's own and never reduced again; or None.
+      transformed: without ``whole``, the policy's ``microbatch_transform`` of the gradient
+        it read (on a mesh the whole microbatch's, full-size), added instead of ``grads``
+        (through ``add_microbatch``'s ``reduce``); or None.
     """
 
     added: jax.Array
@@ -172,6 +140,7 @@ class Microbatch(NamedTuple):
     weight: jax.Array
     factor: jax.Array | None = None
     whole: Any = None
+    transformed: Any = None
 
 
 class Closed(NamedTuple):
@@ -349,12 +318,18 @@ def inspect_microbatch(
     added = finite
     if policy.skip_fn is not None:
         added = added & ~jnp.asarray(policy.skip_fn(seen, params), bool)
+    transformed = None
+    if policy.microbatch_transform is not None:
+        transformed = transformed_gradient(policy.microbatch_transform, seen, params)
+        if whole is not None:  # in the whole gradient's layout: this device's shards
+            whole, transformed = own_shard(transformed, axis_name, dims), None
     factor = w if policy.scaling == "weighted" else None
     if policy.max_norm is not None and norm is not None:
         tiny = jnp.finfo(jnp.float32).tiny
         clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
         factor = clip if factor is None else factor * clip
-    return Microbatch(jnp.asarray(added), ~finite, jnp.where(added, w, 0.0), factor, whole)
+    weight_added = jnp.where(added, w, 0.0)
+    return Microbatch(jnp.asarray(added), ~finite, weight_added, factor, whole, transformed)
 
 
 def agreed(
@@ -369,8 +344,8 @@ def agreed(
     would see, the same on every device: ``(gradient the policy reads, its norm, whether the
     microbatch is finite, the weight to add, the whole gradient or None)``.
 
-    The devices' verdicts meet in one all-reduce; for ``max_norm`` and ``skip_fn`` it is the
-    reduction of the whole gradient (`accumjax._agreement.whole_gradient`), which the window
+    The devices' verdicts meet in one all-reduce; for a policy that reads the gradient it is
+    the reduction of the whole gradient (`accumjax._agreement.whole_gradient`), which the window
     then adds and never reduces again. ``"propagate"`` without weights needs none.
     """
     weighted, reads = policy.scaling == "weighted", policy.reads
@@ -384,7 +359,8 @@ def agreed(
         return grads, None, accepted(policy.scaling, jax.lax.psum(mine, axis_name)), weight, None
     whole, summed = whole_gradient(policy.scaling, grads, weight, axis_name, mine, dims)
     norm = sharded_norm(whole, axis_name, dims)
-    seen = whole if policy.skip_fn is None else gathered(whole, axis_name, dims)
+    reader = policy.skip_fn is not None or policy.microbatch_transform is not None
+    seen = gathered(whole, axis_name, dims) if reader else whole
     finite = accepted(policy.scaling, summed)
     finite = finite & jnp.isfinite(norm) if policy.detects else finite
     return seen, norm, finite, summed.weight if weighted else weight, whole
@@ -431,7 +407,7 @@ def add_microbatch(
     m = inspected
     if gate is None and policy.waits:
         gate = m.added
-    source = grads if m.whole is None else m.whole
+    source = _source(m, grads)
     part = lambda a, g: _scaled(policy, m, g.astype(a.dtype))
     if reduce is None or m.whole is not None:
         add = lambda a, g: a + part(a, g) if gate is None else jnp.where(gate, a + part(a, g), a)
@@ -481,7 +457,7 @@ def first_microbatch(
     if inspected is None:
         inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
     m = inspected
-    source = grads if m.whole is None else m.whole
+    source = _source(m, grads)
     if gate is None and policy.waits:
         gate = m.added
 
@@ -498,6 +474,14 @@ def first_microbatch(
         window_skipped=(~m.added).astype(jnp.int32),
     )
     return window, m
+
+
+def _source(m: Microbatch, grads: Any) -> Any:
+    """The gradient the window adds for a microbatch: the whole one the decision reduced, the
+    transformed one, or ``grads`` as they came."""
+    if m.whole is not None:
+        return m.whole
+    return grads if m.transformed is None else m.transformed
 
 
 def _scaled(policy: Policy, m: Microbatch, g: jax.Array) -> jax.Array:

@@ -6,8 +6,9 @@ Deterministic and compile-only (nothing runs, nothing is timed): every figure is
 microbatch (per device on a mesh), K=8, Adam.
 
 1. **One device**: scan-step temp of each policy (``on_nonfinite`` the default
-   ``skip_microbatch``, ``skip_window`` or ``propagate``; the default with ``max_norm=1.0``, or
-   with a ``skip_fn`` that reads the gradient's global norm) against ``optax.microbatch``'s.
+   ``skip_microbatch``, ``skip_window`` or ``propagate``; the default with ``max_norm=1.0``,
+   with a ``skip_fn`` that reads the gradient's global norm, or with a ``microbatch_transform``:
+   ``optax.clip_by_global_norm(1.0)`` or per-microbatch AGC) against ``optax.microbatch``'s.
 2. **FSDP on N = 2, 4, 8 host CPU devices**: the kernels sharded over the data axis on their
    first dimension (``P("data", None)``, as ``examples/fsdp_8_devices.py``), the batch
    ``P("data")`` (``accumjax.data_sharding``), on an Explicit mesh (``jax.make_mesh``'s default).
@@ -71,6 +72,12 @@ POLICIES: dict[str, dict[str, Any]] = {
     "propagate": {"on_nonfinite": "propagate"},
     "max_norm=1.0": {"max_norm": 1.0},
     "skip_fn": {"skip_fn": lambda grads, params: optax.global_norm(grads) > 1e3},
+    "microbatch_transform=clip_by_global_norm(1.0)": {
+        "microbatch_transform": optax.clip_by_global_norm(1.0)
+    },
+    "microbatch_transform=adaptive_clip(0.08)": {
+        "microbatch_transform": accumjax.adaptive_clip(0.08)
+    },
 }
 MESH_POLICIES = ("skip_microbatch", "propagate")
 OPS = ("all-reduce", "reduce-scatter", "all-gather")

@@ -201,3 +201,52 @@ def window_of(
         "total_cycles": int(gradient is not None),
     }
     return Window(gradient, loss, list(losses), counts)
+
+
+# ----------------------------------------------------------------------------- GradientAccumulator
+
+# GradientAccumulator v0.5.2 (andreped/GradientAccumulator, TensorFlow), as its source reads:
+# `GradientAccumulateModel.train_step` (accumulators.py) takes the gradient of each
+# microbatch's loss divided by accum_steps, clips it with `agc.adaptive_clip_grad` when
+# use_agc=True (clip_factor 0.01, eps 1e-3 by default), adds it to the accumulator and applies
+# the sum every accum_steps calls. `agc.unitwise_norm` reduces nothing for rank 0-1 (one unit),
+# axis 0 for rank 2 and 3, axes (0, 1, 2) for rank 4 and (0, 1, 2, 3) for rank 5.
+
+
+def ga_unitwise_norm(x: np.ndarray) -> np.ndarray:
+    """`agc.unitwise_norm` of GradientAccumulator v0.5.2, in float64."""
+    axes = {0: None, 1: None, 2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}[x.ndim]
+    return np.sqrt(np.sum(np.square(x), axis=axes, keepdims=axes is not None))
+
+
+def ga_adaptive_clip_grad(params: dict, grads: dict, clip_factor: float, eps: float) -> dict:
+    """`agc.adaptive_clip_grad` of GradientAccumulator v0.5.2, in float64: a unit whose
+    gradient norm is not below ``clip_factor * max(|param unit|, eps)`` is scaled to it."""
+    out = {}
+    for k, g in grads.items():
+        limit = np.maximum(ga_unitwise_norm(params[k]), eps) * clip_factor
+        norm = ga_unitwise_norm(g)
+        out[k] = np.where(norm < limit, g, g * (limit / np.maximum(norm, 1e-6)))
+    return out
+
+
+def ga_agc_training(
+    params: dict, windows: list[list[dict]], lr: float, clip_factor: float, eps: float
+) -> tuple[dict, float]:
+    """``GradientAccumulateModel(accum_steps=K, use_agc=True, clip_factor, eps)`` with plain
+    SGD of ``lr`` over ``windows`` (each a list of K microbatches of `loss`): per microbatch
+    the gradient of ``loss / K``, clipped, summed; one SGD step a window. Returns the float64
+    parameters and the fraction of gradient entries clipping changed (a test checks that
+    clipping happened, and not everywhere)."""
+    p, clipped, entries = _wide(params), 0, 0
+    for micro in windows:
+        k = len(micro)
+        total = {name: np.zeros_like(v) for name, v in p.items()}
+        for mb in micro:
+            grad = {name: g / k for name, g in value_and_grad(p, mb)[1].items()}
+            agc = ga_adaptive_clip_grad(p, grad, clip_factor, eps)
+            clipped += sum(int(np.sum(agc[n] != grad[n])) for n in grad)
+            entries += sum(g.size for g in grad.values())
+            total = {name: total[name] + agc[name] for name in p}
+        p = {name: p[name] - lr * total[name] for name in p}
+    return p, clipped / entries

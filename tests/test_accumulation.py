@@ -6,6 +6,7 @@ References: the bare optimizer on the full batch (float64 under ``jax.enable_x64
 
 import functools
 
+import _reference as reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -308,6 +309,141 @@ def test_max_norm_clips_each_microbatch():
     )  # a norm and a division: 1e-7 was tighter than float32
     # stats see the applied window gradient's norm: (0.6 + 0.3, 0.8 + 0.4) / 2
     assert float(state.max_grad_norm) == pytest.approx(0.75)
+
+
+# GradientAccumulator's use_agc=True (tests/_reference.py: per microbatch, AGC of the gradient
+# of loss / K, summed, one SGD step a window), over 3 windows of the linear problem. Biases
+# start at zero, so their units clip at clip_factor * eps. accumjax's transform sees each
+# microbatch's own gradient, K times GradientAccumulator's: AGC(g / K, c) == AGC(g, K c) / K.
+_GA_C, _GA_EPS, _GA_LR, _GA_WINDOWS = 0.8, 1e-3, 0.1, 3
+# float32 against float64: per window K gradients of 8-row sums, per-unit norms, a division
+# and a sum of K, each rounded to 2**-24 relative, over 3 SGD steps: 1e-6 of the values'
+# scale (measured: 1.1e-7 in every entry point).
+_GA_FLOAT32 = 1e-6
+
+
+def _ga_problem():
+    """float32 parameters (zero biases), the windows' batches (K * MICRO rows each) and
+    GradientAccumulator's float64 result after them."""
+    params, batch = reference.problem(_GA_WINDOWS * K * MICRO)
+    params["b"] = np.zeros_like(params["b"])
+    rows = K * MICRO
+    batches = [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(3)]
+    windows = [reference.microbatches(b, K) for b in batches]
+    expected, clipped = reference.ga_agc_training(params, windows, _GA_LR, _GA_C, _GA_EPS)
+    assert 0.2 < clipped < 0.8  # some gradient entries clipped, some not
+    return params, batches, windows, expected
+
+
+def _ga_tx():
+    agc = accumjax.adaptive_clip(K * _GA_C, _GA_EPS)
+    return accumjax.accumulate(optax.sgd(_GA_LR), K, microbatch_transform=agc)
+
+
+@pytest.mark.parametrize("entry", ["own loop", "scan", "stream"])
+def test_microbatch_agc_is_gradient_accumulators_use_agc(entry):
+    params, batches, windows, expected = _ga_problem()
+    params = jax.tree.map(jnp.asarray, params)
+    if entry == "own loop":
+        tx = _ga_tx()
+        state = tx.init(params)
+        grad = jax.jit(jax.grad(reference.loss))
+        tx_update = jax.jit(tx.update)  # one program, not each op of an update compiled
+        for micro in windows:
+            for mb in micro:
+                updates, state = tx_update(grad(params, mb), state, params)
+                params = optax.apply_updates(params, updates)
+    else:
+        step = accumjax.make_train_step(reference.loss, mode=entry, donate=False)
+        state = step.init(params, _ga_tx())
+        for batch, micro in zip(batches, windows, strict=True):
+            for call in [batch] if entry == "scan" else micro:
+                state, metrics = step(state, call)
+            assert bool(metrics["updated"])
+        params = state.params
+    for key, want in expected.items():
+        scale = np.max(np.abs(want))
+        got = np.asarray(params[key])
+        np.testing.assert_allclose(got, want, rtol=_GA_FLOAT32, atol=_GA_FLOAT32 * scale)
+
+
+def test_a_microbatch_transform_sees_only_the_microbatches_added():
+    # The non-finite microbatch is left out and counted; the others are clipped unit by unit
+    # and "mean" divides by the two added (float64 NumPy AGC, same units, as reference).
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(3, 2)).astype(np.float32), "b": np.zeros(2, np.float32)}
+    grads = [
+        {"w": rng.normal(size=(3, 2)).astype(np.float32) * s, "b": np.ones(2, np.float32)}
+        for s in (1.0, 1.0, 0.01)
+    ]
+    grads[1]["w"][0, 0] = np.nan
+    agc = accumjax.adaptive_clip(0.1)
+    tx = accumjax.accumulate(optax.sgd(1.0), 3, microbatch_transform=agc)
+    state = tx.init(params)
+    update = jax.jit(tx.update)  # one program, not each op of an update compiled
+    for g in grads:
+        updates, state = update(g, state, params)
+    clipped = [reference.ga_adaptive_clip_grad(params, g, 0.1, 1e-3) for g in grads[::2]]
+    assert not np.array_equal(clipped[0]["w"], grads[0]["w"])  # clipped
+    assert np.array_equal(clipped[1]["w"], grads[2]["w"])  # not clipped
+    s = accumjax.stats(state)
+    assert int(s.skipped_microbatches) == 1 and int(s.num_nonfinite) == 1
+    for key in params:  # a norm, a division and a sum of 2, in float32
+        want = -(clipped[0][key] + clipped[1][key]) / 2
+        np.testing.assert_allclose(updates[key], want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_scan_window_of_one_microbatch_is_transformed():
+    # K=1: the microbatch opens the window as its sum (no loop); it is transformed too.
+    params, batch = reference.problem(8)
+    params["b"] = np.zeros_like(params["b"])
+    agc = accumjax.adaptive_clip(0.1)
+    tx = accumjax.accumulate(optax.sgd(1.0), 1, microbatch_transform=agc)
+    step = accumjax.make_train_step(reference.loss, mode="scan", donate=False)
+    state, _ = step(step.init(params, tx), batch)
+    grad = reference.value_and_grad(params, batch)[1]
+    clipped = reference.ga_adaptive_clip_grad(params, grad, 0.1, 1e-3)
+    assert not np.array_equal(clipped["w"], grad["w"])
+    for key in params:  # float32 against float64: an 8-row sum, norms and one step
+        want = params[key] - clipped[key]
+        np.testing.assert_allclose(state.params[key], want, rtol=1e-6, atol=1e-6)
+
+
+def test_max_norm_is_microbatch_clip_by_global_norm():
+    grads = [{"a": jnp.array([3.0, 4.0])}, {"a": jnp.array([0.3, 0.4])}]  # norms 5 and 0.5
+    outs = []
+    for kwargs in ({"max_norm": 1.0}, {"microbatch_transform": optax.clip_by_global_norm(1.0)}):
+        tx = accumjax.accumulate(optax.scale(1.0), 2, **kwargs)
+        state = tx.init({"a": jnp.zeros(2)})
+        update = jax.jit(tx.update)  # one program, not each op of an update compiled
+        for g in grads:
+            out, state = update(g, state)
+        outs.append(np.asarray(out["a"]))
+    # A factor (max_norm) against optax's g / norm * max_norm: 1 ulp apart at most.
+    np.testing.assert_allclose(outs[0], outs[1], rtol=2e-7)
+    np.testing.assert_allclose(outs[0], [0.45, 0.6], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"microbatch_transform": lambda g: g}, TypeError, "GradientTransformation"),
+        (
+            {"microbatch_transform": optax.clip_by_global_norm(1.0), "max_norm": 1.0},
+            ValueError,
+            "not both",
+        ),
+    ],
+)
+def test_bad_microbatch_transform(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        accumjax.accumulate(optax.sgd(1.0), 2, **kwargs)
+
+
+def test_a_stateful_microbatch_transform_is_refused_at_init():
+    tx = accumjax.accumulate(optax.sgd(1.0), 2, microbatch_transform=optax.scale_by_adam())
+    with pytest.raises(ValueError, match="microbatch_transform must be stateless"):
+        tx.init({"a": jnp.zeros(2)})
 
 
 def test_skip_window_drops_whole_window_and_keeps_inner_state():

@@ -7,6 +7,7 @@ once to the concatenated window for running statistics, and ``nnx.Optimizer`` ar
 
 import functools
 
+import _reference as reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,6 +222,36 @@ def test_scan_and_stream_agree_with_batch_norm_and_dropout_keys():
     # XLA's fusion choices differ between the two programs.
     _assert_tree_close(scan.params, stream.params, F32)
     _assert_tree_close(scan.model_state, stream.model_state, F32)
+
+
+def test_per_microbatch_agc_is_gradient_accumulators_use_agc():
+    """The NNX step applies accumulate's microbatch_transform as the linen step does: AGC of
+    each microbatch's gradient, against GradientAccumulator's float64 algorithm
+    (tests/_reference.py; its scale: tests/test_accumulation.py)."""
+    params, batch = reference.problem(2 * K * MICRO)
+    params["b"] = np.zeros_like(params["b"])
+    rows = K * MICRO
+    windows = [
+        reference.microbatches({k: v[i * rows : (i + 1) * rows] for k, v in batch.items()}, K)
+        for i in range(2)
+    ]
+    expected, clipped = reference.ga_agc_training(params, windows, 0.1, 0.8, 1e-3)
+    assert 0.2 < clipped < 0.8  # some gradient entries clipped, some not
+    model = nnx.Linear(reference.FEATURES, reference.OUTPUTS, rngs=nnx.Rngs(0))
+    model.kernel[...] = jnp.asarray(params["w"])
+    model.bias[...] = jnp.asarray(params["b"])
+    step = make_nnx_train_step(
+        lambda m, b: reference.loss({"w": m.kernel[...], "b": m.bias[...]}, b)
+    )
+    agc = accumjax.adaptive_clip(K * 0.8, 1e-3)
+    state = step.init(model, accumjax.accumulate(optax.sgd(0.1), K, microbatch_transform=agc))
+    for micro in windows:
+        for mb in micro:
+            state, _ = step(state, mb)
+    got = _pure(state.params)
+    for name, key in (("kernel", "w"), ("bias", "b")):
+        scale = np.max(np.abs(expected[key]))  # float32 against float64, as there
+        np.testing.assert_allclose(got[name], expected[key], rtol=1e-6, atol=1e-6 * scale)
 
 
 def test_nnx_optimizer_with_accumulate_updates_once_per_window():

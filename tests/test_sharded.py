@@ -736,6 +736,93 @@ def test_a_policy_that_reads_the_gradient_reduces_each_microbatch(policy):
     assert _counts(compiled, 1, min_bytes=GRADIENT_BYTES)["all-reduce"] == 2
 
 
+# GradientAccumulator's use_agc=True on a mesh (tests/_reference.py; one device in
+# tests/test_accumulation.py): AGC's units span the devices' rows and, under FSDP, the
+# shards of a kernel split on its rows (one row a device), so each microbatch's transform
+# reads the whole gradient, gathered. Biases start at zero (their units clip at
+# clip_factor * eps). The tolerance is one device's (1.1e-7 measured there).
+_AGC_C, _AGC_EPS = 0.8, 1e-3
+
+
+@pytest.mark.parametrize(
+    ("mode", "devices"),
+    [("scan", "8 fsdp"), ("stream", "8"), ("stream", "8 fsdp"), ("stream", "pmap")],
+)
+def test_microbatch_agc_on_a_mesh_is_gradient_accumulators_use_agc(mode, devices):
+    params, batch = reference.problem(2 * N * K * 2)
+    params["b"] = np.zeros_like(params["b"])
+    rows = N * K * 2
+    batches = [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(2)]
+    windows = [reference.microbatches(b, K) for b in batches]
+    expected, clipped = reference.ga_agc_training(params, windows, _LR, _AGC_C, _AGC_EPS)
+    assert 0.2 < clipped < 0.8  # some gradient entries clipped, some not
+    agc = accumjax.adaptive_clip(K * _AGC_C, _AGC_EPS)
+    tx = accumjax.accumulate(optax.sgd(_LR), K, microbatch_transform=agc)
+    if devices == "pmap":  # make_train_step(axis_name=...): each device's rows in a row
+        put = lambda tree, spec: jax.tree.map(lambda a: a.reshape(N, -1, *a.shape[1:]), tree)
+        step = accumjax.make_train_step(reference.loss, mode=mode, axis_name="data")
+        state = step.init(params=params, tx=tx)
+    else:
+        mesh = _mesh()
+        put = lambda tree, spec: jax.device_put(
+            tree, jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+        )
+        specs = {"w": P("data", None) if devices == "8 fsdp" else P(), "b": P()}
+        step = accumjax.make_train_step(reference.loss, mode=mode)
+        state = step.init(put(params, specs), tx)
+    for batch, micro in zip(batches, windows, strict=True):
+        for call in [batch] if mode == "scan" else micro:
+            state, metrics = step(state, put(call, dict.fromkeys(call, P("data"))))
+        assert np.all(metrics["updated"])
+    if devices == "8 fsdp":  # the kernel stays split over the devices
+        assert state.params["w"].sharding.spec == P("data", None)
+    if devices == "pmap":
+        state = accumjax.unreplicate(state)
+    for key, want in expected.items():
+        got = np.asarray(state.params[key])
+        scale = np.max(np.abs(want))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("scaling", ["sum", "weighted"])
+def test_a_microbatch_transform_under_sum_and_weighted_on_8_devices(scaling):
+    """Under "sum" and "weighted" the whole microbatch's transformed gradient is the same on
+    every device: in a stream window kept per device each device adds its share of it (its
+    weight's share), so that the window holds what one device's would: the float64
+    window of AGC'd microbatch gradients, summed (times their weights, over their weights).
+    (Scan mode adds the whole gradient once, as under "mean": the tests above.)"""
+    params, batch = reference.problem(N * K * 2)
+    batch["m"] = np.where(np.arange(N * K * 2) % 3 == 0, 0.5, 1.0).astype(np.float32)
+    total = scaling == "sum"
+    micro = reference.microbatches(batch, K)
+    grads = [reference.value_and_grad(params, mb, total)[1] for mb in micro]
+    clipped = [reference.ga_adaptive_clip_grad(params, g, 0.05, 1e-3) for g in grads]
+    assert any(not np.array_equal(c["w"], g["w"]) for c, g in zip(clipped, grads, strict=True))
+    weights = [1.0 if total else float(np.sum(mb["m"], dtype=np.float64)) for mb in micro]
+    divide = 1.0 if total else sum(weights)
+    want = {
+        k: params[k] - 0.05 * sum(w * c[k] for w, c in zip(weights, clipped, strict=True)) / divide
+        for k in params
+    }
+    tx = accumjax.accumulate(
+        optax.sgd(0.05), K, scaling=scaling, microbatch_transform=accumjax.adaptive_clip(0.05)
+    )
+    step = accumjax.make_train_step(
+        reference.total_loss if total else reference.loss,
+        weight_fn=None if total else (lambda b: jnp.sum(b["m"])),
+    )
+    mesh = _mesh()
+    state = step.init(jax.device_put(params, NamedSharding(mesh, P())), tx)
+    for call in micro:
+        state, metrics = step(state, jax.device_put(call, NamedSharding(mesh, P("data"))))
+    assert bool(metrics["updated"])
+    for key in params:  # float32 against float64, as _FLOAT32
+        scale = np.max(np.abs(want[key]))
+        np.testing.assert_allclose(
+            state.params[key], want[key], rtol=_FLOAT32, atol=_FLOAT32 * scale
+        )
+
+
 @pytest.mark.parametrize("mode", ["scan", "stream"])
 def test_the_pmap_step_matches_the_float64_reference(mode):
     """The pmap step (make_train_step(axis_name=...)) decides about whole microbatches too: a
