@@ -1065,7 +1065,8 @@ def _multisteps_txs():
         "alone": multi,
         "in_chain": optax.chain(optax.clip(1.0), multi.gradient_transformation()),
         "in_inject_hyperparams": injected,
-        "inside_accumulate": accumulate(multi, K),
+        # accumulate(multi, K) is refused as it is built (test_accumulation)
+        "inside_accumulate": accumulate(multi.gradient_transformation(), K),
     }
 
 
@@ -1076,7 +1077,7 @@ def _multisteps_txs():
 def test_multisteps_tx_is_refused_in_every_mode(mode, where):
     """optax.MultiSteps driven by the step would run as K=1: updated True on every call and
     state.step counting calls while the parameters never move. It is refused, pointing to
-    accumulate."""
+    accumulate: by step.init, and by the step for a state built elsewhere."""
     tx = _multisteps_txs()[where]
     x, y = _data()
     batch = _windows(x, y)[0]  # 32 rows: divisible by K and by the 8 devices
@@ -1089,11 +1090,18 @@ def test_multisteps_tx_is_refused_in_every_mode(mode, where):
     elif mode == "shard_map":
         kwargs.update(axis_name="data", mesh=_mesh())
     step = _step(**kwargs)
-    state = step.init(_params(), tx)  # replicated per device under pmap
-    with pytest.raises(
-        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
-    ):
-        step(state, batch)
+    tx_word = "" if where == "inside_accumulate" else "tx "
+    refusal = rf"{tx_word}.*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
+    with pytest.raises(TypeError, match=refusal):
+        step.init(_params(), tx)
+    if where == "inside_accumulate":
+        return  # its own init refuses it: no state holds it
+    state = step.init(_params(), optax.sgd(0.1))
+    opt_state = tx.init(_params())
+    if mode == "pmap":
+        opt_state = accumjax.replicate(opt_state)
+    with pytest.raises(TypeError, match=refusal):
+        step(state.replace(tx=tx, opt_state=opt_state), batch)
 
 
 def test_multisteps_tx_is_refused_by_plan_microbatches():
@@ -1102,9 +1110,8 @@ def test_multisteps_tx_is_refused_by_plan_microbatches():
     )
     x, y = _data()
     batch = _windows(x, y)[0]
-    with pytest.raises(
-        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
-    ):
+    # the planner wraps a plain tx in accumulate(tx, k), which refuses MultiSteps as inner
+    with pytest.raises(TypeError, match=r"optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"):
         accumjax.plan_microbatches(loss_fn, state, batch, memory_budget=2**40)
 
 
