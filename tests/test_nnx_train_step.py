@@ -6,7 +6,9 @@ once to the concatenated window for running statistics, and ``nnx.Optimizer`` ar
 """
 
 import functools
+import re
 
+import _composition as composition
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -369,6 +371,21 @@ def test_multisteps_tx_is_refused(where, mode):
     window = _windows(seed=9, windows=1)[0]
     with pytest.raises(TypeError, match=refusal):
         step(state, window)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_chain_around_accumulate_is_refused_at_init_and_at_the_first_trace(mode):
+    """As make_train_step: by step.init(model, tx), and by the step for a state built with
+    nnx_train_state, naming the form the modes guide's table gives."""
+    cell = composition.ROWS["chain_before"]
+    tx = composition.BUILDERS[cell](_acc())
+    refusal = re.escape(composition.step_refusal(cell))
+    step = _step(mse, mode=mode)
+    with pytest.raises(TypeError, match=refusal):
+        step.init(MLP(nnx.Rngs(0)), tx)
+    state = nnx_train_state(MLP(nnx.Rngs(0)), tx)
+    with pytest.raises(TypeError, match=refusal):
+        step(state, _windows(seed=9, windows=1)[0])
 
 
 @pytest.mark.parametrize("mode", ["stream", "scan"])

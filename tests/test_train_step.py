@@ -2,7 +2,9 @@
 
 import functools
 import itertools
+import re
 
+import _composition as composition
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -1436,3 +1438,38 @@ def test_adaptive_clip_axis_in_the_inner_chain_reaches_adaptive_clip_grad():
     tx = accumulate(optax.chain(accumjax.adaptive_clip(0.01, 1e-3, axis=-1), optax.sgd(0.5)), K)
     after, _ = step(step.init(_params(), tx), window)
     _assert_tree_close(after.params, _sgd_reference(clipped), F32)
+
+
+# ----------------------------------------------------------------------------- optax combinators
+
+
+def test_the_composition_table_of_the_modes_guide_has_a_test_per_row():
+    assert list(composition.table()) == list(composition.BUILDERS)
+
+
+@pytest.mark.parametrize("row", composition.IDS)
+def test_an_accumulate_inside_a_combinator_is_refused_as_the_modes_guide_says(row):
+    """The step would run such a tx as a plain optimizer (an update reported on every call,
+    none applied in scan mode): step.init refuses it, naming the form the guide's table
+    gives."""
+    cell = composition.ROWS[row]
+    with pytest.raises(TypeError, match=re.escape(composition.step_refusal(cell))):
+        _step(mode="stream").init(_params(), composition.BUILDERS[cell](_sgd()))
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan", "scan_sharded"])
+def test_a_chain_around_accumulate_is_refused_at_init_and_at_the_first_trace(mode):
+    """In both modes, on one device and on an 8-device mesh: by step.init, and by the step
+    for a state built elsewhere (TrainState.create)."""
+    cell = composition.ROWS["chain_before"]
+    tx = composition.BUILDERS[cell](_sgd())
+    refusal = re.escape(composition.step_refusal(cell))
+    batch = _windows(*_data())[0]  # 32 rows: divisible by K and by the 8 devices
+    if mode == "scan_sharded":
+        batch = jax.device_put(batch, _Named(_mesh(), _P("data")))
+    step = _step(mode="stream" if mode == "stream" else "scan")
+    with pytest.raises(TypeError, match=refusal):
+        step.init(_params(), tx)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
+    with pytest.raises(TypeError, match=refusal):
+        step(state, batch)
