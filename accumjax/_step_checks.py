@@ -167,10 +167,9 @@ def check_composition(opt_state: Any, owned: bool) -> None:
       ...     print(str(err).split("inside: ")[1].split(";")[0])  # the form that works
       tx = accumjax.accumulate(optax.chain(..., inner), K)
     """
-    multi = locate(opt_state, optax.MultiStepsState)
     found = locate(opt_state)
-    if multi:
-        also = f" {MULTISTEPS_NOTE}" if owned or found or locate(multi[0].node) else ""
+    if locate(opt_state, optax.MultiStepsState):
+        also = f" {MULTISTEPS_NOTE}" if owned or found else ""  # with accumulate
         raise TypeError(
             "tx is or contains optax.MultiSteps (state.opt_state holds an "
             "optax.MultiStepsState): the train step accumulates by itself and would run it as "

@@ -202,10 +202,6 @@ def _walk(node: Any, path: tuple, within: tuple, kind: type, found: list[Located
         _walk(child, (*path, *key), (*within, node), kind, found)
 
 
-def _where(found: list[Located]) -> str:
-    return ", ".join(f"state{at.path}" for at in found)
-
-
 def unwrap(state: Any) -> AccumulationState:
     """The `AccumulationState` inside ``state``: itself, Flax NNX's variable-wrapped copy, or
     the one inside an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
@@ -222,19 +218,17 @@ def unwrap(state: Any) -> AccumulationState:
     found = locate(state)
     if not found:
         multi = locate(state, optax.MultiStepsState)
+        use = " (in place of optax.MultiSteps(inner, K))" if multi else ""
         raise TypeError(
             f"expected an accumjax AccumulationState, got {type(state).__name__}, which holds "
-            + (
-                f"an optax.MultiStepsState and no accumulate state. {MULTISTEPS_NOTE}"
-                if multi
-                else "none: pass the state of tx = accumjax.accumulate(inner, K) "
-                "(tx.init(params)), or the optax state that holds it."
-            )
+            f"none: pass the state of tx = accumjax.accumulate(inner, K){use} (tx.init(params)), "
+            "or the optax state that holds it."
         )
     if len(found) > 1:
+        where = ", ".join(f"state{at.path}" for at in found)
         raise ValueError(
             f"this {type(state).__name__} holds {len(found)} accumjax AccumulationStates, at "
-            f"{_where(found)}: pass the one you mean (e.g. accumjax.stats(state{found[0].path}))."
+            f"{where}: pass the one you mean (e.g. accumjax.stats(state{found[0].path}))."
         )
     (at,) = found
     for wrapper in map(type, at.within):
