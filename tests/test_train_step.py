@@ -1457,6 +1457,18 @@ def test_an_accumulate_inside_a_combinator_is_refused_as_the_modes_guide_says(ro
         _step(mode="stream").init(_params(), composition.BUILDERS[cell](_sgd()))
 
 
+def test_a_wrapper_that_keeps_accumulates_state_as_its_own_is_refused():
+    """Its state is an AccumulationState at the top, but K and the policies are not readable
+    from tx: refused, naming accumulate itself as the form that works."""
+    acc = _sgd()
+    double = lambda g, state, params=None: acc.update(
+        jax.tree.map(lambda x: 2 * x, g), state, params
+    )
+    tx = optax.GradientTransformation(acc.init, double)
+    with pytest.raises(TypeError, match=r"pass accumulate itself.*accumulate\(your_trans"):
+        _step(mode="stream").init(_params(), tx)
+
+
 @pytest.mark.parametrize("mode", ["stream", "scan", "scan_sharded"])
 def test_a_chain_around_accumulate_is_refused_at_init_and_at_the_first_trace(mode):
     """In both modes, on one device and on an 8-device mesh: by step.init, and by the step
