@@ -232,8 +232,15 @@ def _buried(found: list[Located]) -> str:
     written = _fill([w for w, _ in layers], "accumjax.accumulate(inner, K)")
     working = _fill([w for _, w in layers], "inner")
     where = ", ".join(f"state.opt_state{f.path}" for f in found)
+    held = (
+        f"holds one: tx = {written} (its state at {where})"
+        if layers
+        else "its state is an accumjax AccumulationState (your own transformation around "
+        "accumulate's update, with its state?): pass accumulate itself, tx = "
+        "accumjax.accumulate(your_transformation(inner), K)"
+    )
     text = (
-        f"tx is not accumjax.accumulate but holds one: tx = {written} (its state at {where}). "
+        f"tx is not accumjax.accumulate but {held}. "
         "The train step reads K and the policies only from an accumulate at the top of tx, "
         "and would run this tx as a plain optimizer, reporting an update "
         "(metrics['updated'], state.step) on every call and, in scan mode, never applying "

@@ -1461,10 +1461,11 @@ def test_a_wrapper_that_keeps_accumulates_state_as_its_own_is_refused():
     """Its state is an AccumulationState at the top, but K and the policies are not readable
     from tx: refused, naming accumulate itself as the form that works."""
     acc = _sgd()
-    double = lambda g, state, params=None: acc.update(
-        jax.tree.map(lambda x: 2 * x, g), state, params
-    )
-    tx = optax.GradientTransformation(acc.init, double)
+
+    def doubled(grads, state, params=None):
+        return acc.update(jax.tree.map(lambda g: 2 * g, grads), state, params)
+
+    tx = optax.GradientTransformation(acc.init, doubled)
     with pytest.raises(TypeError, match=r"pass accumulate itself.*accumulate\(your_trans"):
         _step(mode="stream").init(_params(), tx)
 
