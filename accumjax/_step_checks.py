@@ -2,11 +2,13 @@
 argument, never a silently wrong run.
 
 `check_step_inputs` runs once per trace, from `accumjax._loop.begin`, for every mode: an
-optimizer state holding ``optax.MultiSteps``, an ``rng`` that is not one key or a loss that
-takes no key, self-closing BatchNorm layers (which cannot follow the optimizer's window), and
-float16 without a loss scale in the state or with ``on_nonfinite="propagate"``.
+optimizer that accumulates where the step cannot see it (`check_composition`), an ``rng``
+that is not one key or a loss that takes no key, self-closing BatchNorm layers (which cannot
+follow the optimizer's window), and float16 without a loss scale in the state or with
+``on_nonfinite="propagate"``.
 `check_init_inputs` refuses, at ``step.init``, what the step would refuse later or ignore:
-swapped arguments, a loss scale for a step that is not float16, float16 with ``propagate``.
+swapped arguments, an optimizer that accumulates where the step cannot see it, a loss scale
+for a step that is not float16, float16 with ``propagate``.
 Each message names the call that works: `init_call`.
 """
 
@@ -21,11 +23,19 @@ import jax.numpy as jnp
 import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
-from accumjax.accumulation import config_of
+from accumjax.accumulation import check_inner_state, config_of
+from accumjax.accumulation_state import (
+    APPLY_IF_FINITE_NOTE,
+    MULTISTEPS_NOTE,
+    AccumulationState,
+    Located,
+    locate,
+)
 from accumjax.loss_scale import DynamicLossScale
 from accumjax.window import Policy
 
 __all__ = [
+    "check_composition",
     "check_init_inputs",
     "check_key_argument",
     "check_step_inputs",
@@ -48,7 +58,7 @@ def check_step_inputs(
       ...
       TypeError: tx is or contains optax.MultiSteps ...
     """
-    _check_no_multisteps(state.opt_state)
+    check_composition(state.opt_state, config_of(state.tx) is not None)
     _check_rng(rng)
     check_key_argument(loss_positional, 2 if state.model_state is None else 3, rng)
     if state.model_state is not None:
@@ -125,24 +135,126 @@ def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
             "of step.init, or make the step with mixed_precision='float16'."
         )
     config = config_of(tx)
+    if config is None:  # an accumulate inside: tx.init's state tells (abstractly)
+        check_composition(jax.eval_shape(tx.init, params), owned=False)
     if f16 and config is not None:
         _check_detects(config.policy)
 
 
-def _is_multisteps(node: Any) -> bool:
-    return isinstance(node, optax.MultiStepsState)
+def check_composition(opt_state: Any, owned: bool) -> None:
+    """Refuses an optimizer state that accumulates where the step cannot see it.
 
+    The step reads K and the policies from an `accumjax.accumulate` at the top of ``tx``
+    (``owned``) and runs any other ``tx`` as a plain optimizer, an update on every call. So
+    it refuses, naming the form that works: an ``optax.MultiSteps`` state anywhere; for a
+    ``tx`` that is not an ``accumulate``, an `accumjax.AccumulationState` anywhere in its
+    state (``optax.chain``, ``optax.masked``, ``optax.multi_transform``,
+    ``optax.apply_if_finite``, ``optax.inject_hyperparams`` or a wrapper of the user's own
+    around ``accumulate``); for an ``accumulate``, one in its inner state. Every combinator
+    is refused: moved inside ``accumulate``, a transformation runs once per window instead of
+    on every microbatch, which is the same thing only for some of them.
 
-def _check_no_multisteps(opt_state: Any) -> None:
-    """Refuses an optimizer state holding an ``optax.MultiStepsState`` (anywhere in it)."""
-    if any(map(_is_multisteps, jax.tree.leaves(opt_state, is_leaf=_is_multisteps))):
+    Args:
+      opt_state: the optimizer state (arrays, or shapes from ``jax.eval_shape(tx.init, ...)``).
+      owned: whether ``tx`` is an ``accumulate``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> tx = optax.chain(optax.clip(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
+      >>> try:
+      ...     check_composition(tx.init({"w": jnp.zeros(2)}), owned=False)
+      ... except TypeError as err:
+      ...     print(str(err).split("inside: ")[1].split(";")[0])  # the form that works
+      tx = accumjax.accumulate(optax.chain(..., inner), K)
+    """
+    found = locate(opt_state)
+    if locate(opt_state, optax.MultiStepsState):
+        also = f" {MULTISTEPS_NOTE}" if owned or found else ""  # with accumulate
         raise TypeError(
             "tx is or contains optax.MultiSteps (state.opt_state holds an "
             "optax.MultiStepsState): the train step accumulates by itself and would run it as "
             "a plain optimizer, reporting an update (metrics['updated'], state.step) on every "
             "call while MultiSteps holds its updates back. Use tx=accumjax.accumulate(inner, K) "
-            "in place of optax.MultiSteps(inner, K)."
+            f"in place of optax.MultiSteps(inner, K).{also}"
         )
+    if owned:
+        if isinstance(opt_state, AccumulationState):
+            check_inner_state(opt_state.inner_tx_state)
+        return
+    if found:
+        raise TypeError(_buried(found))
+
+
+def _layers(at: Located) -> list[tuple[str, str | None]]:
+    """The combinators around ``at``, outermost first: each one's call as written around
+    ``accumulate`` and as it works inside it (None: drop it), ``{}`` for what it wraps."""
+    steps = list(zip(at.within, at.keys, strict=True))
+    layers: list[tuple[str, str | None]] = []
+    while steps:
+        node, key = steps.pop(0)
+        kind = type(node)
+        if kind is tuple:
+            index = getattr(key, "idx", 0)
+            args = ", ".join(["..."] * (index > 0) + ["{}"] + ["..."] * (index < len(node) - 1))
+            call = f"optax.chain({args})"
+        elif kind is optax.MaskedState:
+            call = "optax.masked({}, mask)"
+        elif kind is optax.MultiTransformState:
+            call = "optax.multi_transform({{label: {}, ...}}, param_labels)"
+            del steps[:2]  # its inner_states dict and the optax.masked it makes per label
+        elif kind in (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState):
+            written = "optax.inject_hyperparams(lambda learning_rate: {})(learning_rate=...)"
+            layers.append((written, "optax.inject_hyperparams({})(learning_rate=...)"))
+            continue
+        elif kind is optax.ApplyIfFiniteState:
+            layers.append(("optax.apply_if_finite({}, max_consecutive_errors)", None))
+            continue
+        else:
+            call = "your_wrapper({})"
+        layers.append((call, call))
+    return layers
+
+
+def _fill(templates: list[str | None], inner: str) -> str:
+    form = inner
+    for outer in reversed(templates):
+        if outer is None:
+            continue
+        if outer.startswith("optax.inject_hyperparams(") and form == "inner":
+            form = "optax.adam"  # inject_hyperparams takes the optimizer's factory
+        form = outer.replace("{}", form, 1).replace("{{", "{").replace("}}", "}")
+    return form
+
+
+def _buried(found: list[Located]) -> str:
+    """Why the step refuses ``found`` (`check_composition`), and the form that works."""
+    layers = _layers(found[0])
+    written = _fill([w for w, _ in layers], "accumjax.accumulate(inner, K)")
+    working = _fill([w for _, w in layers], "inner")
+    where = ", ".join(f"state.opt_state{f.path}" for f in found)
+    held = (
+        f"holds one: tx = {written} (its state at {where})"
+        if layers
+        else "its state is an accumjax AccumulationState (your own transformation around "
+        "accumulate's update, with its state?): pass accumulate itself, tx = "
+        "accumjax.accumulate(your_transformation(inner), K)"
+    )
+    text = (
+        f"tx is not accumjax.accumulate but {held}. "
+        "The train step reads K and the policies only from an accumulate at the top of tx, "
+        "and would run this tx as a plain optimizer, reporting an update "
+        "(metrics['updated'], state.step) on every call and, in scan mode, never applying "
+        "one. "
+    )
+    if any(isinstance(node, optax.ApplyIfFiniteState) for node in found[0].within):
+        text += f"{APPLY_IF_FINITE_NOTE} "
+    if working != "inner":
+        text += (
+            f"Put the other transformations inside: tx = accumjax.accumulate({working}, K); "
+            "they then run once per window, on the window's gradient (clipping each "
+            "microbatch is accumulate(inner, K, max_norm=...))."
+        )
+    return text.rstrip()
 
 
 def _describe(value: Any) -> str:

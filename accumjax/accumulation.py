@@ -44,13 +44,20 @@ from accumjax import window as window_lib
 from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
 from accumjax._control import select_once
 from accumjax._policy import check_microbatch_transform, transform_state
-from accumjax.accumulation_state import CONFIG_ATTR, AccumulationState, config_of
+from accumjax.accumulation_state import (
+    CONFIG_ATTR,
+    MULTISTEPS_NOTE,
+    AccumulationState,
+    config_of,
+    locate,
+)
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
 __all__ = [
     "AccumulationState",
     "Config",
     "accumulate",
+    "check_inner_state",
     "check_state",
     "close_and_apply",
     "close_and_update",
@@ -131,6 +138,29 @@ def _check_params(params: Any) -> None:
                 f"params{jax.tree_util.keystr(path)} has dtype {dtype}; "
                 "accumulate needs floating-point (or complex) parameters."
             )
+
+
+def _check_inner(inner: Any) -> None:
+    if isinstance(inner, optax.MultiSteps):
+        raise TypeError(f"accumulate's inner is an optax.MultiSteps. {MULTISTEPS_NOTE}")
+
+
+def check_inner_state(inner_state: Any) -> None:
+    """Refuses an inner state that accumulates too: ``optax.MultiSteps``' (built with
+    ``.gradient_transformation()``, or inside a chain) or another `accumulate`'s."""
+    multi = locate(inner_state, optax.MultiStepsState)
+    if multi:
+        raise TypeError(
+            f"accumulate's inner holds optax.MultiSteps (its state at "
+            f"inner_tx_state{multi[0].path}). {MULTISTEPS_NOTE}"
+        )
+    nested = locate(inner_state)
+    if nested:
+        raise TypeError(
+            f"accumulate's inner holds another accumulate (its state at "
+            f"inner_tx_state{nested[0].path}): each update would take K x K' microbatches. "
+            "State K once: accumjax.accumulate(inner, K) with the product of the two Ks."
+        )
 
 
 def _check_grads(grads: Any, window: Any) -> None:
@@ -215,7 +245,10 @@ def accumulate(
     return zero updates; the K-th returns ``inner``'s update for the scaled sum. Use it wherever
     an optax optimizer goes (``optax.apply_updates(params, updates)`` after every call), or as
     the ``tx`` of a `accumjax.TrainState` for `accumjax.make_train_step`, which reads K and the
-    policies from it (K is stated once, here).
+    policies from it (K is stated once, here). Other optax transforms go inside,
+    ``accumulate(optax.chain(..., inner), K)``, and run once per window; `make_train_step`
+    refuses an ``accumulate`` inside another combinator (see the composition table of the
+    modes guide).
 
     A window is applied only when it is usable: its weight sum is > 0, its scaled sum is finite
     (unless ``on_nonfinite="propagate"``) and the policy allows it. Otherwise the inner state is
@@ -273,11 +306,13 @@ def accumulate(
     Raises:
       ValueError, TypeError: naming the argument, for a bad K or schedule, an unknown
         ``scaling`` or ``on_nonfinite``, a ``max_norm`` that is not a finite number > 0, a
-        ``microbatch_transform`` that is not a transformation or comes with ``max_norm``;
-        at ``init`` for a ``microbatch_transform`` with state; at
-        trace time for grads whose structure, shape or dtype do not match the parameters, a
-        missing, negative or non-finite ``weight``, or a state that is not this
-        transformation's (a plain optax state, or one made with another K or scaling).
+        ``microbatch_transform`` that is not a transformation or comes with ``max_norm``, an
+        ``inner`` that accumulates too (``optax.MultiSteps``; at ``init``, an inner state
+        holding ``MultiSteps``' or another ``accumulate``'s); at ``init`` for a
+        ``microbatch_transform`` with state; at trace time for grads whose structure, shape or
+        dtype do not match the parameters, a missing, negative or non-finite ``weight``, or a
+        state that is not this transformation's (a plain optax state, or one made with another
+        K or scaling).
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -290,6 +325,7 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
+    _check_inner(inner)
     scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn, microbatch_transform)
     policy = Policy(
         scaling, max_norm, on_nonfinite, skip_fn, accumulator_dtype, microbatch_transform
@@ -369,7 +405,8 @@ def init_state(
     config: Config, params: Any, inner_tx_state: Any = None, *, accumulator: bool = True
 ) -> AccumulationState:
     """A fresh `AccumulationState` for ``params``: an empty window like the parameters, and
-    ``inner_tx_state`` (by default ``config.inner.init(params)``).
+    ``inner_tx_state`` (by default ``config.inner.init(params)``, refused if it holds an
+    ``optax.MultiSteps`` or another `accumulate` state: either would accumulate a second time).
 
     ``accumulator=False`` leaves the window's sum out (``grad_sum=None``): the state of
     `accumjax.make_train_step`'s scan mode, whose accumulator lives inside the step."""
@@ -379,12 +416,15 @@ def init_state(
     window = window_lib.init_window(
         params if accumulator else None, config.policy.accumulator_dtype
     )
+    if inner_tx_state is None:
+        inner_tx_state = config.inner.init(params)
+        check_inner_state(inner_tx_state)
     return AccumulationState(
         window=window,
         every_k=config.k_at(update_count),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.policy.scaling), jnp.int32),
         update_count=update_count,
-        inner_tx_state=config.inner.init(params) if inner_tx_state is None else inner_tx_state,
+        inner_tx_state=inner_tx_state,
         max_grad_norm=zero_f(),
         grad_norm=zero_f(),
         nonfinite_count=zero_i(),

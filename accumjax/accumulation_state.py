@@ -3,8 +3,12 @@
 The state is a pytree of arrays the user owns (checkpoint it like any other optax state).
 The functions read it as optax's free functions read theirs (``optax.MultiSteps.has_updated``):
 `should_update`, `has_updated`, `accumulated_gradients` and `stats`; `reset` empties the open
-window. Each accepts the state as the user holds it: plain, or wrapped in ``nnx.Variable``s by
-an ``nnx.Optimizer`` (``opt.opt_state``).
+window. Each accepts the state as the user holds it: plain, wrapped in ``nnx.Variable``s by an
+``nnx.Optimizer`` (``opt.opt_state``), or inside the state of an optax combinator around
+``accumulate`` (``optax.chain``, ``optax.masked``, ``optax.inject_hyperparams``, ...) that holds
+exactly one `AccumulationState` (`locate` finds it). One inside ``optax.apply_if_finite`` or
+``optax.MultiSteps`` is refused: those count microbatches a second time (`APPLY_IF_FINITE_NOTE`,
+`MULTISTEPS_NOTE`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
@@ -22,12 +28,16 @@ from accumjax._variables import unwrap_variables
 from accumjax.window import Window
 
 __all__ = [
+    "APPLY_IF_FINITE_NOTE",
     "CONFIG_ATTR",
+    "MULTISTEPS_NOTE",
     "AccumulationState",
     "AccumulationStats",
+    "Located",
     "accumulated_gradients",
     "config_of",
     "has_updated",
+    "locate",
     "reset",
     "should_update",
     "stats",
@@ -112,19 +122,131 @@ class AccumulationStats(NamedTuple):
     memory_bytes: int | None
 
 
+#: Why ``optax.apply_if_finite`` around `accumulate` is refused (the train step and the
+#: functions that read the state say it).
+APPLY_IF_FINITE_NOTE = (
+    "optax.apply_if_finite drops a non-finite microbatch before accumulate sees it: the "
+    "windows shift against the data and the skip is never counted (stats' "
+    "skipped_microbatches, num_nonfinite). accumulate skips a non-finite microbatch itself, "
+    "counts it and keeps its window aligned: drop apply_if_finite and use "
+    "accumjax.accumulate(inner, K, on_nonfinite='skip_microbatch') (the default; "
+    "'skip_window' drops the whole window)."
+)
+
+#: Why ``optax.MultiSteps`` around or inside `accumulate` is refused.
+MULTISTEPS_NOTE = (
+    "optax.MultiSteps accumulates too: around or inside accumulate(inner, K) each update "
+    "takes K x K' microbatches (accumulate's K times MultiSteps' K'), and stats counts the "
+    "windows of one of them only. Drop MultiSteps: accumjax.accumulate(inner, K) alone "
+    "takes K microbatches per update."
+)
+
+#: Optimizer states that count microbatches a second time around an `AccumulationState`:
+#: the combinator that makes each, and why.
+_DOUBLE_COUNTING = {
+    optax.ApplyIfFiniteState: ("optax.apply_if_finite", APPLY_IF_FINITE_NOTE),
+    optax.MultiStepsState: ("optax.MultiSteps", MULTISTEPS_NOTE),
+}
+
+
+class Located(NamedTuple):
+    """A node `locate` found in an optimizer state.
+
+    Attributes:
+      path: where it is, as ``jax.tree_util.keystr`` writes it (``"[1].inner_state"``):
+        ``state<path>`` is the node.
+      node: the node itself.
+      within: the nodes around it, outermost first (a ``tuple`` for a chain's state, an
+        ``optax.MaskedState``, ...); empty for the state itself.
+      keys: the key of each step down from them (``jax.tree_util`` key entries).
+    """
+
+    path: str
+    node: Any
+    within: tuple[Any, ...]
+    keys: tuple[Any, ...]
+
+
+def locate(state: Any, kind: type = AccumulationState) -> list[Located]:
+    """Every outermost node of type ``kind`` in ``state`` (``nnx.Variable``s unwrapped),
+    in the order of the state's leaves.
+
+    Args:
+      state: an optimizer state (any pytree).
+      kind: the type to look for, `AccumulationState` by default.
+
+    Returns:
+      A list of `Located`; a node inside a found one is not looked for.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> tx = optax.chain(optax.scale(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
+      >>> [(at.path, [type(c) for c in at.within]) for at in locate(tx.init({"w": jnp.zeros(2)}))]
+      [('[1]', [<class 'tuple'>])]
+    """
+    found: list[Located] = []
+    _walk(unwrap_variables(state), (), (), kind, found)
+    return found
+
+
+def _walk(node: Any, path: tuple, within: tuple, kind: type, found: list[Located]) -> None:
+    if isinstance(node, kind):
+        found.append(Located(jax.tree_util.keystr(path), node, within, path))
+        return
+    if isinstance(node, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+        return
+    children, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return
+    for key, child in children:
+        _walk(child, (*path, *key), (*within, node), kind, found)
+
+
 def unwrap(state: Any) -> AccumulationState:
-    """The `AccumulationState` inside ``state``: itself, or Flax NNX's variable-wrapped copy."""
+    """The `AccumulationState` inside ``state``: itself, Flax NNX's variable-wrapped copy, or
+    the one inside an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
+
+    Raises:
+      TypeError: if ``state`` holds no `AccumulationState`.
+      ValueError: if it holds several (each is named), or its one sits inside
+        ``optax.apply_if_finite`` or ``optax.MultiSteps`` (which count microbatches a second
+        time).
+    """
     state = unwrap_variables(state)
-    if not isinstance(state, AccumulationState):
-        raise TypeError(f"expected an accumjax AccumulationState, got {type(state).__name__}.")
-    return state
+    if isinstance(state, AccumulationState):
+        return state
+    found = locate(state)
+    if not found:
+        multi = locate(state, optax.MultiStepsState)
+        use = " (in place of optax.MultiSteps(inner, K))" if multi else ""
+        raise TypeError(
+            f"expected an accumjax AccumulationState, got {type(state).__name__}, which holds "
+            f"none: pass the state of tx = accumjax.accumulate(inner, K){use} (tx.init(params)), "
+            "or the optax state that holds it."
+        )
+    if len(found) > 1:
+        where = ", ".join(f"state{at.path}" for at in found)
+        raise ValueError(
+            f"this {type(state).__name__} holds {len(found)} accumjax AccumulationStates, at "
+            f"{where}: pass the one you mean (e.g. accumjax.stats(state{found[0].path}))."
+        )
+    (at,) = found
+    for wrapper in map(type, at.within):
+        if wrapper in _DOUBLE_COUNTING:
+            name, note = _DOUBLE_COUNTING[wrapper]
+            raise ValueError(
+                f"the accumjax AccumulationState at state{at.path} sits inside {name}'s "
+                f"state ({wrapper.__name__}). {note}"
+            )
+    return at.node
 
 
 def should_update(state: Any) -> jax.Array:
     """Whether the next ``update`` call closes the window (and may apply an update).
 
     Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+      state: an `AccumulationState`, or a state holding exactly one: an NNX optimizer's
+        ``opt_state``, an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
 
     Returns:
       A boolean scalar array.
@@ -146,7 +268,8 @@ def has_updated(state: Any) -> jax.Array:
     ``"skip_window"`` after a non-finite microbatch) reports False.
 
     Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+      state: an `AccumulationState`, or a state holding exactly one: an NNX optimizer's
+        ``opt_state``, an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
 
     Returns:
       A boolean scalar array.
@@ -169,7 +292,8 @@ def accumulated_gradients(state: Any) -> Any:
     `accumjax.window.DeviceWindow`, is summed over its shards).
 
     Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one).
+      state: an `AccumulationState`, or a state holding exactly one: an NNX optimizer's
+        ``opt_state``, an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
 
     Returns:
       A pytree like the parameters, or ``None`` for a scan-mode state (which holds no open
@@ -197,30 +321,35 @@ def accumulated_gradients(state: Any) -> Any:
     return jax.tree.map(lambda a: a / safe.astype(a.dtype), total)
 
 
-def reset(state: AccumulationState) -> AccumulationState:
+def reset(state: Any) -> Any:
     """Empties the current window and keeps the inner state, counters and K.
 
     Args:
-      state: an `AccumulationState`.
+      state: an `AccumulationState`, or an optax combinator's state holding exactly one
+        (``optax.chain``, ``optax.masked``, ...; see `unwrap`).
 
     Returns:
-      The state with a zero accumulator, ``micro_step == 0`` and zero window counts.
+      ``state`` with its `AccumulationState`'s window empty: a zero accumulator,
+      ``micro_step == 0`` and zero window counts.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
-      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4)
+      >>> tx = optax.chain(optax.scale(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
       >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.zeros(2)}))
-      >>> int(accumjax.reset(state).window.micro_step)
+      >>> int(accumjax.reset(state)[1].window.micro_step)
       0
     """
-    return state._replace(window=window_lib.empty_like(state.window))
+    unwrap(state)  # exactly one, where it can be used
+    is_acc = lambda x: isinstance(x, AccumulationState)
+    empty = lambda acc: acc._replace(window=window_lib.empty_like(acc.window))
+    return jax.tree.map(lambda x: empty(x) if is_acc(x) else x, state, is_leaf=is_acc)
 
 
 def stats(state: Any) -> AccumulationStats:
     """Summarises an `AccumulationState` (steps, updates, norms, skips, accumulator size).
 
     Args:
-      state: an `AccumulationState` (or an NNX optimizer's ``opt_state`` holding one), or a
+      state: an `AccumulationState` (or a state holding exactly one, as for `has_updated`), or a
         train state (`accumjax.TrainState`, `accumjax.NNXTrainState`) whose optimizer is an
         `accumjax.accumulate`: its sizes are known for every layout, scan mode's included.
 

@@ -400,13 +400,16 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
         before the forward pass, ``nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))``
         (``nnx.state`` itself is a live view of the model's variables, refused here).
       opt_state: the optimizer state after this microbatch's ``update``: an
-        `accumjax.AccumulationState` (or an ``nnx.Optimizer``'s ``opt_state``).
+        `accumjax.AccumulationState`, or a state holding exactly one (an ``nnx.Optimizer``'s
+        ``opt_state``, an optax combinator's state such as ``optax.chain``'s).
 
     Returns:
       The statistics to keep, as ``new_stats`` (for NNX its pure dict, for ``nnx.update``).
 
     Raises:
-      ValueError: if ``old_stats`` is a live view of the same variables as ``new_stats``.
+      ValueError: if ``old_stats`` is a live view of the same variables as ``new_stats``, or
+        ``opt_state`` holds several accumulate states or one inside ``optax.apply_if_finite``
+        or ``optax.MultiSteps`` (see `accumjax.has_updated`).
 
     Example:
       The loop of plain Flax and optax, with one line changed (the last):

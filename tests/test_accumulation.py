@@ -5,13 +5,16 @@ References: the bare optimizer on the full batch (float64 under ``jax.enable_x64
 """
 
 import functools
+import re
 
+import _composition as composition
 import _reference as reference
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import accumjax
 
@@ -536,6 +539,101 @@ def test_free_functions_on_state():
         float(jnp.sum(x)) == 0 for x in jax.tree.leaves(accumjax.accumulated_gradients(cleared))
     )
     assert cleared.inner_tx_state is state.inner_tx_state
+
+
+# ----------------------------------------------------------------------------- optax combinators
+
+# What the readers say about a state inside apply_if_finite or MultiSteps (the guide's "readers
+# refuse" rows): why the count would be wrong, and the fix.
+_READERS_REFUSE = {"apply_if_finite": "on_nonfinite=", "multisteps_around": "Drop MultiSteps"}
+
+
+@pytest.mark.parametrize("row", composition.IDS)
+def test_own_loop_readers_do_as_the_modes_guide_says(row):
+    """Each row of the guide's table in your own loop, K = 2: the readers find the one
+    accumulate state inside the combinator's (its counts after each call), or refuse."""
+    cell = composition.ROWS[row]
+    own = composition.table()[cell][1]
+    build = composition.BUILDERS[cell]
+    if row == "multisteps_inside":
+        assert own.startswith("`accumulate` refuses it as it is built")
+        with pytest.raises(TypeError, match="Drop MultiSteps"):
+            build(accumjax.accumulate(optax.sgd(0.1), 2))
+        return
+    tx = build(accumjax.accumulate(optax.sgd(0.1), 2))
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    state = tx.init(params)
+    if row in _READERS_REFUSE:
+        assert own.startswith("readers refuse")
+        for read in (accumjax.stats, accumjax.has_updated, accumjax.reset):
+            with pytest.raises(ValueError, match=re.escape(_READERS_REFUSE[row])):
+                read(state)
+        return
+    assert own.startswith("runs; readers find the state")
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)  # norm < 1: clip(1.0) is idle
+    update = jax.jit(tx.update)
+    seen = []
+    for _ in range(3):
+        _, state = update(grads, state, params)
+        s = accumjax.stats(state)
+        seen.append(
+            (
+                bool(accumjax.should_update(state)),
+                bool(accumjax.has_updated(state)),
+                int(s.current_step),
+                int(s.total_cycles),
+            )
+        )
+        assert accumjax.accumulated_gradients(state) is not None
+    assert seen == [(True, False, 1, 0), (False, True, 0, 1), (True, False, 1, 1)]
+    cleared = accumjax.reset(state)
+    assert type(cleared) is type(state)
+    assert int(accumjax.stats(cleared).current_step) == 0
+
+
+def test_own_loop_readers_name_where_to_look():
+    """No accumulate state: TypeError saying what to pass; two (two accumulates in a
+    multi_transform): ValueError naming both paths."""
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    with pytest.raises(TypeError, match=r"got ScaleByAdamState.*holds none.*accumulate"):
+        accumjax.stats(optax.adam(0.1).init(params)[0])
+    two = optax.multi_transform(
+        {"a": accumjax.accumulate(optax.sgd(0.1), 2), "b": accumjax.accumulate(optax.sgd(0.1), 2)},
+        lambda p: {"a": "a", "b": "b"},
+    )
+    paths = r"state\.inner_states\['a'\]\.inner_state, state\.inner_states\['b'\]\.inner_state"
+    with pytest.raises(ValueError, match=rf"holds 2 accumjax AccumulationStates, at {paths}"):
+        accumjax.has_updated(two.init(params))
+
+
+def test_own_loop_readers_find_the_state_in_an_nnx_optimizer_around_a_chain():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    tx = optax.chain(optax.scale(1.0), accumjax.accumulate(optax.sgd(0.1), 2))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    loss = lambda m: jnp.mean(m(jnp.ones((1, 2))) ** 2)
+
+    @nnx.jit
+    def train_step(model, opt):
+        opt.update(model, nnx.grad(loss)(model))
+
+    updated = []
+    for _ in range(2):
+        train_step(model, opt)
+        updated.append(bool(accumjax.has_updated(opt.opt_state)))
+    assert updated == [False, True]
+    assert int(accumjax.stats(opt.opt_state).total_cycles) == 1
+
+
+def test_an_inner_that_accumulates_too_is_refused():
+    """MultiSteps as a transformation (not detectable as accumulate is built) or another
+    accumulate inside: K x K' microbatches per update, refused at init."""
+    params = {"w": jnp.zeros(2)}
+    multi = optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation()
+    with pytest.raises(TypeError, match=r"inner holds optax\.MultiSteps.*Drop MultiSteps"):
+        accumjax.accumulate(optax.chain(optax.scale(1.0), multi), 2).init(params)
+    nested = optax.chain(optax.scale(1.0), accumjax.accumulate(optax.sgd(0.1), 2))
+    with pytest.raises(TypeError, match=r"inner holds another accumulate.*State K once"):
+        accumjax.accumulate(nested, 2).init(params)
 
 
 def test_vmap_over_independent_states():

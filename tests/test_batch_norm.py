@@ -778,9 +778,10 @@ def test_convert_partial_swap_with_target():
 
 
 @functools.cache  # the two tests share the compiled train_step
-def _user_loop_setup(k: int):
+def _user_loop_setup(k: int, chained: bool = False):
     """BatchNorm first (its statistics are those of the input, whatever the parameters),
-    then a Dense layer; an optax loop with accumulate, as users write it."""
+    then a Dense layer; an optax loop with accumulate, as users write it (``chained``: inside
+    ``optax.chain(optax.scale(1.0), accumulate(...))``)."""
 
     model = nn.Sequential(
         [AccumBatchNorm(use_running_average=False, momentum=MOMENTUM), nn.Dense(1)]
@@ -789,6 +790,8 @@ def _user_loop_setup(k: int):
     x.flags.writeable = False  # shared by the tests: a test that changes rows copies it
     variables = jax.jit(model.init)(_key(0), x[:4])
     tx = accumjax.accumulate(optax.sgd(0.1), k)
+    if chained:
+        tx = optax.chain(optax.scale(1.0), tx)
 
     def loss_fn(params, batch_stats, xb):
         y, new = model.apply(
@@ -818,9 +821,11 @@ def _batch_norm_reference(rows: np.ndarray, windows: list[slice]) -> tuple[np.nd
     return mean, var
 
 
-def test_sync_batch_norm_in_an_optax_loop_equals_batch_norm_per_window():
+@pytest.mark.parametrize("chained", [False, True], ids=["alone", "in_a_chain"])
+def test_sync_batch_norm_in_an_optax_loop_equals_batch_norm_per_window(chained):
+    """Also with accumulate inside an optax.chain: sync_batch_norm finds its state there."""
     k = 3
-    x, (params, batch_stats, opt_state), train_step = _user_loop_setup(k)
+    x, (params, batch_stats, opt_state), train_step = _user_loop_setup(k, chained)
     for i in range(2 * k):
         params, batch_stats, opt_state = train_step(
             params, batch_stats, opt_state, x[4 * i : 4 * i + 4]

@@ -213,6 +213,36 @@ def modes_own_step_with_a_nan_microbatch(guide: Path, run: GuideRun) -> None:
     assert [call[1:] for call in g["per_call"]] == [(0, 0)] * 4
     ((count, lr, norm),) = g["per_update"]
     assert (count, lr) == (1, 0.1) and 0 < norm < float("inf")
+    _modes_ema_and_schedule(run.namespace)
+
+
+def _modes_ema_and_schedule(g: dict) -> None:
+    """The guide's EMA-and-schedule step over 3 windows, the second all NaN (closed without
+    an update): the EMA moves on exactly the calls that update, and the learning rate logged
+    for each update is the schedule at the real update count (0, 1: not 2, the windows
+    seen), the count the inner optimizer's schedule reads."""
+    k, x, y, schedule = g["K"], g["x"], g["y"], g["schedule"]
+    params = {"w": jnp.zeros(3)}
+    opt_state, ema = g["ema_tx"].init(params), params
+    moved, updated, lrs = [], [], []
+    for i in range(3 * k):
+        xb = x[8 * (i % k) : 8 * (i % k) + 8]
+        if i // k == 1:
+            xb = jnp.full_like(xb, jnp.nan)
+        before = ema
+        params, opt_state, ema, lr = g["ema_step"](params, opt_state, ema, (xb, y[: len(xb)]))
+        moved.append(_changed(before, ema))
+        updated.append(bool(accumjax.has_updated(opt_state)))
+        if updated[-1]:
+            lrs.append(float(lr))
+    window = [False] * (k - 1)
+    assert updated == [*window, True, *window, False, *window, True]
+    assert moved == updated and _finite(ema)
+    assert (
+        lrs == [float(schedule(0)), float(schedule(1))] != [float(schedule(0)), float(schedule(2))]
+    )
+    counts = [int(leaf.count) for leaf in opt_state.inner_tx_state if hasattr(leaf, "count")]
+    assert counts == [2, 2] and int(accumjax.stats(opt_state).total_cycles) == 2
 
 
 @_own_loop("mixed_precision")

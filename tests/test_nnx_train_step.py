@@ -6,7 +6,9 @@ once to the concatenated window for running statistics, and ``nnx.Optimizer`` ar
 """
 
 import functools
+import re
 
+import _composition as composition
 import _reference as reference
 import jax
 import jax.numpy as jnp
@@ -413,12 +415,28 @@ def test_multisteps_tx_is_refused(where, mode):
         multi if where == "alone" else optax.chain(optax.clip(1.0), multi.gradient_transformation())
     )
     step = _step(mse, mode=mode)
-    state = step.init(MLP(nnx.Rngs(0)), tx)  # type: ignore[arg-type]
+    refusal = r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
+    with pytest.raises(TypeError, match=refusal):
+        step.init(MLP(nnx.Rngs(0)), tx)  # type: ignore[arg-type]
+    state = nnx_train_state(MLP(nnx.Rngs(0)), tx)  # built elsewhere: refused at trace time
     window = _windows(seed=9, windows=1)[0]
-    with pytest.raises(
-        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
-    ):
+    with pytest.raises(TypeError, match=refusal):
         step(state, window)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_chain_around_accumulate_is_refused_at_init_and_at_the_first_trace(mode):
+    """As make_train_step: by step.init(model, tx), and by the step for a state built with
+    nnx_train_state, naming the form the modes guide's table gives."""
+    cell = composition.ROWS["chain_before"]
+    tx = composition.BUILDERS[cell](_acc())
+    refusal = re.escape(composition.step_refusal(cell))
+    step = _step(mse, mode=mode)
+    with pytest.raises(TypeError, match=refusal):
+        step.init(MLP(nnx.Rngs(0)), tx)
+    state = nnx_train_state(MLP(nnx.Rngs(0)), tx)
+    with pytest.raises(TypeError, match=refusal):
+        step(state, _windows(seed=9, windows=1)[0])
 
 
 @pytest.mark.parametrize("mode", ["stream", "scan"])

@@ -2,7 +2,9 @@
 
 import functools
 import itertools
+import re
 
+import _composition as composition
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -1065,7 +1067,8 @@ def _multisteps_txs():
         "alone": multi,
         "in_chain": optax.chain(optax.clip(1.0), multi.gradient_transformation()),
         "in_inject_hyperparams": injected,
-        "inside_accumulate": accumulate(multi, K),
+        # accumulate(multi, K) is refused as it is built (test_accumulation)
+        "inside_accumulate": accumulate(multi.gradient_transformation(), K),
     }
 
 
@@ -1076,7 +1079,7 @@ def _multisteps_txs():
 def test_multisteps_tx_is_refused_in_every_mode(mode, where):
     """optax.MultiSteps driven by the step would run as K=1: updated True on every call and
     state.step counting calls while the parameters never move. It is refused, pointing to
-    accumulate."""
+    accumulate: by step.init, and by the step for a state built elsewhere."""
     tx = _multisteps_txs()[where]
     x, y = _data()
     batch = _windows(x, y)[0]  # 32 rows: divisible by K and by the 8 devices
@@ -1089,11 +1092,18 @@ def test_multisteps_tx_is_refused_in_every_mode(mode, where):
     elif mode == "shard_map":
         kwargs.update(axis_name="data", mesh=_mesh())
     step = _step(**kwargs)
-    state = step.init(_params(), tx)  # replicated per device under pmap
-    with pytest.raises(
-        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
-    ):
-        step(state, batch)
+    tx_word = "" if where == "inside_accumulate" else "tx "
+    refusal = rf"{tx_word}.*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
+    with pytest.raises(TypeError, match=refusal):
+        step.init(_params(), tx)
+    if where == "inside_accumulate":
+        return  # its own init refuses it: no state holds it
+    state = step.init(_params(), optax.sgd(0.1))
+    opt_state = tx.init(_params())
+    if mode == "pmap":
+        opt_state = accumjax.replicate(opt_state)
+    with pytest.raises(TypeError, match=refusal):
+        step(state.replace(tx=tx, opt_state=opt_state), batch)
 
 
 def test_multisteps_tx_is_refused_by_plan_microbatches():
@@ -1102,9 +1112,8 @@ def test_multisteps_tx_is_refused_by_plan_microbatches():
     )
     x, y = _data()
     batch = _windows(x, y)[0]
-    with pytest.raises(
-        TypeError, match=r"tx .*optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"
-    ):
+    # the planner wraps a plain tx in accumulate(tx, k), which refuses MultiSteps as inner
+    with pytest.raises(TypeError, match=r"optax\.MultiSteps.*accumjax\.accumulate\(inner, K\)"):
         accumjax.plan_microbatches(loss_fn, state, batch, memory_budget=2**40)
 
 
@@ -1471,3 +1480,51 @@ def test_adaptive_clip_axis_in_the_inner_chain_reaches_adaptive_clip_grad():
     tx = accumulate(optax.chain(accumjax.adaptive_clip(0.01, 1e-3, axis=-1), optax.sgd(0.5)), K)
     after, _ = step(step.init(_params(), tx), window)
     _assert_tree_close(after.params, _sgd_reference(clipped), F32)
+
+
+# ----------------------------------------------------------------------------- optax combinators
+
+
+def test_the_composition_table_of_the_modes_guide_has_a_test_per_row():
+    assert list(composition.table()) == list(composition.BUILDERS)
+
+
+@pytest.mark.parametrize("row", composition.IDS)
+def test_an_accumulate_inside_a_combinator_is_refused_as_the_modes_guide_says(row):
+    """The step would run such a tx as a plain optimizer (an update reported on every call,
+    none applied in scan mode): step.init refuses it, naming the form the guide's table
+    gives."""
+    cell = composition.ROWS[row]
+    with pytest.raises(TypeError, match=re.escape(composition.step_refusal(cell))):
+        _step(mode="stream").init(_params(), composition.BUILDERS[cell](_sgd()))
+
+
+def test_a_wrapper_that_keeps_accumulates_state_as_its_own_is_refused():
+    """Its state is an AccumulationState at the top, but K and the policies are not readable
+    from tx: refused, naming accumulate itself as the form that works."""
+    acc = _sgd()
+
+    def doubled(grads, state, params=None):
+        return acc.update(jax.tree.map(lambda g: 2 * g, grads), state, params)
+
+    tx = optax.GradientTransformation(acc.init, doubled)
+    with pytest.raises(TypeError, match=r"pass accumulate itself.*accumulate\(your_trans"):
+        _step(mode="stream").init(_params(), tx)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan", "scan_sharded"])
+def test_a_chain_around_accumulate_is_refused_at_init_and_at_the_first_trace(mode):
+    """In both modes, on one device and on an 8-device mesh: by step.init, and by the step
+    for a state built elsewhere (TrainState.create)."""
+    cell = composition.ROWS["chain_before"]
+    tx = composition.BUILDERS[cell](_sgd())
+    refusal = re.escape(composition.step_refusal(cell))
+    batch = _windows(*_data())[0]  # 32 rows: divisible by K and by the 8 devices
+    if mode == "scan_sharded":
+        batch = jax.device_put(batch, _Named(_mesh(), _P("data")))
+    step = _step(mode="stream" if mode == "stream" else "scan")
+    with pytest.raises(TypeError, match=refusal):
+        step.init(_params(), tx)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
+    with pytest.raises(TypeError, match=refusal):
+        step(state, batch)
