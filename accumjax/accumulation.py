@@ -41,9 +41,24 @@ import optax
 
 from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
-from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
+from accumjax._checks import (
+    INT32_MAX,
+    check_callable,
+    check_choice,
+    check_int,
+    check_real,
+    refuse_unknown,
+)
 from accumjax._control import select_once
-from accumjax.accumulation_state import CONFIG_ATTR, AccumulationState, config_of
+from accumjax._multisteps import MULTISTEPS_ARGS, Transformation, check_skip_fn
+from accumjax.accumulation_state import (
+    CONFIG_ATTR,
+    AccumulationState,
+    config_of,
+    k_changed,
+    k_of_tag,
+    k_tag,
+)
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
 __all__ = [
@@ -114,6 +129,7 @@ def _check_policy(scaling: Any, max_norm: Any, on_nonfinite: Any, skip_fn: Any) 
     if max_norm is not None:
         check_real("max_norm", max_norm, low=0.0, low_open=True)
     check_callable("skip_fn", skip_fn)
+    check_skip_fn(skip_fn)
 
 
 def _check_params(params: Any) -> None:
@@ -161,27 +177,25 @@ def _check_grads(grads: Any, window: Any) -> None:
 def check_state(config: Config, state: Any) -> AccumulationState:
     """``state`` if it is this transformation's `AccumulationState`, else a clear error.
 
-    A state whose (concrete) K or scaling differs from ``config`` (a checkpoint resumed under
-    other settings) is refused; under ``jit`` the values are traced and only the type is
-    checked (`make_train_step` checks the values on its first call).
+    A state made for another K (a checkpoint resumed under another ``every_k``) is refused
+    from its type (`AccumulationState.every_k_tag`), so at trace time under ``jit`` too; one
+    made with another scaling when its (concrete) code says so (under ``jit`` the code is
+    traced: `make_train_step` checks it on its first call).
     """
     if not isinstance(state, AccumulationState):
         raise TypeError(
             "accumulate's update needs the AccumulationState made by its own init, got "
             f"{type(state).__name__} (a plain optax state? pass state=tx.init(params))."
         )
+    made = k_of_tag(jnp.shape(state.every_k_tag))
+    if made != config.static_k:
+        raise ValueError(k_changed(made, config.static_k))
     code = scaling_lib.SCALINGS.index(config.policy.scaling)
     got_code = scaling_lib.concrete_value(state.scaling_code)
     if got_code is not None and int(got_code) != code:
         raise ValueError(
             f"this state was made with scaling={scaling_lib.SCALINGS[int(got_code)]!r}; "
             f"this accumulate uses scaling={config.policy.scaling!r}."
-        )
-    got_k = scaling_lib.concrete_value(state.every_k)
-    if config.static_k is not None and got_k is not None and int(got_k) != config.static_k:
-        raise ValueError(
-            f"this state was made with every_k={int(got_k)}; this accumulate uses "
-            f"every_k={config.static_k}. Build it with the same K (or re-init the optimizer)."
         )
     return state
 
@@ -191,7 +205,7 @@ def check_state(config: Config, state: Any) -> AccumulationState:
 
 def accumulate(
     inner: optax.GradientTransformation,
-    every_k: int | Schedule,
+    every_k: int | Schedule | None = None,
     *,
     scaling: scaling_lib.Scaling = "mean",
     max_norm: float | None = None,
@@ -199,6 +213,7 @@ def accumulate(
     skip_fn: SkipFn | None = None,
     accumulator_dtype: Any = jnp.float32,
     axis_name: str | None = None,
+    **multisteps: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates K microbatch gradients and applies ``inner`` once per window.
 
@@ -239,6 +254,9 @@ def accumulate(
         same update. ``"mean"`` divides by K times the axis size. Each call's microbatch is
         decided about whole, the same on every device (an all-reduce of two scalars; of the
         gradient for ``max_norm`` and ``skip_fn``; none with ``"propagate"``).
+      **multisteps: none taken: ``optax.MultiSteps``' argument names (``every_k_schedule``,
+        ``use_grad_mean``, ``should_skip_update_fn``) raise a ``TypeError`` naming what to
+        write instead.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulationState`.
@@ -261,6 +279,9 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
+    refuse_unknown("accumulate", multisteps, MULTISTEPS_ARGS)
+    if every_k is None:
+        raise TypeError("accumulate needs every_k, K: accumulate(inner, every_k=K).")
     _check_policy(scaling, max_norm, on_nonfinite, skip_fn)
     config = Config(
         inner=optax.with_extra_args_support(inner),
@@ -305,7 +326,7 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         return updates, state
 
     setattr(update_fn, CONFIG_ATTR, config)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    return Transformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def with_every_k(tx: optax.GradientTransformation, every_k: int | Schedule) -> Any:
@@ -347,6 +368,7 @@ def init_state(
     return AccumulationState(
         window=window,
         every_k=config.k_at(update_count),
+        every_k_tag=k_tag(config.static_k),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.policy.scaling), jnp.int32),
         update_count=update_count,
         inner_tx_state=config.inner.init(params) if inner_tx_state is None else inner_tx_state,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
 
 from accumjax import window as window_lib
+from accumjax.accumulation_state import k_changed, k_of_tag
 
 __all__ = ["restore_checkpoint"]
 
@@ -95,7 +96,7 @@ class _Plan:
             return lambda read: None
         sharding = _sharding(target, self.mesh)
         if tuple(stored.shape) != tuple(target.shape):
-            raise ValueError(_mismatch(path, stored, target))
+            raise ValueError(_k_mismatch(path, stored, target) or _mismatch(path, stored, target))
         self.read[path] = _like(tuple(stored.shape), target.dtype, sharding)
         return lambda read: read[path]
 
@@ -197,6 +198,19 @@ def _mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str:
         "match. Build the target from the same model and optimizer (a pmap state, with its "
         "leading device axis, restores on the same number of local devices)."
     )
+
+
+def _k_mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str | None:
+    """For an `accumjax.AccumulationState.every_k_tag`, that the checkpoint was made for
+    another K; else None (a ``pmap`` state's tags, with their device axis, get the general
+    message)."""
+    if _key(path[-1]) != "every_k_tag":
+        return None
+    try:
+        made, uses = k_of_tag(tuple(stored.shape)), k_of_tag(tuple(target.shape))
+    except ValueError:
+        return None
+    return f"the checkpoint does not fit the target: {k_changed(made, uses)}"
 
 
 def _read_tree(read: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:

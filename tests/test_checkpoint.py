@@ -193,3 +193,10 @@ def test_abstract_targets_and_what_cannot_be_restored(tmp_path):
     other = dict(params, w1=np.zeros((8, 3), np.float32))  # another model
     with pytest.raises(ValueError, match=r"state\.params\['w1'\].*\(8, 16\).*\(8, 3\)"):
         accumjax.restore_checkpoint(tmp_path / "c", step.init(other, tx))
+    # Another K: the optimizer's K is in its state's type; restore_checkpoint names it.
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)does not fit.*made with every_k=4; this accumulate uses every_k=8.*"
+        r"with_every_k\(tx, 4\)",
+    ):
+        accumjax.restore_checkpoint(tmp_path / "c", step.init(params, accumjax.with_every_k(tx, 8)))
