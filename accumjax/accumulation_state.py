@@ -302,7 +302,6 @@ def stats(state: Any) -> AccumulationStats:
       >>> s.num_parameters, s.memory_bytes
       (16, 64)
     """
-    check_alive(state, "state")  # a train state's parameters too
     params, tx = getattr(state, "params", None), getattr(state, "tx", None)
     state = unwrap(getattr(state, "opt_state", state))
     window = state.window
