@@ -5,6 +5,7 @@ References: the bare optimizer on the full batch (float64 under ``jax.enable_x64
 """
 
 import functools
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -586,6 +587,8 @@ def test_a_state_of_another_k_is_refused_at_trace_time():
     assert int(state4.window.micro_step) == int(scheduled.window.micro_step) == 1
 
 
+# Orbax's refused restore leaves coroutines it never awaits: collected in the test (gc).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_orbax_checkpoint_of_another_k_is_refused_under_nnx_jit(tmp_path):
     # An nnx.Optimizer saved mid-window at K=4, resumed into accumulate(..., 8).
     ocp = pytest.importorskip("orbax.checkpoint")
@@ -609,6 +612,7 @@ def test_an_orbax_checkpoint_of_another_k_is_refused_under_nnx_jit(tmp_path):
         target = nnx.to_pure_dict(nnx.state(opt8))
         with pytest.raises(ValueError, match=r"\(8,\) is not compatible with the stored shape"):
             checkpointer.restore(tmp_path / "ckpt", target)
+        gc.collect()
         restored = checkpointer.restore(tmp_path / "ckpt")  # as stored
     state = nnx.state(opt8)
     nnx.replace_by_pure_dict(state, restored)
