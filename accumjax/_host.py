@@ -288,7 +288,7 @@ class TrainStep:
         if not self._scan or self._pmapped or n is None or setup.weight_fn is None or k is None:
             return
         n = int(n)
-        if n >= k:
+        if not 0 <= n < k:  # all real, or out of range (refused by the call)
             return
         weigh = self._weighers.get(k)
         if weigh is None:

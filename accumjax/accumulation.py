@@ -267,6 +267,10 @@ def accumulate(
         trace time for grads whose structure, shape or dtype do not match the parameters, a
         missing, negative or non-finite ``weight``, or a state that is not this
         transformation's (a plain optax state, or one made with another K or scaling).
+      TypeError: for a missing ``every_k``, and for ``optax.MultiSteps``' names (its
+        arguments, ``skip_fn=optax.skip_not_finite``), naming what to write instead; reading
+        ``MultiSteps``' attributes (``tx.has_updated``, ...) raises an ``AttributeError`` that
+        names where accumjax has them.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -331,6 +335,10 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
 
 def with_every_k(tx: optax.GradientTransformation, every_k: int | Schedule) -> Any:
     """The same `accumulate` transformation with another K (every other option kept).
+
+    A state keeps the K it was made with (in its type, `AccumulationState.every_k_tag`): the
+    new transformation refuses ``tx``'s states, naming the K they were made with, and
+    ``with_every_k(tx, K)`` of that K resumes them.
 
     Args:
       tx: a transformation made by `accumulate`.
