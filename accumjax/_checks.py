@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import jax
+import jax.core
 
 __all__ = [
     "INT32_MAX",
+    "check_alive",
     "check_callable",
     "check_choice",
     "check_int",
     "check_real",
+    "refuse_unknown",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -95,3 +100,50 @@ def check_callable(name: str, value: Any, optional: bool = True) -> Callable[...
         return value
     kind = "callable or None" if optional else "callable"
     raise TypeError(f"{name} must be {kind}, got {type(value).__name__}.")
+
+
+def refuse_unknown(function: str, given: Mapping[str, Any], known: Mapping[str, str]) -> None:
+    """Refuses the keyword arguments in ``given`` (those the signature of ``function`` does not
+    take): one ``known`` maps to what to write instead is named with it, any other gets
+    Python's own message.
+
+    Example:
+      >>> refuse_unknown("f", {}, {"old": "write new= instead."})  # nothing given: passes
+      >>> refuse_unknown("f", {"old": 1}, {"old": "write new= instead."})
+      Traceback (most recent call last):
+      TypeError: f(old=...): write new= instead.
+    """
+    for name in given:
+        if name not in known:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        raise TypeError(f"{function}({name}=...): {known[name]}")
+
+
+def _deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+
+
+def check_alive(tree: Any, name: str) -> None:
+    """Refuses ``tree`` (named ``name`` in the error) when it holds a deleted array: one a
+    train step was given and donated, its buffers reused for the state it returned.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones(2)
+      >>> x.delete()
+      >>> try:
+      ...     check_alive({"w": x}, "state")
+      ... except ValueError as err:
+      ...     print(str(err).split(":")[0])
+      state['w'] was deleted
+    """
+    if not any(_deleted(x) for x in jax.tree.leaves(tree)):
+        return
+    path = next(p for p, x in jax.tree_util.tree_leaves_with_path(tree) if _deleted(x))
+    raise ValueError(
+        f"{name}{jax.tree_util.keystr(path)} was deleted: a train step was given this state "
+        "and donated it (make_train_step(..., donate=True) is the default), its buffers "
+        "reused for the state it returned. Use the state the step returns (state, metrics = "
+        "step(state, batch)); to keep this one too, build the step with donate=False or "
+        "give it a copy (step(jax.tree.map(jnp.copy, state), batch))."
+    )

@@ -28,9 +28,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from accumjax import sharded
+from accumjax._checks import check_alive
 from accumjax._loop import Setup, stream_step
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
+from accumjax._split import split
 from accumjax._step_checks import check_init_inputs, init_call
 from accumjax.accumulation import check_state, config_of
 from accumjax.distributed import replicate
@@ -49,21 +51,6 @@ def _traced(tree: Any) -> bool:
 def _abstract(tree: Any) -> bool:
     leaves = jax.tree.leaves(tree)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-
-
-def _check_alive(state: Any) -> None:
-    """Refuses a state with a deleted array (donated to an earlier call's output)."""
-    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-        return
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise ValueError(
-                f"state{jax.tree_util.keystr(path)} was deleted: an earlier call of this step "
-                "donated it (make_train_step(..., donate=True) is the default). Use the state "
-                "the step returns (state, metrics = step(state, batch)), build the step with "
-                "donate=False, or copy arrays this state shares with another "
-                "(jax.tree.map(jnp.copy, params))."
-            )
 
 
 def _check_is_state(state: Any, f16: bool) -> None:
@@ -128,6 +115,31 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
         )
     k = 1 if config is None else config.static_k
     real_microbatches(n, k)  # the Python-side checks (a traced value is clipped in the step)
+
+
+def _microbatch_weights(
+    weight_fn: Callable[[Any], Any], k: int, batch_axis: Any, batch: Any
+) -> jax.Array:
+    """Each of the ``k`` strided microbatches' ``weight_fn``, float32 ``(k,)``."""
+    rows = split(batch, k, batch_axis)
+    return jax.lax.map(lambda i: jnp.asarray(weight_fn(rows(i)), jnp.float32), jnp.arange(k))
+
+
+def _real_rows_left_out(weights: np.ndarray, n: int, k: int) -> str | None:
+    """Why a batch with ``n`` real microbatches of ``k`` does not fit the strided rule (a
+    microbatch after the first ``n`` weighs more than 0: real rows the step leaves out), or
+    None."""
+    heavy = [int(i) for i in np.flatnonzero(weights[n:] > 0) + n]
+    if not heavy:
+        return None
+    return (
+        f"num_real_microbatches={n}, but microbatches {heavy} of the K={k} (after the first "
+        f"{n}) weigh more than 0 (weight_fn): their rows are real and the step would leave "
+        f"them out. Microbatch i holds the rows i, i + K, i + 2K, ... (strided), so a short "
+        f"batch holds its real rows in the first {n} of every {k} rows and padding in the "
+        f"other {k - n}: interleave them (docs/guides/modes.md, 'A short batch'), not "
+        "padding appended at the end."
+    )
 
 
 def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
@@ -214,6 +226,7 @@ class TrainStep:
         self._scan = setup.mode == "scan"
         self._returned: list[Any] = []  # the optimizer state of the last call's output
         self._builders: dict[Any, Any] = {}  # (id(tx), where) -> (tx, init's build function)
+        self._weighers: dict[int, Any] = {}  # K -> the jitted `_microbatch_weights`
         self.__wrapped__ = jitted
 
     # ------------------------------------------------------------------------- calls
@@ -256,15 +269,34 @@ class TrainStep:
         _check_is_state(state, self._setup.f16)
         if _traced((state, batch, rng, num_real_microbatches)):
             return self._run(self._jitted, state, batch, rng, num_real_microbatches)
-        _check_alive(state)
+        check_alive(state, "state")
         config = config_of(getattr(state, "tx", None))
         returned = self._returned
         if config is not None and not (returned and _made_here(state.opt_state, returned[0])):
             opt = state.opt_state
             check_state(config, jax.tree.map(lambda x: x[0], opt) if self._pmapped else opt)
+        self._check_padding(batch, num_real_microbatches, config)
         out = self._run(self._jitted, state, batch, rng, num_real_microbatches)
         returned[:] = [getattr(out[0], "opt_state", None)]
         return out
+
+    def _check_padding(self, batch: Any, n: Any, config: Any) -> None:
+        """Refuses a short batch whose real rows are not where the strided rule puts them,
+        where the step can tell: ``n`` real microbatches of K given, and a ``weight_fn``
+        that weighs a microbatch after them more than 0 (one small program, run here)."""
+        setup, k = self._setup, 1 if config is None else config.static_k
+        if not self._scan or self._pmapped or n is None or setup.weight_fn is None or k is None:
+            return
+        n = int(n)
+        if not 0 <= n < k:  # all real, or out of range (refused by the call)
+            return
+        weigh = self._weighers.get(k)
+        if weigh is None:
+            weigh = jax.jit(partial(_microbatch_weights, setup.weight_fn, k, setup.batch_axis))
+            self._weighers[k] = weigh
+        why = _real_rows_left_out(np.asarray(weigh(batch)), n, k)
+        if why is not None:
+            raise ValueError(why)
 
     def lower(
         self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None

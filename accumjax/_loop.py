@@ -218,7 +218,16 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
         )
     k = config.static_k
     if setup.mode == "scan" and k is None:
-        raise TypeError("mode='scan' needs an int K in accumjax.accumulate, not a schedule.")
+        raise TypeError(
+            "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
+            "splits each batch into K microbatches inside its program. For windows of "
+            "varying size give the largest K and pass the window's size per call, "
+            "step(state, batch, num_real_microbatches=n) (traced: no recompile). Microbatch "
+            "i holds the rows i, i + K, i + 2K, ... (strided), so a short batch has its real "
+            "rows in the first n of every K rows and padding in the other K - n "
+            "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
+            "schedule."
+        )
     return config._replace(axis_name=setup.axis_name), owned
 
 

@@ -41,14 +41,25 @@ import optax
 
 from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
-from accumjax._checks import INT32_MAX, check_callable, check_choice, check_int, check_real
+from accumjax._checks import (
+    INT32_MAX,
+    check_callable,
+    check_choice,
+    check_int,
+    check_real,
+    refuse_unknown,
+)
 from accumjax._control import select_once
+from accumjax._multisteps import MULTISTEPS_ARGS, Transformation, check_skip_fn
 from accumjax._policy import check_microbatch_transform, transform_state
 from accumjax.accumulation_state import (
     CONFIG_ATTR,
     MULTISTEPS_NOTE,
     AccumulationState,
     config_of,
+    k_changed,
+    k_of_tag,
+    k_tag,
     locate,
 )
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
@@ -126,6 +137,7 @@ def _check_policy(
     if max_norm is not None:
         check_real("max_norm", max_norm, low=0.0, low_open=True)
     check_callable("skip_fn", skip_fn)
+    check_skip_fn(skip_fn)
     check_microbatch_transform(microbatch_transform, max_norm)
     return scaling
 
@@ -198,28 +210,26 @@ def _check_grads(grads: Any, window: Any) -> None:
 def check_state(config: Config, state: Any) -> AccumulationState:
     """``state`` if it is this transformation's `AccumulationState`, else a clear error.
 
-    A state whose (concrete) K or scaling differs from ``config`` (a checkpoint resumed under
-    other settings) is refused (``"mean"``, ``"count"`` and ``"sum_over_k"`` states are one
-    state: `accumjax.scaling.compatible`); under ``jit`` the values are traced and only the
-    type is checked (`make_train_step` checks the values on its first call).
+    A state made for another K (a checkpoint resumed under another ``every_k``) is refused
+    from its type (`AccumulationState.every_k_tag`), so at trace time under ``jit`` too; one
+    made with another scaling when its (concrete) code says so (``"mean"``, ``"count"`` and
+    ``"sum_over_k"`` states are one state: `accumjax.scaling.compatible`; under ``jit`` the
+    code is traced: `make_train_step` checks it on its first call).
     """
     if not isinstance(state, AccumulationState):
         raise TypeError(
             "accumulate's update needs the AccumulationState made by its own init, got "
             f"{type(state).__name__} (a plain optax state? pass state=tx.init(params))."
         )
+    made_k = k_of_tag(jnp.shape(state.every_k_tag))
+    if made_k != config.static_k:
+        raise ValueError(k_changed(made_k, config.static_k))
     got_code = scaling_lib.concrete_value(state.scaling_code)
     made = None if got_code is None else scaling_lib.SCALINGS[int(got_code)]
     if made is not None and not scaling_lib.compatible(made, config.policy.scaling):
         raise ValueError(
             f"this state was made with scaling={made!r}; "
             f"this accumulate uses scaling={config.policy.scaling!r}."
-        )
-    got_k = scaling_lib.concrete_value(state.every_k)
-    if config.static_k is not None and got_k is not None and int(got_k) != config.static_k:
-        raise ValueError(
-            f"this state was made with every_k={int(got_k)}; this accumulate uses "
-            f"every_k={config.static_k}. Build it with the same K (or re-init the optimizer)."
         )
     return state
 
@@ -229,7 +239,7 @@ def check_state(config: Config, state: Any) -> AccumulationState:
 
 def accumulate(
     inner: optax.GradientTransformation,
-    every_k: int | Schedule,
+    every_k: int | Schedule | None = None,
     *,
     scaling: scaling_lib.Scaling = "mean",
     max_norm: float | None = None,
@@ -238,6 +248,7 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     axis_name: str | None = None,
     microbatch_transform: optax.GradientTransformation | None = None,
+    **multisteps: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates K microbatch gradients and applies ``inner`` once per window.
 
@@ -299,6 +310,9 @@ def accumulate(
         (``docs/guides/clipping.md``). It reads the gradient as ``max_norm`` does, at that
         memory cost (more under FSDP, where it gathers the whole gradient:
         ``docs/limits.md``); exclusive with ``max_norm`` (chain the two instead).
+      **multisteps: none taken: ``optax.MultiSteps``' argument names (``every_k_schedule``,
+        ``use_grad_mean``, ``should_skip_update_fn``) raise a ``TypeError`` naming what to
+        write instead.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulationState`.
@@ -313,6 +327,10 @@ def accumulate(
         dtype do not match the parameters, a missing, negative or non-finite ``weight``, or a
         state that is not this transformation's (a plain optax state, or one made with another
         K or scaling).
+      TypeError: for a missing ``every_k``, and for ``optax.MultiSteps``' names (its
+        arguments, ``skip_fn=optax.skip_not_finite``), naming what to write instead; reading
+        ``MultiSteps``' attributes (``tx.has_updated``, ...) raises an ``AttributeError`` that
+        names where accumjax has them.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -325,6 +343,9 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
+    refuse_unknown("accumulate", multisteps, MULTISTEPS_ARGS)
+    if every_k is None:
+        raise TypeError("accumulate needs every_k, K: accumulate(inner, every_k=K).")
     _check_inner(inner)
     scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn, microbatch_transform)
     policy = Policy(
@@ -376,11 +397,15 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         return updates, state
 
     setattr(update_fn, CONFIG_ATTR, config)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    return Transformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def with_every_k(tx: optax.GradientTransformation, every_k: int | Schedule) -> Any:
     """The same `accumulate` transformation with another K (every other option kept).
+
+    A state keeps the K it was made with (in its type, `AccumulationState.every_k_tag`): the
+    new transformation refuses ``tx``'s states, naming the K they were made with, and
+    ``with_every_k(tx, K)`` of that K resumes them.
 
     Args:
       tx: a transformation made by `accumulate`.
@@ -422,6 +447,7 @@ def init_state(
     return AccumulationState(
         window=window,
         every_k=config.k_at(update_count),
+        every_k_tag=k_tag(config.static_k),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.policy.scaling), jnp.int32),
         update_count=update_count,
         inner_tx_state=inner_tx_state,

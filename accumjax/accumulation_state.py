@@ -24,6 +24,7 @@ import optax
 
 from accumjax import scaling as scaling_lib
 from accumjax import window as window_lib
+from accumjax._checks import check_alive
 from accumjax._variables import unwrap_variables
 from accumjax.window import Window
 
@@ -37,6 +38,9 @@ __all__ = [
     "accumulated_gradients",
     "config_of",
     "has_updated",
+    "k_changed",
+    "k_of_tag",
+    "k_tag",
     "locate",
     "reset",
     "should_update",
@@ -54,6 +58,10 @@ class AccumulationState(NamedTuple):
     Attributes:
       window: the open `accumjax.window.Window` (sum, weight sum, calls, skipped counts).
       every_k: K of the current window (from the schedule), int32.
+      every_k_tag: K in the state's type, so that ``jit`` sees it at trace time: ``False``
+        repeated K times (shape ``(K,)``, K bytes) for an int K, shape ``(1, 1)`` for a
+        schedule (`k_tag`). A state restored into an `accumjax.accumulate` of another K is
+        refused when traced, and by orbax's restore into a target of another K.
       scaling_code: index of the scaling strategy in `accumjax.scaling.SCALINGS`, int32; a
         state is refused by an `accumulate` with another strategy (or another int K).
       update_count: inner updates actually applied, int32; what a K schedule is evaluated at.
@@ -73,6 +81,7 @@ class AccumulationState(NamedTuple):
 
     window: Window
     every_k: jax.Array
+    every_k_tag: jax.Array
     scaling_code: jax.Array
     update_count: jax.Array
     inner_tx_state: Any
@@ -120,6 +129,52 @@ class AccumulationStats(NamedTuple):
     skipped_windows: jax.Array
     num_parameters: int | None
     memory_bytes: int | None
+
+
+#: The shape of `AccumulationState.every_k_tag` for a K schedule.
+_SCHEDULE_TAG = (1, 1)
+
+
+def k_tag(every_k: int | None) -> jax.Array:
+    """`AccumulationState.every_k_tag` for an int K, or for a schedule (None).
+
+    Example:
+      >>> k_tag(4).shape, k_tag(None).shape
+      ((4,), (1, 1))
+    """
+    return jnp.zeros(_SCHEDULE_TAG if every_k is None else (every_k,), bool)
+
+
+def k_of_tag(shape: tuple[int, ...]) -> int | None:
+    """The int K an `AccumulationState.every_k_tag` of this shape was made for, None for a
+    schedule.
+
+    Example:
+      >>> k_of_tag((4,)), k_of_tag((1, 1))
+      (4, None)
+    """
+    if tuple(shape) == _SCHEDULE_TAG:
+        return None
+    (k,) = shape
+    return k
+
+
+def k_changed(made: int | None, uses: int | None) -> str:
+    """Why a state made for K ``made`` does not fit an `accumjax.accumulate` of K ``uses``
+    (None: a schedule), and what to write instead.
+
+    Example:
+      >>> print(k_changed(4, 8).splitlines()[0])
+      this optimizer state was made with every_k=4; this accumulate uses every_k=8.
+    """
+    name = lambda k: "an every_k schedule" if k is None else f"every_k={k}"
+    resume = "the same schedule" if made is None else f"accumjax.with_every_k(tx, {made})"
+    return (
+        f"this optimizer state was made with {name(made)}; this accumulate uses {name(uses)}.\n"
+        f"Resume it with the K it was made with ({resume}), or start a state for the new K "
+        "at a window boundary, keeping the inner optimizer's: "
+        "tx.init(params)._replace(inner_tx_state=state.inner_tx_state)."
+    )
 
 
 #: Why ``optax.apply_if_finite`` around `accumulate` is refused (the train step and the
@@ -204,7 +259,8 @@ def _walk(node: Any, path: tuple, within: tuple, kind: type, found: list[Located
 
 def unwrap(state: Any) -> AccumulationState:
     """The `AccumulationState` inside ``state``: itself, Flax NNX's variable-wrapped copy, or
-    the one inside an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
+    the one inside an optax combinator's state (``optax.chain``, ``optax.masked``, ...);
+    refused when a train step donated its arrays.
 
     Raises:
       TypeError: if ``state`` holds no `AccumulationState`.
@@ -212,6 +268,7 @@ def unwrap(state: Any) -> AccumulationState:
         ``optax.apply_if_finite`` or ``optax.MultiSteps`` (which count microbatches a second
         time).
     """
+    check_alive(state, "state")
     state = unwrap_variables(state)
     if isinstance(state, AccumulationState):
         return state

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
 
 from accumjax import window as window_lib
+from accumjax.accumulation_state import k_changed, k_of_tag
 
 __all__ = ["restore_checkpoint"]
 
@@ -88,16 +89,37 @@ class _Plan:
         self.read: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
 
     def leaf(self, path: tuple[Any, ...], target: Any) -> Callable[[Any], Any]:
-        stored = _stored_at(self.stored, path)
+        try:
+            stored = _stored_at(self.stored, path)
+        except KeyError:
+            if _key(path[-1]) != "every_k_tag":
+                raise
+            return self._tag(path, target)
         if target is None or stored is None:
             if (target is None) != (stored is None):
                 raise ValueError(_mismatch(path, stored, target))
             return lambda read: None
         sharding = _sharding(target, self.mesh)
         if tuple(stored.shape) != tuple(target.shape):
-            raise ValueError(_mismatch(path, stored, target))
+            raise ValueError(_k_mismatch(path, stored, target) or _mismatch(path, stored, target))
         self.read[path] = _like(tuple(stored.shape), target.dtype, sharding)
         return lambda read: read[path]
+
+    def _tag(self, path: tuple[Any, ...], target: Any) -> Callable[[Any], Any]:
+        """The `accumjax.AccumulationState.every_k_tag` of a checkpoint saved without one (by
+        an earlier accumjax): the target's, once the stored ``every_k`` (read with the
+        state's other leaves) agrees with the target's int K."""
+        every_k = next(p for p in self.read if p[:-1] == path[:-1] and _key(p[-1]) == "every_k")
+        sharding = _sharding(target, self.mesh)
+
+        def build(read: Any) -> Any:
+            uses = k_of_tag(tuple(target.shape)) if len(target.shape) < 2 else None
+            made = int(jax.device_get(read[every_k]).flat[0])
+            if uses is not None and made != uses:
+                raise ValueError(f"the checkpoint does not fit the target: {k_changed(made, uses)}")
+            return jax.device_put(jnp.zeros(target.shape, target.dtype), sharding)
+
+        return build
 
     def window(self, path: tuple[Any, ...], target: Any) -> Callable[[Any], Any]:
         stored = _stored_at(self.stored, path)
@@ -197,6 +219,19 @@ def _mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str:
         "match. Build the target from the same model and optimizer (a pmap state, with its "
         "leading device axis, restores on the same number of local devices)."
     )
+
+
+def _k_mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str | None:
+    """For an `accumjax.AccumulationState.every_k_tag`, that the checkpoint was made for
+    another K; else None (a ``pmap`` state's tags, with their device axis, get the general
+    message)."""
+    if _key(path[-1]) != "every_k_tag":
+        return None
+    try:
+        made, uses = k_of_tag(tuple(stored.shape)), k_of_tag(tuple(target.shape))
+    except ValueError:
+        return None
+    return f"the checkpoint does not fit the target: {k_changed(made, uses)}"
 
 
 def _read_tree(read: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:

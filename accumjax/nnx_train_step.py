@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from accumjax._checks import check_alive
 from accumjax._host import TrainStep
 from accumjax._step_checks import check_key_argument, positional_limit
 from accumjax.loss_scale import DynamicLossScale
@@ -161,6 +162,7 @@ def nnx_update(model: nnx.Module, state: NNXTrainState) -> None:
             f"state must be an accumjax.NNXTrainState (accumjax.nnx_train_state(model, tx)), "
             f"got {type(state).__name__}."
         )
+    check_alive(state, "state")
     nnx.update(model, _copy(state.params), _copy(state.model_state))
 
 

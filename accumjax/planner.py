@@ -503,7 +503,9 @@ def plan_microbatches(
     step, laid_out = scan_step_for_k(loss_fn, state, ks[0], **make_train_step_kwargs)
 
     def compile_for_k(k: int) -> jax.stages.Compiled:
-        state_k = laid_out.replace(tx=_tx_for(state.tx, k))
+        opt, tag = laid_out.opt_state, laid_out.opt_state.every_k_tag  # K is in its shape
+        tag = jax.ShapeDtypeStruct((k,), tag.dtype, sharding=tag.sharding)
+        state_k = laid_out.replace(tx=_tx_for(state.tx, k), opt_state=opt._replace(every_k_tag=tag))
         return step.lower(state_k, abstract_batch, abstract_rng).compile()
 
     return plan_microbatches_for(compile_for_k, ks, budget, batch_size=batch_size)

@@ -27,7 +27,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from accumjax._checks import check_callable, check_choice, check_int
+from accumjax._checks import check_callable, check_choice, check_int, refuse_unknown
 from accumjax._host import TrainStep, wrap
 from accumjax._loop import Setup
 from accumjax._loss_adapter import make_grad_fn
@@ -41,6 +41,37 @@ _PRECISIONS = {None: None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _GATHER = ("window", "microbatch")
 
 LossFn = Callable[..., Any]
+
+#: Where GradientAccumulator's adaptive gradient clipping (0.3's ``use_agc=True``) went.
+AGC_REPLACEMENT = (
+    "per microbatch, as GradientAccumulator clips each microbatch's gradient before adding "
+    "it: accumulate(inner, K, microbatch_transform=accumjax.adaptive_clip(clip_factor, eps, "
+    "mask, axis=axis)); on the window's gradient: accumjax.adaptive_clip first in the inner "
+    "chain, accumulate(optax.chain(accumjax.adaptive_clip(clip_factor, eps, mask, "
+    "axis=axis), inner), K)"
+)
+_REMOVED_IN = "removed in accumjax 0.4 (docs/guides/migrating.md)"
+_AGC_PART = (
+    f"{_REMOVED_IN} with use_agc: it is accumjax.adaptive_clip's {{arg}}, and adaptive "
+    "clipping is the optimizer's, {where}."
+)
+
+#: The arguments accumjax 0.4 removed from the step, and what to write instead.
+_REMOVED = {
+    "accum_steps": f"{_REMOVED_IN}: K is stated once, in the optimizer: "
+    "step.init(params, accumjax.accumulate(inner, K)).",
+    "use_agc": f"{_REMOVED_IN}: adaptive gradient clipping is the optimizer's, "
+    f"{AGC_REPLACEMENT}. With use_agc=False leave it out.",
+    **{
+        name: _AGC_PART.format(arg=arg, where=AGC_REPLACEMENT)
+        for name, arg in (
+            ("clip_factor", "clip_factor"),
+            ("agc_eps", "eps"),
+            ("agc_mask", "mask"),
+            ("agc_axis", "axis"),
+        )
+    },
+}
 
 
 def make_train_step(
@@ -58,6 +89,7 @@ def make_train_step(
     reduce_scatter: str = "microbatch",
     batch_axis: Any = 0,
     aux_rows: bool = False,
+    **removed: Any,
 ) -> TrainStep:
     """Builds a jitted ``step(state, batch, rng=None) -> (state, metrics)`` that accumulates.
 
@@ -102,6 +134,9 @@ def make_train_step(
         of the batch (``None`` at a leaf leaves it whole); only 0 on a mesh.
       aux_rows: scan mode with ``has_aux``: aux in the batch's row order, shape ``(B, ...)``,
         instead of stacked per microbatch, ``(K, B // K, ...)``.
+      **removed: none taken: the arguments accumjax 0.4 removed (``accum_steps``,
+        ``use_agc``, ``clip_factor``, ``agc_eps``, ``agc_mask``, ``agc_axis``) raise a
+        ``TypeError`` naming what to write instead.
 
     Returns:
       The `accumjax.TrainStep`: ``step(state, batch, rng=None)`` (scan mode also takes
@@ -158,6 +193,7 @@ def make_train_step(
       >>> int(state.step), bool(metrics["updated"]), round(float(metrics["loss"]), 2)
       (1, True, 8.35)
     """
+    refuse_unknown("make_train_step", removed, _REMOVED)
     check_callable("loss_fn", loss_fn, optional=False)
     compute_dtype = _PRECISIONS[
         check_choice("mixed_precision", mixed_precision, tuple(_PRECISIONS))

@@ -5,6 +5,7 @@ References: the bare optimizer on the full batch (float64 under ``jax.enable_x64
 """
 
 import functools
+import gc
 import re
 
 import _composition as composition
@@ -806,3 +807,117 @@ def test_stats_count_the_open_window_at_once():
         _, state = update({"w": jnp.ones(2)}, state)
     s = accumjax.stats(state)
     assert int(s.num_nonfinite) == 1 and int(s.skipped_microbatches) == 1
+
+
+_K_CHANGED = r"(?s)made with every_k=4; this accumulate uses every_k=8.*with_every_k\(tx, 4\)"
+
+
+def test_a_state_of_another_k_is_refused_at_trace_time():
+    # K is in the state's type (every_k_tag's shape), so jit sees it when it traces.
+    params = {"w": jnp.zeros(3)}
+    tx4 = accumjax.accumulate(optax.sgd(0.1), 4)
+    state4 = tx4.init(params)
+    tx8 = accumjax.with_every_k(tx4, 8)
+    with pytest.raises(ValueError, match=_K_CHANGED):
+        jax.jit(tx8.update)(params, state4, params)  # a jitted loop of your own
+    with pytest.raises(ValueError, match=_K_CHANGED):
+        tx8.update(params, state4, params)  # eager
+    schedule = accumjax.with_every_k(tx4, lambda n: jnp.int32(4))
+    with pytest.raises(ValueError, match="every_k=4; this accumulate uses an every_k schedule"):
+        jax.jit(schedule.update)(params, state4, params)
+    with pytest.raises(ValueError, match="an every_k schedule; this accumulate uses every_k=4"):
+        jax.jit(tx4.update)(params, schedule.init(params), params)
+    # The K it was made with, and a schedule's state with a schedule, go on.
+    _, state4 = jax.jit(accumjax.with_every_k(tx8, 4).update)(params, state4, params)
+    _, scheduled = jax.jit(schedule.update)(params, schedule.init(params), params)
+    assert int(state4.window.micro_step) == int(scheduled.window.micro_step) == 1
+
+
+# Orbax's refused restore leaves coroutines it never awaits: collected in the test (gc).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_orbax_checkpoint_of_another_k_is_refused_under_nnx_jit(tmp_path):
+    # An nnx.Optimizer saved mid-window at K=4, resumed into accumulate(..., 8).
+    ocp = pytest.importorskip("orbax.checkpoint")
+    nnx = pytest.importorskip("flax.nnx")
+
+    def make(k):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, accumjax.accumulate(optax.sgd(0.1), k), wrt=nnx.Param)
+
+    @nnx.jit
+    def train(model, opt, x):
+        opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+    model, opt = make(4)
+    train(model, opt, jnp.ones((2, 3)))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", nnx.to_pure_dict(nnx.state(opt)))
+    model8, opt8 = make(8)
+    with ocp.StandardCheckpointer() as checkpointer:
+        # Into a target of another K, orbax itself refuses: the tag's shape differs.
+        target = nnx.to_pure_dict(nnx.state(opt8))
+        with pytest.raises(ValueError, match=r"\(8,\) is not compatible with the stored shape"):
+            checkpointer.restore(tmp_path / "ckpt", target)
+        gc.collect()
+        restored = checkpointer.restore(tmp_path / "ckpt")  # as stored
+    state = nnx.state(opt8)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(opt8, state)
+    with pytest.raises(ValueError, match=_K_CHANGED):
+        train(model8, opt8, jnp.ones((2, 3)))
+
+
+_GUIDE = r"migrating\.md"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_k_schedule": 4}, r"every_k_schedule=.*MultiSteps.*every_k=k"),
+        ({"use_grad_mean": True}, r"use_grad_mean=.*scaling='mean'.*scaling='sum'"),
+        (
+            {"should_skip_update_fn": optax.skip_not_finite},
+            r"should_skip_update_fn=.*on_nonfinite='skip_microbatch'.*skip_fn=fn",
+        ),
+        (
+            {"every_k": K, "skip_fn": optax.skip_not_finite},
+            r"skip_fn=optax\.skip_not_finite.*\(updates, gradient_step, params\).*\(grads, params\)"
+            r".*leave skip_fn out.*on_nonfinite='skip_microbatch'",
+        ),
+        (
+            {
+                "every_k": K,
+                "skip_fn": functools.partial(optax.skip_large_updates, max_squared_norm=1.0),
+            },
+            r"skip_fn=optax\.skip_large_updates.*optax\.tree\.norm\(grads\) \*\* 2 > max_squared",
+        ),
+    ],
+    ids=["every_k_schedule", "use_grad_mean", "should_skip_update_fn", "skip_not_finite", "large"],
+)
+def test_multisteps_arguments_name_their_replacement(kwargs, match):
+    with pytest.raises(TypeError, match=rf"(?s){match}.*{_GUIDE}"):
+        accumjax.accumulate(optax.sgd(0.1), **kwargs)
+
+
+def test_multisteps_attributes_name_their_replacement():
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
+    for name, match in [
+        ("has_updated", r"accumjax\.has_updated\(state\)"),
+        ("gradient_step", r"state\.update_count"),
+        ("mini_step", r"state\.window\.micro_step"),
+        ("inner_opt_state", r"state\.inner_tx_state"),
+        ("acc_grads", r"accumjax\.accumulated_gradients\(state\)"),
+        ("gradient_transformation", r"GradientTransformationExtraArgs already"),
+    ]:
+        with pytest.raises(AttributeError, match=rf"no {name} \(optax\.MultiSteps'.*{match}"):
+            getattr(tx, name)
+    assert not hasattr(tx, "no_such_name")
+    # Still optax's own type, wherever optax takes a transformation.
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert optax.with_extra_args_support(tx) is tx
+    params = {"w": jnp.ones(2)}
+    for chained in (optax.chain(tx, optax.scale(2.0)), optax.chain(optax.scale(2.0), tx)):
+        state = chained.init(params)
+        for _ in range(K):
+            updates, state = chained.update(params, state, params)
+        np.testing.assert_array_equal(updates["w"], np.float32([-0.2, -0.2]))  # sgd(0.1) of 2

@@ -193,3 +193,34 @@ def test_abstract_targets_and_what_cannot_be_restored(tmp_path):
     other = dict(params, w1=np.zeros((8, 3), np.float32))  # another model
     with pytest.raises(ValueError, match=r"state\.params\['w1'\].*\(8, 16\).*\(8, 3\)"):
         accumjax.restore_checkpoint(tmp_path / "c", step.init(other, tx))
+    # Another K: the optimizer's K is in its state's type; restore_checkpoint names it.
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)does not fit.*made with every_k=4; this accumulate uses every_k=8.*"
+        r"with_every_k\(tx, 4\)",
+    ):
+        accumjax.restore_checkpoint(tmp_path / "c", step.init(params, accumjax.with_every_k(tx, 8)))
+
+
+def _without_k_tag(tree):
+    """``tree`` as an accumjax without `AccumulationState.every_k_tag` saved it."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return {f: _without_k_tag(getattr(tree, f)) for f in tree._fields if f != "every_k_tag"}
+    return tree
+
+
+def test_a_checkpoint_saved_without_the_k_tag_restores_when_its_k_fits(tmp_path):
+    params, batch = _problem()
+    step = _step("stream")
+    state, _ = step(step.init(params, ADAM), _batches(batch, "stream", None)[0])  # mid-window
+    fields = ("step", "params", "model_state", "loss_scale")
+    saved = {f: getattr(state, f) for f in fields} | {"opt_state": _without_k_tag(state.opt_state)}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "old", saved)
+    restored = accumjax.restore_checkpoint(tmp_path / "old", step.init(params, ADAM))
+    assert restored.opt_state.every_k_tag.shape == (K,)
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+    with pytest.raises(ValueError, match=r"made with every_k=4; this accumulate uses every_k=8"):
+        accumjax.restore_checkpoint(
+            tmp_path / "old", step.init(params, accumjax.with_every_k(ADAM, 8))
+        )

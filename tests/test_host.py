@@ -336,3 +336,47 @@ def test_a_batch_that_does_not_split_into_k_on_one_device_names_the_rows():
     x = np.ones((9, 5), np.float32)
     with pytest.raises(ValueError, match=r"9 rows.*not divisible by K=4: use 8 or 12 rows"):
         step(step.init(params, _TX), {"x": x, "y": x[:, :3]})
+
+
+def _masked_loss(params, batch):
+    err = jnp.sum((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2, axis=1)
+    return jnp.sum(err * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+
+
+def test_a_short_batch_against_the_strided_rule_is_refused_where_the_step_can_tell():
+    # 3 real microbatches of 4 rows, K=4: 16 rows, the padding's mask 0.
+    params, batch = _problem()
+    real = {k: v[:12] for k, v in batch.items()} | {"mask": np.ones(12, np.float32)}
+    pad = jax.tree.map(lambda a: np.zeros_like(a[:4]), real)
+    appended = jax.tree.map(lambda a, b: np.concatenate([a, b]), real, pad)
+    # Interleaved: row j*K + i is real microbatch i's row j (the first 3 of every 4 rows).
+    interleaved = jax.tree.map(
+        lambda a, b: (
+            np.concatenate([a.reshape(3, 4, *a.shape[1:]), b[None]])
+            .swapaxes(0, 1)
+            .reshape(16, *a.shape[1:])
+        ),
+        real,
+        pad,
+    )
+    tx = accumjax.accumulate(optax.sgd(0.1), K, scaling="weighted")
+    step = accumjax.make_train_step(
+        _masked_loss, mode="scan", weight_fn=lambda b: jnp.sum(b["mask"]), donate=False
+    )
+    state = step.init(params, tx)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)num_real_microbatches=3, but microbatches \[3\].*weigh more than 0"
+        r".*rows i, i \+ K, i \+ 2K.*first 3 of every 4 rows",
+    ):
+        step(state, appended, None, 3)  # microbatch 3 is rows 3, 7, 11, 15: 3 of them real
+    new, metrics = step(state, interleaved, None, 3)
+    assert bool(metrics["updated"])
+    # The 12 real rows' update: 3 microbatches of 4 rows, each weighing 4 (float32 sums of
+    # the same terms in another order).
+    three, _ = step(step.init(params, accumjax.with_every_k(tx, 3)), real)
+    for key in params:
+        np.testing.assert_allclose(new.params[key], three.params[key], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"microbatches \[3\]"):  # a concrete array n too
+        step(state, appended, None, jnp.int32(3))
+    step(state, appended, None, 4)  # every microbatch real: nothing to tell

@@ -361,8 +361,16 @@ def test_model_stays_usable_after_nnx_update_and_later_steps():
     state, _ = step(state, windows[0])
     nnx_update(model, state)
     trained = _pure(nnx.state(model, nnx.Param))
+    old = state
     state, _ = step(state, windows[1])  # donates the state nnx_update read from
     assert int(state.step) == 2
+    # The donated state, given back to accumjax: the error says it was donated, and the fix.
+    donated = r"(?s)state.*was deleted.*donated.*donate=False.*jnp\.copy"
+    for read in (lambda: step(old, windows[0]), lambda: nnx_update(model, old)):
+        with pytest.raises(ValueError, match=donated):
+            read()
+    with pytest.raises(ValueError, match=donated):
+        accumjax.stats(old)
     jax.tree.map(np.testing.assert_array_equal, _pure(nnx.state(model, nnx.Param)), trained)
     assert model(windows[0]["x"]).shape == (K * MICRO, OUT)
     assert isinstance(state, NNXTrainState)

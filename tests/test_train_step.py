@@ -684,22 +684,32 @@ def test_construction_errors(kwargs, error, match):
         make_train_step(loss_fn, **kwargs)
 
 
+_AGC = r"microbatch_transform=accumjax\.adaptive_clip.*optax\.chain\(accumjax\.adaptive_clip"
+
+
 @pytest.mark.parametrize(
-    "removed",
+    ("removed", "replacement"),
     [
-        {"accum_steps": K},  # K is accumulate(inner, K)'s
-        {"use_agc": True},  # accumjax.adaptive_clip first in the inner chain
-        {"clip_factor": 0.01},
-        {"agc_eps": 1e-3},
-        {"agc_mask": None},
-        {"agc_axis": -1},
+        ({"accum_steps": K}, r"K is stated once.*accumjax\.accumulate\(inner, K\)"),
+        ({"use_agc": True}, _AGC),
+        ({"clip_factor": 0.01}, "adaptive_clip's clip_factor,.*" + _AGC),
+        ({"agc_eps": 1e-3}, "adaptive_clip's eps,.*" + _AGC),
+        ({"agc_mask": None}, "adaptive_clip's mask,.*" + _AGC),
+        ({"agc_axis": -1}, "adaptive_clip's axis,.*" + _AGC),
     ],
 )
-def test_the_arguments_0_3_deprecated_are_removed(removed):
-    # 0.4.0 removed them, as 0.3.0 announced (docs/guides/migrating.md has what to write).
+@pytest.mark.parametrize(
+    "make", [make_train_step, accumjax.make_nnx_train_step], ids=["linen", "nnx"]
+)
+def test_the_arguments_0_3_deprecated_are_removed(make, removed, replacement):
+    # 0.4.0 removed them, as 0.3.0 announced: the error says what to write instead.
     (name,) = removed
-    with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
-        make_train_step(loss_fn, **removed)
+    with pytest.raises(
+        TypeError, match=rf"make_train_step\({name}=\.\.\.\): removed.*{replacement}"
+    ):
+        make(loss_fn, **removed)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'accum_step'"):  # a typo
+        make(loss_fn, accum_step=K)
 
 
 def test_mesh_errors():
@@ -716,7 +726,11 @@ def test_trace_time_errors():
     with pytest.raises(ValueError, match="not divisible by K=3"):
         scan(scan.init(_params(), _sgd(k=3)), window)
     scheduled = scan.init(_params(), accumulate(optax.sgd(0.1), lambda n: jnp.int32(2)))
-    with pytest.raises(TypeError, match="schedule"):
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)not a schedule.*num_real_microbatches=n"
+        r".*rows i, i \+ K, i \+ 2K, \.\.\. \(strided\)",
+    ):
         scan(scheduled, window)
     with pytest.raises(ValueError, match="axis_name"):
         stream(stream.init(_params(), _sgd(axis_name="model")), window)
@@ -1204,10 +1218,11 @@ def test_reusing_a_donated_state_says_the_step_donated_it(mode):
     step = _step(mode=mode)
     state = step.init(_params(), _sgd())
     new, _ = step(state, batch)
-    with pytest.raises(
-        ValueError, match=r"(?s)state.*deleted.*donate.*returns.*donate=False.*copy"
-    ):
+    donated = r"(?s)state.*deleted.*donate.*returns.*donate=False.*jnp\.copy"
+    with pytest.raises(ValueError, match=donated):
         step(state, batch)  # the old state: its buffers went to `new`
+    with pytest.raises(ValueError, match=donated):
+        accumjax.stats(state)  # read by accumjax's free functions
     step(new, batch)  # the returned state works
 
 
