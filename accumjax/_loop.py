@@ -23,7 +23,7 @@ import optax
 
 from accumjax import window as window_lib
 from accumjax._agreement import Verdict, verdict, weigh
-from accumjax._batch_norm_windows import is_step_driven
+from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._loss_adapter import GradFn
 from accumjax._step_checks import check_step_inputs
 from accumjax.accumulation import (
@@ -35,7 +35,6 @@ from accumjax.accumulation import (
     window_closes,
 )
 from accumjax.accumulation_state import AccumulationState
-from accumjax.batch_norm import close_batch_norm_windows
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState, count_update
 
@@ -247,10 +246,13 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     """The step's `Context` and its `AccumulationState` (a fresh one for a plain optimizer).
 
     Every mode's step starts here, at trace time: the state and optimizer (no
-    ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once.
+    ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once,
+    and a plain ``BatchNorm`` in a model whose microbatches are accumulated is warned about.
     """
     config, owned = _config(setup, state)
     check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
+    if config.static_k != 1:
+        warn_plain_batch_norm(state.model_state, "make_train_step", config.static_k)
     if owned:
         acc = _check_layout(setup, check_state(config, state.opt_state))
     else:
@@ -382,7 +384,7 @@ def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None)
     across devices once (integer and PRNG-key leaves never are)."""
     if model_state is None:
         return None
-    model_state = close_batch_norm_windows(model_state, apply, axis_name)
+    model_state = close_windows(model_state, apply, axis_name)
     if axis_name is None:
         return model_state
 

@@ -1,7 +1,8 @@
 """The loss adapter (internal): a user's ``loss_fn`` as the gradient function the loop runs.
 
 `make_grad_fn` wraps every form ``loss_fn`` may take (with or without model state, aux
-outputs and a PRNG key), casts to the compute dtype for mixed precision, scales the loss for
+outputs and a PRNG key), casts the parameters to the compute dtype for mixed precision (the
+batch is passed as given: a float mask or weight is not rounded), scales the loss for
 float16 and hands back unscaled gradients in the parameters' own dtypes, with clear errors
 for outputs that do not match ``has_aux``.
 """
@@ -94,15 +95,17 @@ def _check_model_state(new: Any, old: Any, has_aux: bool) -> Any:
 def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any) -> GradFn:
     """``grad_fn(params, model_state, batch, key, loss_scale) -> (loss, model_state, aux, grads)``.
 
-    Gradients are unscaled and in the parameters' own dtypes (float64 stays float64, complex
-    stays complex); ``key`` (or None) is passed to ``loss_fn`` as its last argument.
+    ``loss_fn`` sees the parameters' floating leaves in ``compute_dtype`` (None: as they
+    are) and the batch as given. Gradients are unscaled and in the parameters' own dtypes
+    (float64 stays float64, complex stays complex); ``key`` (or None) is passed to
+    ``loss_fn`` as its last argument.
     """
 
     def scaled_loss(params, model_state, batch, key, loss_scale):
         args = (cast_floats(params, compute_dtype),)
         if model_state is not None:
             args += (model_state,)
-        args += (cast_floats(batch, compute_dtype),)
+        args += (batch,)  # as given: its dtypes are the user's (masks, weights, inputs)
         out = loss_fn(*args) if key is None else loss_fn(*args, key)
         loss, new_model_state, aux = _unpack(out, has_aux, model_state is not None)
         loss = _check_loss(loss)
