@@ -9,6 +9,7 @@ for outputs that do not match ``has_aux``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from accumjax.loss_scale import scale_loss, unscale_grads
 
-__all__ = ["GradFn", "cast_floats", "make_grad_fn"]
+__all__ = ["GradFn", "cast_floats", "make_grad_fn", "warn_half_master_weights"]
 
 GradFn = Callable[..., tuple[Any, Any, Any, Any]]
 
@@ -92,6 +93,42 @@ def _check_model_state(new: Any, old: Any, has_aux: bool) -> Any:
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
 
 
+def warn_half_master_weights(params: Any, compute_dtype: Any) -> None:
+    """Warns when mixed precision (``compute_dtype``) is given 16-bit floating parameters: they
+    are the master weights, so the updates and the optimizer state (Adam's moments) would be
+    16-bit too, where mixed precision keeps them float32.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp
+      >>> with warnings.catch_warnings(record=True) as seen:
+      ...     warnings.simplefilter("always")
+      ...     warn_half_master_weights({"w": jnp.zeros(2, jnp.bfloat16)}, jnp.bfloat16)
+      >>> "float32 master weights" in str(seen[0].message)
+      True
+    """
+    if compute_dtype is None:
+        return
+    half = [
+        f"params{jax.tree_util.keystr(path)} ({jnp.result_type(x)})"
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating) and jnp.result_type(x).itemsize <= 2
+    ]
+    if not half:
+        return
+    more = f" and {len(half) - 1} more" if len(half) > 1 else ""
+    name = jnp.dtype(compute_dtype).name
+    warnings.warn(
+        f"mixed_precision={name!r} was given 16-bit parameters, {half[0]}{more}: mixed "
+        "precision keeps float32 master weights (the step computes with a 16-bit copy), but "
+        "these are the master weights themselves, so the updates and the optimizer state "
+        "(Adam's moments) are 16-bit too. Keep the parameters float32 "
+        "(jax.tree.map(lambda p: p.astype(jnp.float32), params), or param_dtype=jnp.float32 "
+        "in Flax layers) and let mixed_precision cast them.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any) -> GradFn:
     """``grad_fn(params, model_state, batch, key, loss_scale) -> (loss, model_state, aux, grads)``.
 
@@ -115,6 +152,7 @@ def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any)
         return scaled, (loss, new_model_state, aux)
 
     def grad_fn(params, model_state, batch, key, loss_scale):
+        warn_half_master_weights(params, compute_dtype)
         grad = jax.grad(scaled_loss, has_aux=True)
         grads, (loss, new_model_state, aux) = grad(params, model_state, batch, key, loss_scale)
         if loss_scale is not None:

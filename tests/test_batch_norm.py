@@ -1101,3 +1101,11 @@ def test_sync_batch_norm_refuses_its_statistics_swapped():
     with pytest.raises(jax.errors.JaxRuntimeError, match=rf"other way round.*{order}"):
         jax.block_until_ready(swapped(batch_stats, new["batch_stats"], opt_state))
     jax.block_until_ready(swapped(new["batch_stats"], batch_stats, opt_state))  # the right order
+
+
+def test_a_synchronized_layer_on_one_device_names_the_one_device_case():
+    layer = AccumBatchNorm(axis_name="data")
+    x = jnp.ones((4, 3))
+    variables = layer.init(_key(0), x, use_running_average=False)  # init pools nothing
+    with pytest.raises(ValueError, match=r"axis_name='data'.*one device.*axis_name=None.*mesh"):
+        layer.apply(variables, x, use_running_average=False, mutable=["batch_stats"])

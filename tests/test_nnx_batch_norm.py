@@ -571,3 +571,9 @@ def test_own_loop_warns_about_a_plain_nnx_batch_norm():
     opt_state = accumjax.accumulate(optax.sgd(0.1), 2).init({"w": jnp.zeros(1)})
     with pytest.warns(UserWarning, match=r"\['norm'\].*NNXAccumBatchNorm"):
         accumjax.sync_batch_norm(stats, stats, opt_state)
+
+
+def test_a_synchronized_layer_on_one_device_names_the_one_device_case():
+    layer = AccumBatchNorm(3, axis_name="data", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"axis_name='data'.*one device.*axis_name=None"):
+        layer(jnp.ones((4, 3)))
