@@ -168,8 +168,10 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
 
 
 def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
-    """Warns when parameters that are not on ``mesh`` (of several devices) are about to be put
-    there replicated (`_on_mesh`): a whole copy on every device, not FSDP, without a word."""
+    """Warns when parameters that are not on ``mesh`` (of several devices), the mesh the batch
+    lies on, are about to be put there replicated (`_on_mesh`): a whole copy on every device,
+    not FSDP, without a word. (A step made with ``mesh=`` was asked to put what is off its
+    mesh on it, and says nothing.)"""
     if mesh.size <= 1:
         return
 
@@ -257,8 +259,7 @@ class TrainStep:
         setup = self._setup
         if self._pmapped:
             return (state, batch, rng, n) if self._scan else (state, batch, rng)
-        if setup.mesh is not None:
-            _warn_if_replicated(state.params, setup.mesh)
+        if setup.mesh is not None:  # asked for: the step's mesh takes what is off it
             state = _on_mesh(state, setup.mesh, PartitionSpec(), "state")
         sharded.check_one_mesh(state.params, batch)
         layout = sharded.layout_of(state.params, batch, mesh=setup.mesh, axis=setup.data_axis)
@@ -348,7 +349,6 @@ class TrainStep:
         if setup.f16 and loss_scale is None:
             loss_scale = dynamic_loss_scale()
         if setup.mesh is not None:
-            _warn_if_replicated(params, setup.mesh)
             params = _on_mesh(params, setup.mesh, PartitionSpec(), "params")
             model_state = _on_mesh(model_state, setup.mesh, PartitionSpec(), "model_state")
         if self._pmapped:  # each device's copy holds its own window: tx.init's layout

@@ -37,6 +37,7 @@ References:
 from typing import Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
