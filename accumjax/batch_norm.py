@@ -314,7 +314,8 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
     float arithmetic of ``BatchNorm`` by float32 rounding (about 1e-7 relative).
 
     Everything else, including self-closing layers (no ``momentum`` leaf), is returned
-    unchanged. Call it once per optimizer step, after the last microbatch, with
+    unchanged; a plain ``BatchNorm``'s statistics (``mean`` and ``var`` alone) get a warning
+    naming ``AccumBatchNorm``. Call it once per optimizer step, after the last microbatch, with
     ``apply`` telling whether the optimizer applied its update. Pooling layers that
     already all-reduce per call (``axis_name`` set on the layer) is harmless: their
     windows are equal on every device and pool to the same statistics.
@@ -389,7 +390,10 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
       The statistics to keep, as ``new_stats`` (for NNX its pure dict, for ``nnx.update``).
 
     Raises:
-      ValueError: if ``old_stats`` is a live view of the same variables as ``new_stats``.
+      ValueError: if ``old_stats`` is a live view of the same variables as ``new_stats``, or
+        has counted more training calls than ``new_stats`` (the two swapped; under ``jit``
+        when the program runs). Statistics of a plain ``BatchNorm`` (not an
+        ``AccumBatchNorm``) get a warning: they move once per microbatch.
 
     Example:
       The loop of plain Flax and optax, with one line changed (the last):
@@ -470,12 +474,14 @@ def _check_order(new_stats: Any, old_stats: Any) -> None:
     values, when the program runs (under ``jit``) for traced ones."""
     new, structure = jax.tree.flatten(new_stats, is_leaf=is_step_driven)
     old, old_structure = jax.tree.flatten(old_stats, is_leaf=is_step_driven)
+    if structure != old_structure:
+        return  # refused by what reads them together
     steps = [
         array_of(o["acc_step"]) > array_of(n["acc_step"])
-        for n, o in zip(new, old, strict=False)
+        for n, o in zip(new, old, strict=True)
         if is_step_driven(n)
     ]
-    if not steps or structure != old_structure:
+    if not steps:
         return
     swapped = jnp.any(jnp.stack(steps))
     if not isinstance(swapped, jax.core.Tracer):
