@@ -103,35 +103,50 @@ def check_no_self_closing(tree: Any, where: str) -> None:
         )
 
 
-def plain_batch_norm_paths(tree: Any) -> list[str]:
+def _plain(node: Any) -> bool:
+    """Whether ``node`` is a plain ``BatchNorm``'s statistics: ``mean`` and ``var`` without an
+    ``AccumBatchNorm``'s window accumulators."""
+    return (
+        isinstance(node, Mapping)
+        and all(k in node and not isinstance(node[k], Mapping) for k in ("mean", "var"))
+        and not any(k in node for k in ACCUMULATOR_NAMES)
+    )
+
+
+def plain_batch_norm_paths(tree: Any, before: Any = None) -> list[str]:
     """Where ``tree`` holds a plain ``BatchNorm``'s statistics (``flax.linen.BatchNorm`` or
     ``flax.nnx.BatchNorm``: ``mean`` and ``var`` without an ``AccumBatchNorm``'s window
-    accumulators), as key paths.
+    accumulators), as key paths; with ``before`` (the same structure: the statistics a forward
+    pass started from), only those it replaced (a frozen ``BatchNorm``, evaluated with
+    ``use_running_average=True``, hands its arrays back as they were).
 
     Example:
       >>> import jax.numpy as jnp
-      >>> plain_batch_norm_paths({"bn": {"mean": jnp.zeros(2), "var": jnp.ones(2)}})
-      ["['bn']"]
+      >>> stats = {"bn": {"mean": jnp.zeros(2), "var": jnp.ones(2)}}
+      >>> plain_batch_norm_paths(stats), plain_batch_norm_paths(stats, before=stats)
+      (["['bn']"], [])
       >>> plain_batch_norm_paths({"bn": {name: jnp.zeros(()) for name in STEP_DRIVEN_NAMES}})
       []
     """
-
-    def plain(node: Any) -> bool:
-        return (
-            isinstance(node, Mapping)
-            and all(k in node and not isinstance(node[k], Mapping) for k in ("mean", "var"))
-            and not any(k in node for k in ACCUMULATOR_NAMES)
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_plain)[0]
+    olds = [None] * len(found) if before is None else jax.tree.leaves(before, is_leaf=_plain)
+    return [
+        jax.tree_util.keystr(path)
+        for (path, node), old in zip(found, olds, strict=True)
+        if _plain(node)
+        and not (
+            _plain(old)
+            and all(variable_value(node[k]) is variable_value(old[k]) for k in ("mean", "var"))
         )
-
-    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=plain)[0]
-    return [jax.tree_util.keystr(path) for path, node in found if plain(node)]
+    ]
 
 
-def warn_plain_batch_norm(tree: Any, where: str, k: int | None = None) -> None:
+def warn_plain_batch_norm(tree: Any, where: str, k: int | None = None, before: Any = None) -> None:
     """Warns (at trace time) when ``tree``, statistics of a model whose microbatches are
     accumulated (``k`` of them a window; None: a schedule or not known), holds a plain
-    ``BatchNorm``'s (``where`` names the caller). Such a layer trains, but its running
-    ``mean``/``var`` move once per microbatch, from that microbatch alone.
+    ``BatchNorm``'s that a forward pass moves (`plain_batch_norm_paths`; ``where`` names the
+    caller). Such a layer trains, but its running ``mean``/``var`` move once per microbatch,
+    from that microbatch alone.
 
     Example:
       >>> import warnings, jax.numpy as jnp
@@ -141,7 +156,7 @@ def warn_plain_batch_norm(tree: Any, where: str, k: int | None = None) -> None:
       >>> "AccumBatchNorm" in str(seen[0].message)
       True
     """
-    paths = plain_batch_norm_paths(tree)
+    paths = plain_batch_norm_paths(tree, before)
     if not paths:
         return
     many = "K" if k is None else f"K={k}"

@@ -246,13 +246,10 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     """The step's `Context` and its `AccumulationState` (a fresh one for a plain optimizer).
 
     Every mode's step starts here, at trace time: the state and optimizer (no
-    ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once,
-    and a plain ``BatchNorm`` in a model whose microbatches are accumulated is warned about.
+    ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once.
     """
     config, owned = _config(setup, state)
     check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
-    if config.static_k != 1:
-        warn_plain_batch_norm(state.model_state, "make_train_step", config.static_k)
     if owned:
         acc = _check_layout(setup, check_state(config, state.opt_state))
     else:
@@ -276,12 +273,16 @@ def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | N
 
 
 def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
-    """``(loss, new model state, aux, grads, weight)`` of one microbatch."""
+    """``(loss, new model state, aux, grads, weight)`` of one microbatch; at trace time, a
+    warning for a plain ``BatchNorm`` whose statistics the loss moves while K > 1."""
     setup = ctx.setup
     key = ctx.key(index)
     loss, new_model_state, aux, grads = setup.grad_fn(
         params, model_state, batch, key, _share_of_scale(ctx)
     )
+    if model_state is not None and ctx.config.static_k != 1:
+        k = ctx.config.static_k
+        warn_plain_batch_norm(new_model_state, "make_train_step", k, before=model_state)
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 
 

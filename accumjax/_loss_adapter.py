@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from accumjax.loss_scale import scale_loss, unscale_grads
 
-__all__ = ["GradFn", "cast_floats", "make_grad_fn", "warn_half_master_weights"]
+__all__ = ["GradFn", "cast_floats", "make_grad_fn"]
 
 GradFn = Callable[..., tuple[Any, Any, Any, Any]]
 
@@ -90,22 +90,19 @@ def _check_model_state(new: Any, old: Any, has_aux: bool) -> Any:
             "loss_fn returned a new model state whose structure differs from state.model_state: "
             f"{jax.tree.structure(new)} vs {jax.tree.structure(old)}.{hint}"
         )
-    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
+
+    def kept(n: Any, o: Any) -> Any:  # the very array when its dtype is kept (an unchanged
+        n = jnp.asarray(n)  # leaf stays recognizable: `accumjax._loop.gradient`)
+        dtype = jnp.result_type(o)
+        return n if n.dtype == dtype else n.astype(dtype)
+
+    return jax.tree.map(kept, new, old)
 
 
-def warn_half_master_weights(params: Any, compute_dtype: Any) -> None:
+def _warn_half_master_weights(params: Any, compute_dtype: Any) -> None:
     """Warns when mixed precision (``compute_dtype``) is given 16-bit floating parameters: they
     are the master weights, so the updates and the optimizer state (Adam's moments) would be
-    16-bit too, where mixed precision keeps them float32.
-
-    Example:
-      >>> import warnings, jax.numpy as jnp
-      >>> with warnings.catch_warnings(record=True) as seen:
-      ...     warnings.simplefilter("always")
-      ...     warn_half_master_weights({"w": jnp.zeros(2, jnp.bfloat16)}, jnp.bfloat16)
-      >>> "float32 master weights" in str(seen[0].message)
-      True
-    """
+    16-bit too, where mixed precision keeps them float32."""
     if compute_dtype is None:
         return
     half = [
@@ -133,7 +130,8 @@ def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any)
     """``grad_fn(params, model_state, batch, key, loss_scale) -> (loss, model_state, aux, grads)``.
 
     ``loss_fn`` sees the parameters' floating leaves in ``compute_dtype`` (None: as they
-    are) and the batch as given. Gradients are unscaled and in the parameters' own dtypes
+    are) and the batch as given; 16-bit parameters with a ``compute_dtype`` are warned about
+    (they would be the master weights). Gradients are unscaled and in the parameters' own dtypes
     (float64 stays float64, complex stays complex); ``key`` (or None) is passed to
     ``loss_fn`` as its last argument.
     """
@@ -152,7 +150,7 @@ def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any)
         return scaled, (loss, new_model_state, aux)
 
     def grad_fn(params, model_state, batch, key, loss_scale):
-        warn_half_master_weights(params, compute_dtype)
+        _warn_half_master_weights(params, compute_dtype)
         grad = jax.grad(scaled_loss, has_aux=True)
         grads, (loss, new_model_state, aux) = grad(params, model_state, batch, key, loss_scale)
         if loss_scale is not None:

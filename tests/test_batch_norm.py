@@ -1066,9 +1066,13 @@ def test_own_loop_helpers_warn_about_a_plain_batch_norm():
     stats = variables["batch_stats"]
     opt_state = accumjax.accumulate(optax.sgd(0.1), 4).init(variables["params"])
     names = r"\['layers_0'\].*AccumBatchNorm.*convert_batch_norm_variables"
+    moved = jax.tree.map(lambda a: a + 1, stats)  # what a training forward pass returns
     with pytest.warns(UserWarning, match=rf"sync_batch_norm.*{names}") as seen:
-        accumjax.sync_batch_norm(stats, stats, opt_state)
+        accumjax.sync_batch_norm(moved, stats, opt_state)
     assert len(seen) == 1 and "K=4" in str(seen[0].message)
+    with warnings.catch_warnings():  # frozen (use_running_average=True): nothing moved
+        warnings.simplefilter("error")
+        accumjax.sync_batch_norm(stats, stats, opt_state)
     with pytest.warns(UserWarning, match=rf"close_batch_norm_windows.*{names}"):
         close_batch_norm_windows(stats, True)
     accum = _init(AccumBatchNorm(), np.ones((2, 3), np.float32))

@@ -569,8 +569,9 @@ def test_own_loop_warns_about_a_plain_nnx_batch_norm():
     model = Plain(nnx.Rngs(0))
     stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
     opt_state = accumjax.accumulate(optax.sgd(0.1), 2).init({"w": jnp.zeros(1)})
+    moved = jax.tree.map(lambda a: a + 1, stats)  # what a training forward pass returns
     with pytest.warns(UserWarning, match=r"\['norm'\].*NNXAccumBatchNorm"):
-        accumjax.sync_batch_norm(stats, stats, opt_state)
+        accumjax.sync_batch_norm(moved, stats, opt_state)
 
 
 def test_a_synchronized_layer_on_one_device_names_the_one_device_case():

@@ -1515,9 +1515,20 @@ def test_a_plain_batch_norm_under_accumulation_warns_once_per_step():
     assert seen[0].category is UserWarning
     assert re.search(message + r".*convert_batch_norm_variables", str(seen[0].message))
     one = step.init(variables["params"], optax.sgd(0.1), model_state=model_state)
-    with warnings.catch_warnings():  # K=1: BatchNorm is what the user trains with
+    frozen = nn.Sequential([nn.Dense(3), nn.BatchNorm(use_running_average=True)])
+
+    def frozen_loss(params, model_state, batch):
+        pred, new = frozen.apply(
+            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), new
+
+    fine_tune = make_train_step(frozen_loss, mode="scan")
+    fine_tune_state = fine_tune.init(variables["params"], _sgd(k=2), model_state=model_state)
+    with warnings.catch_warnings():  # K=1, or statistics frozen: nothing moves per microbatch
         warnings.simplefilter("error")
         step(one, batch)
+        fine_tune(fine_tune_state, batch)
 
 
 @pytest.mark.parametrize("mode", ["stream", "scan"])
