@@ -129,15 +129,18 @@ def plain_batch_norm_paths(tree: Any, before: Any = None) -> list[str]:
       []
     """
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_plain)[0]
-    olds = [None] * len(found) if before is None else jax.tree.leaves(before, is_leaf=_plain)
+    olds = [] if before is None else jax.tree.leaves(before, is_leaf=_plain)
+    if len(olds) != len(found):
+        olds = [None] * len(found)  # nothing to compare with: every plain one counts
+
+    def kept(node: Any, old: Any) -> bool:
+        same = lambda k: variable_value(node[k]) is variable_value(old[k])
+        return _plain(old) and same("mean") and same("var")
+
     return [
         jax.tree_util.keystr(path)
         for (path, node), old in zip(found, olds, strict=True)
-        if _plain(node)
-        and not (
-            _plain(old)
-            and all(variable_value(node[k]) is variable_value(old[k]) for k in ("mean", "var"))
-        )
+        if _plain(node) and not kept(node, old)
     ]
 
 
