@@ -64,6 +64,7 @@ __all__ = [
     "accumulator_dtype",
     "canonical_axes",
     "chan_merge",
+    "check_axis_bound",
     "check_config",
     "check_input",
     "close_window",
@@ -270,6 +271,31 @@ def empty_window(shape: tuple[int, ...], dtype: Any = None, mean_dtype: Any = No
     return Window(count, mean, m2, jnp.zeros((), jnp.int32))
 
 
+def check_axis_bound(axis_name: str) -> None:
+    """Refuses a synchronized layer (``axis_name``) run where no mapped axis of that name is
+    bound (outside ``pmap``/``shard_map``: arrays on one device), naming the one-device case
+    rather than JAX's "unbound axis name".
+
+    Example:
+      >>> check_axis_bound("data")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: AccumBatchNorm(axis_name='data') pools ... one device ...
+    """
+    try:
+        lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"AccumBatchNorm(axis_name={axis_name!r}) pools each call's statistics over the "
+            f"mapped axis {axis_name!r}, but no such axis is bound here: the layer runs outside "
+            "pmap/shard_map, as on arrays on one device (a train step off any mesh). On one "
+            "device there is nothing to pool: build the layer with axis_name=None; or put the "
+            "arrays on a one-device mesh, jax.make_mesh((1,), ('data',)) with the batch as "
+            "NamedSharding(mesh, P('data')), where make_train_step binds the data axis as on N "
+            "devices."
+        ) from err
+
+
 def compute_moments(
     x: Array,
     mask: Array | None,
@@ -318,6 +344,7 @@ def compute_moments(
     def all_sum(tree: Any) -> Any:
         if axis_name is None:
             return tree
+        check_axis_bound(axis_name)
         return lax.psum(tree, axis_name, axis_index_groups=axis_index_groups)
 
     def local_sum(values: Array) -> Array:

@@ -6,7 +6,9 @@ whoever drives the optimizer (`accumjax.close_batch_norm_windows`, called by the
 or by `accumjax.sync_batch_norm` in a loop of your own); a self-closing layer
 (``accum_steps=K``) closes its own window and is refused where an optimizer decides the
 windows. An evaluation of a step-driven window that was never closed warns, so a loop that
-forgets to close it is never silently wrong.
+forgets to close it is never silently wrong; so do the statistics of a plain ``BatchNorm``
+(``mean`` and ``var`` without the window's accumulators) where microbatches are accumulated
+(`warn_plain_batch_norm`). `close_windows` closes the step-driven windows of a tree.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from accumjax._batch_norm_math import (
     ACCUMULATOR_NAMES,
     MOMENTUM_NAME,
     STEP_DRIVEN_NAMES,
+    Running,
     Window,
     chan_merge,
+    close_window,
     pooled_windows,
     window_sums,
 )
@@ -34,12 +38,15 @@ __all__ = [
     "array_of",
     "call_sums",
     "check_no_self_closing",
+    "close_windows",
     "emptied",
     "is_step_driven",
     "merge_pooled",
+    "plain_batch_norm_paths",
     "replace_leaves",
     "self_closing_paths",
     "warn_if_open",
+    "warn_plain_batch_norm",
 ]
 
 
@@ -94,6 +101,79 @@ def check_no_self_closing(tree: Any, where: str) -> None:
             "once, in accumjax.accumulate, and build the layer with accum_steps=None (the "
             "default): its window then closes with the optimizer's."
         )
+
+
+def _plain(node: Any) -> bool:
+    """Whether ``node`` is a plain ``BatchNorm``'s statistics: ``mean`` and ``var`` without an
+    ``AccumBatchNorm``'s window accumulators."""
+    return (
+        isinstance(node, Mapping)
+        and all(k in node and not isinstance(node[k], Mapping) for k in ("mean", "var"))
+        and not any(k in node for k in ACCUMULATOR_NAMES)
+    )
+
+
+def plain_batch_norm_paths(tree: Any, before: Any = None) -> list[str]:
+    """Where ``tree`` holds a plain ``BatchNorm``'s statistics (``flax.linen.BatchNorm`` or
+    ``flax.nnx.BatchNorm``: ``mean`` and ``var`` without an ``AccumBatchNorm``'s window
+    accumulators), as key paths; with ``before`` (the same structure: the statistics a forward
+    pass started from), only those it replaced (a frozen ``BatchNorm``, evaluated with
+    ``use_running_average=True``, hands its arrays back as they were).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> stats = {"bn": {"mean": jnp.zeros(2), "var": jnp.ones(2)}}
+      >>> plain_batch_norm_paths(stats), plain_batch_norm_paths(stats, before=stats)
+      (["['bn']"], [])
+      >>> plain_batch_norm_paths({"bn": {name: jnp.zeros(()) for name in STEP_DRIVEN_NAMES}})
+      []
+    """
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_plain)[0]
+    olds = [] if before is None else jax.tree.leaves(before, is_leaf=_plain)
+    if len(olds) != len(found):
+        olds = [None] * len(found)  # nothing to compare with: every plain one counts
+
+    def kept(node: Any, old: Any) -> bool:
+        same = lambda k: variable_value(node[k]) is variable_value(old[k])
+        return _plain(old) and same("mean") and same("var")
+
+    return [
+        jax.tree_util.keystr(path)
+        for (path, node), old in zip(found, olds, strict=True)
+        if _plain(node) and not kept(node, old)
+    ]
+
+
+def warn_plain_batch_norm(tree: Any, where: str, k: int | None = None, before: Any = None) -> None:
+    """Warns (at trace time) when ``tree``, statistics of a model whose microbatches are
+    accumulated (``k`` of them a window; None: a schedule or not known), holds a plain
+    ``BatchNorm``'s that a forward pass moves (`plain_batch_norm_paths`; ``where`` names the
+    caller). Such a layer trains, but its running ``mean``/``var`` move once per microbatch,
+    from that microbatch alone.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp
+      >>> with warnings.catch_warnings(record=True) as seen:
+      ...     warnings.simplefilter("always")
+      ...     warn_plain_batch_norm({"bn": {"mean": jnp.zeros(2), "var": jnp.ones(2)}}, "here", 4)
+      >>> "AccumBatchNorm" in str(seen[0].message)
+      True
+    """
+    paths = plain_batch_norm_paths(tree, before)
+    if not paths:
+        return
+    many = "K" if k is None else f"K={k}"
+    warnings.warn(
+        f"{where}: the statistics at {', '.join(paths)} belong to a plain BatchNorm "
+        "(flax.linen.BatchNorm or flax.nnx.BatchNorm), not an accumjax AccumBatchNorm: with "
+        f"{many} microbatches accumulated per update, its running mean and var move once per "
+        "microbatch, from that microbatch's statistics alone, instead of once per window from "
+        "the whole accumulated batch. Use accumjax.AccumBatchNorm (linen) or "
+        "accumjax.NNXAccumBatchNorm (NNX) in the model; statistics trained with BatchNorm "
+        "carry over with accumjax.convert_batch_norm_variables(variables).",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_open(calls: Any) -> None:
@@ -199,4 +279,23 @@ def merge_pooled(before: Any, flat: Array) -> Any:
         step = old.step + (jnp.real(called[j]) > 0).astype(old.step.dtype)
         merged = Window(count.astype(old.count.dtype), mean, m2.astype(old.m2.dtype), step)
         nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, merged, strict=True)))
+    return jax.tree.unflatten(treedef, nodes)
+
+
+def close_windows(stats_tree: Any, apply: Array, axis_name: str | None) -> Any:
+    """`accumjax.close_batch_norm_windows` on a checked ``apply`` (a bool scalar array),
+    without its checks and warnings: the train step's close (`accumjax._loop`)."""
+    nodes, treedef, where = _nodes(stats_tree)
+    running = [Running(*(array_of(nodes[i][k]) for k in ("mean", "var"))) for i in where]
+    windows = [_window(nodes[i]) for i in where]
+    if axis_name is not None and where:
+        shifts = [r.mean for r in running]  # equal on every device: the pooled sums add exactly
+        summed = jax.lax.psum(window_sums(shifts, windows), axis_name)
+        windows = pooled_windows(summed, shifts, windows)
+    for i, old, window in zip(where, running, windows, strict=True):
+        momentum = array_of(nodes[i][MOMENTUM_NAME])
+        new_running, new_window = close_window(old, window, momentum, apply)
+        names = ("mean", "var", *ACCUMULATOR_NAMES)
+        values = dict(zip(names, (*new_running, *new_window), strict=True))
+        nodes[i] = replace_leaves(nodes[i], values)
     return jax.tree.unflatten(treedef, nodes)

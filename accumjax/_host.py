@@ -17,6 +17,7 @@ checks on the host.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -157,10 +158,12 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
             return x
         if isinstance(now, NamedSharding) and len(now.device_set) > 1:
             raise ValueError(
-                f"an array lies on the {_where(x)}, but the step runs on the mesh "
-                f"{dict(mesh.shape)} of devices {sorted(d.id for d in mesh.devices.flat)}: a "
-                "step's arrays must lie on one mesh (moving a sharded array would replicate "
-                "it behind your back). Put the state and the batch on the same mesh."
+                f"{name}{jax.tree_util.keystr(path)} lies on the {_where(x)}, but the step "
+                f"runs on the mesh {dict(mesh.shape)} of devices "
+                f"{sorted(d.id for d in mesh.devices.flat)}; the two differ in "
+                f"{sharded.mesh_difference(now.mesh, mesh)}. A step's arrays must lie on one "
+                "mesh (moving a sharded array would replicate it behind your back): put the "
+                "state and the batch on the same mesh."
             )
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -174,6 +177,38 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
             ) from err
 
     return jax.tree_util.tree_map_with_path(put, tree)
+
+
+def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
+    """Warns when parameters that are not on ``mesh`` (of several devices), the mesh the batch
+    lies on, are about to be put there replicated (`_on_mesh`): a whole copy on every device,
+    not FSDP, without a word. (A step made with ``mesh=`` was asked to put what is off its
+    mesh on it, and says nothing.)"""
+    if mesh.size <= 1:
+        return
+
+    def placed_here(x: Any) -> bool:  # or refused by `_on_mesh`: on a mesh of several devices
+        now = sharded.sharding_of(x)
+        return isinstance(now, NamedSharding) and (now.mesh == mesh or len(now.device_set) > 1)
+
+    off = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+        if not isinstance(x, jax.core.Tracer) and not placed_here(x)
+    ]
+    if not off:
+        return
+    more = f" (and {len(off) - 1} more)" if len(off) > 1 else ""
+    warnings.warn(
+        f"params{off[0]}{more} are not on the mesh {dict(mesh.shape)} the step runs on, so "
+        "accumjax puts them there replicated: a whole copy of each on every device. To shard "
+        "them over the data axis (FSDP), place them first, e.g. "
+        "jax.device_put(params['w'], NamedSharding(mesh, P('data', None))) for a kernel "
+        "(see the data-parallel guide); to replicate them without this warning, "
+        "jax.device_put(params, NamedSharding(mesh, P())).",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _check_rows(batch: Any, layout: sharded.Layout, k: int | None) -> None:
@@ -237,7 +272,7 @@ class TrainStep:
         setup = self._setup
         if self._pmapped:
             return (state, batch, rng, n) if self._scan else (state, batch, rng)
-        if setup.mesh is not None:
+        if setup.mesh is not None:  # asked for: the step's mesh takes what is off it
             state = _on_mesh(state, setup.mesh, PartitionSpec(), "state")
         sharded.check_one_mesh(state.params, batch)
         layout = sharded.layout_of(state.params, batch, mesh=setup.mesh, axis=setup.data_axis)
@@ -247,6 +282,7 @@ class TrainStep:
             k = (1 if config is None else config.static_k) if scan else None
             _check_rows(batch, layout, k)
         if layout is not None and isinstance(layout.mesh, Mesh):  # what is off the mesh, on it
+            _warn_if_replicated(state.params, layout.mesh)
             state = _on_mesh(state, layout.mesh, PartitionSpec(), "state")
             rng = _on_mesh(rng, layout.mesh, PartitionSpec(), "rng")
             batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis), "batch")

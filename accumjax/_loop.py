@@ -23,7 +23,7 @@ import optax
 
 from accumjax import window as window_lib
 from accumjax._agreement import Verdict, verdict, weigh
-from accumjax._batch_norm_windows import is_step_driven
+from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._loss_adapter import GradFn
 from accumjax._step_checks import check_step_inputs
 from accumjax.accumulation import (
@@ -35,7 +35,6 @@ from accumjax.accumulation import (
     window_closes,
 )
 from accumjax.accumulation_state import AccumulationState
-from accumjax.batch_norm import close_batch_norm_windows
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState, count_update
 
@@ -294,12 +293,16 @@ def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | N
 
 
 def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
-    """``(loss, new model state, aux, grads, weight)`` of one microbatch."""
+    """``(loss, new model state, aux, grads, weight)`` of one microbatch; at trace time, a
+    warning for a plain ``BatchNorm`` whose statistics the loss moves while K > 1."""
     setup = ctx.setup
     key = ctx.key(index)
     loss, new_model_state, aux, grads = setup.grad_fn(
         params, model_state, batch, key, _share_of_scale(ctx)
     )
+    if model_state is not None and ctx.config.static_k != 1:
+        k = ctx.config.static_k
+        warn_plain_batch_norm(new_model_state, "make_train_step", k, before=model_state)
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 
 
@@ -402,7 +405,7 @@ def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None)
     across devices once (integer and PRNG-key leaves never are)."""
     if model_state is None:
         return None
-    model_state = close_batch_norm_windows(model_state, apply, axis_name)
+    model_state = close_windows(model_state, apply, axis_name)
     if axis_name is None:
         return model_state
 

@@ -1,13 +1,15 @@
 """The loss adapter (internal): a user's ``loss_fn`` as the gradient function the loop runs.
 
 `make_grad_fn` wraps every form ``loss_fn`` may take (with or without model state, aux
-outputs and a PRNG key), casts to the compute dtype for mixed precision, scales the loss for
+outputs and a PRNG key), casts the parameters to the compute dtype for mixed precision (the
+batch is passed as given: a float mask or weight is not rounded), scales the loss for
 float16 and hands back unscaled gradients in the parameters' own dtypes, with clear errors
 for outputs that do not match ``has_aux``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -88,21 +90,57 @@ def _check_model_state(new: Any, old: Any, has_aux: bool) -> Any:
             "loss_fn returned a new model state whose structure differs from state.model_state: "
             f"{jax.tree.structure(new)} vs {jax.tree.structure(old)}.{hint}"
         )
-    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
+
+    def kept(n: Any, o: Any) -> Any:  # the very array when its dtype is kept (an unchanged
+        n = jnp.asarray(n)  # leaf stays recognizable: `accumjax._loop.gradient`)
+        dtype = jnp.result_type(o)
+        return n if n.dtype == dtype else n.astype(dtype)
+
+    return jax.tree.map(kept, new, old)
+
+
+def _warn_half_master_weights(params: Any, compute_dtype: Any) -> None:
+    """Warns when mixed precision (``compute_dtype``) is given 16-bit floating parameters: they
+    are the master weights, so the updates and the optimizer state (Adam's moments) would be
+    16-bit too, where mixed precision keeps them float32."""
+    if compute_dtype is None:
+        return
+    half = [
+        f"params{jax.tree_util.keystr(path)} ({jnp.result_type(x)})"
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating) and jnp.result_type(x).itemsize <= 2
+    ]
+    if not half:
+        return
+    more = f" and {len(half) - 1} more" if len(half) > 1 else ""
+    name = jnp.dtype(compute_dtype).name
+    warnings.warn(
+        f"mixed_precision={name!r} was given 16-bit parameters, {half[0]}{more}: mixed "
+        "precision keeps float32 master weights (the step computes with a 16-bit copy), but "
+        "these are the master weights themselves, so the updates and the optimizer state "
+        "(Adam's moments) are 16-bit too. Keep the parameters float32 "
+        "(jax.tree.map(lambda p: p.astype(jnp.float32), params), or param_dtype=jnp.float32 "
+        "in Flax layers) and let mixed_precision cast them.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any) -> GradFn:
     """``grad_fn(params, model_state, batch, key, loss_scale) -> (loss, model_state, aux, grads)``.
 
-    Gradients are unscaled and in the parameters' own dtypes (float64 stays float64, complex
-    stays complex); ``key`` (or None) is passed to ``loss_fn`` as its last argument.
+    ``loss_fn`` sees the parameters' floating leaves in ``compute_dtype`` (None: as they
+    are) and the batch as given; 16-bit parameters with a ``compute_dtype`` are warned about
+    (they would be the master weights). Gradients are unscaled and in the parameters' own dtypes
+    (float64 stays float64, complex stays complex); ``key`` (or None) is passed to
+    ``loss_fn`` as its last argument.
     """
 
     def scaled_loss(params, model_state, batch, key, loss_scale):
         args = (cast_floats(params, compute_dtype),)
         if model_state is not None:
             args += (model_state,)
-        args += (cast_floats(batch, compute_dtype),)
+        args += (batch,)  # as given: its dtypes are the user's (masks, weights, inputs)
         out = loss_fn(*args) if key is None else loss_fn(*args, key)
         loss, new_model_state, aux = _unpack(out, has_aux, model_state is not None)
         loss = _check_loss(loss)
@@ -112,6 +150,7 @@ def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any)
         return scaled, (loss, new_model_state, aux)
 
     def grad_fn(params, model_state, batch, key, loss_scale):
+        _warn_half_master_weights(params, compute_dtype)
         grad = jax.grad(scaled_loss, has_aux=True)
         grads, (loss, new_model_state, aux) = grad(params, model_state, batch, key, loss_scale)
         if loss_scale is not None:

@@ -37,6 +37,7 @@ References:
 from typing import Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
@@ -53,20 +54,18 @@ from accumjax._batch_norm_math import (
     accumulator_dtype,
     canonical_axes,
     check_config,
-    close_window,
     complex_like,
     normalize_and_accumulate,
-    pooled_windows,
     running_dtype,
     stats_dtype,
-    window_sums,
 )
 from accumjax._batch_norm_windows import (
     array_of,
     check_no_self_closing,
+    close_windows,
     is_step_driven,
-    replace_leaves,
     warn_if_open,
+    warn_plain_batch_norm,
 )
 from accumjax._variables import is_variable, unwrap_variables
 from accumjax.accumulation_state import unwrap
@@ -318,7 +317,8 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
     float arithmetic of ``BatchNorm`` by float32 rounding (about 1e-7 relative).
 
     Everything else, including self-closing layers (no ``momentum`` leaf), is returned
-    unchanged. Call it once per optimizer step, after the last microbatch, with
+    unchanged; a plain ``BatchNorm``'s statistics (``mean`` and ``var`` alone) get a warning
+    naming ``AccumBatchNorm``. Call it once per optimizer step, after the last microbatch, with
     ``apply`` telling whether the optimizer applied its update. Pooling layers that
     already all-reduce per call (``axis_name`` set on the layer) is harmless: their
     windows are equal on every device and pool to the same statistics.
@@ -361,21 +361,8 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
     apply = jnp.asarray(apply)
     if apply.shape != ():
         raise ValueError(f"apply must be a bool scalar, got shape {apply.shape}.")
-    nodes, treedef = jax.tree.flatten(stats_tree, is_leaf=is_step_driven)
-    where = [i for i, node in enumerate(nodes) if is_step_driven(node)]
-    running = [Running(*(array_of(nodes[i][k]) for k in ("mean", "var"))) for i in where]
-    windows = [Window(*(array_of(nodes[i][k]) for k in ACCUMULATOR_NAMES)) for i in where]
-    if axis_name is not None and where:
-        shifts = [r.mean for r in running]  # equal on every device: the pooled sums add exactly
-        summed = jax.lax.psum(window_sums(shifts, windows), axis_name)
-        windows = pooled_windows(summed, shifts, windows)
-    for i, old, window in zip(where, running, windows, strict=True):
-        momentum = array_of(nodes[i][MOMENTUM_NAME])
-        new_running, new_window = close_window(old, window, momentum, apply)
-        names = ("mean", "var", *ACCUMULATOR_NAMES)
-        values = dict(zip(names, (*new_running, *new_window), strict=True))
-        nodes[i] = replace_leaves(nodes[i], values)
-    return jax.tree.unflatten(treedef, nodes)
+    warn_plain_batch_norm(stats_tree, "close_batch_norm_windows")
+    return close_windows(stats_tree, apply, axis_name)
 
 
 def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree:
@@ -409,7 +396,10 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
     Raises:
       ValueError: if ``old_stats`` is a live view of the same variables as ``new_stats``, or
         ``opt_state`` holds several accumulate states or one inside ``optax.apply_if_finite``
-        or ``optax.MultiSteps`` (see `accumjax.has_updated`).
+        or ``optax.MultiSteps`` (see `accumjax.has_updated`), or if ``old_stats`` has counted
+        more training calls than ``new_stats`` (the two swapped; under ``jit`` when the
+        program runs). Statistics of a plain ``BatchNorm`` (not an ``AccumBatchNorm``) get a
+        warning: they move once per microbatch.
 
     Example:
       The loop of plain Flax and optax, with one line changed (the last):
@@ -464,9 +454,48 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
     check_no_self_closing(new_stats, "sync_batch_norm")
     _check_not_live(new_stats, old_stats)
     new_stats, old_stats = _pure(new_stats), _pure(old_stats)
+    _check_order(new_stats, old_stats)
+    k = None if isinstance(state.every_k, jax.core.Tracer) else int(state.every_k)
+    if k != 1:  # K=1: a plain BatchNorm is what trains
+        warn_plain_batch_norm(new_stats, "sync_batch_norm", k, before=old_stats)
     kept = optax.tree.where(state.added, new_stats, old_stats)
-    closed = close_batch_norm_windows(kept, state.updated)
+    closed = close_windows(kept, jnp.asarray(state.updated), None)
     return optax.tree.where(state.window.micro_step == 0, closed, kept)
+
+
+_SWAPPED = (
+    "sync_batch_norm(new_stats, old_stats, opt_state) was given its statistics the other way "
+    "round: old_stats has counted more training calls (acc_step) than new_stats, so the "
+    "statistics would never move. Pass the statistics after the forward pass first and those "
+    "before it second: sync_batch_norm(new_stats, old_stats, opt_state)."
+)
+
+
+def _raise_swapped() -> None:
+    raise ValueError(_SWAPPED)
+
+
+def _check_order(new_stats: Any, old_stats: Any) -> None:
+    """Refuses swapped statistics: a forward pass only adds calls to a step-driven window, so
+    ``old_stats`` never holds more (``acc_step``) than ``new_stats``. Checked now for concrete
+    values, when the program runs (under ``jit``) for traced ones."""
+    new, structure = jax.tree.flatten(new_stats, is_leaf=is_step_driven)
+    old, old_structure = jax.tree.flatten(old_stats, is_leaf=is_step_driven)
+    if structure != old_structure:
+        return  # refused by what reads them together
+    steps = [
+        array_of(o["acc_step"]) > array_of(n["acc_step"])
+        for n, o in zip(new, old, strict=True)
+        if is_step_driven(n)
+    ]
+    if not steps:
+        return
+    swapped = jnp.any(jnp.stack(steps))
+    if not isinstance(swapped, jax.core.Tracer):
+        if bool(swapped):
+            _raise_swapped()
+        return
+    jax.lax.cond(swapped, lambda: jax.debug.callback(_raise_swapped), lambda: None)
 
 
 def _pure(stats: Any) -> Any:

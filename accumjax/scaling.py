@@ -119,11 +119,18 @@ def microbatch_weight(
     if scaling != "weighted":
         if weight is not None:
             raise ValueError(
-                f"weight= is only taken with scaling='weighted' (this accumulate uses {scaling!r})."
+                "a microbatch weight (make_train_step(..., weight_fn=...), or "
+                "tx.update(..., weight=w) in a loop of your own) is only taken with "
+                f"scaling='weighted'; this accumulate uses {scaling!r}. Use "
+                "accumjax.accumulate(inner, K, scaling='weighted'), or leave the weight out."
             )
         return jnp.ones((), jnp.float32), jnp.ones((), jnp.bool_)
     if weight is None:
-        raise ValueError("scaling='weighted' needs update(..., weight=w) on every call.")
+        raise ValueError(
+            "scaling='weighted' needs every microbatch's weight (e.g. its number of tokens): "
+            "with the train step, make_train_step(..., weight_fn=fn), fn(microbatch) -> its "
+            "weight; in a loop of your own, tx.update(..., weight=w) on every call."
+        )
     w = jnp.asarray(weight)
     if w.shape != ():
         raise ValueError(f"weight must be a scalar, got shape {w.shape}.")

@@ -43,6 +43,7 @@ __all__ = [
     "expand",
     "gather",
     "layout_of",
+    "mesh_difference",
     "mesh_of",
     "names",
     "sharding_of",
@@ -250,9 +251,43 @@ def layout_of(
     return Layout(mesh, axis, treedef, dims)
 
 
+def mesh_difference(a: AnyMesh, b: AnyMesh) -> str:
+    """What differs between two meshes, for messages: their axis names, shape, axis types,
+    devices or device order (two meshes may print alike and differ in the last two).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import AxisType, Mesh
+      >>> devices = np.array(jax.devices()[:1])
+      >>> mesh_difference(Mesh(devices, ("data",)), Mesh(devices, ("batch",)))
+      "axis names ('data',) vs ('batch',)"
+      >>> explicit = Mesh(devices, ("data",), axis_types=(AxisType.Explicit,))
+      >>> mesh_difference(Mesh(devices, ("data",)), explicit)
+      'axis types (Auto,) vs (Explicit,)'
+    """
+    found = []
+    if a.axis_names != b.axis_names:
+        found.append(f"axis names {a.axis_names} vs {b.axis_names}")
+    if tuple(a.axis_sizes) != tuple(b.axis_sizes):
+        found.append(f"shape {dict(a.shape)} vs {dict(b.shape)}")
+    types = lambda m: (
+        "(" + ", ".join(t.name for t in m.axis_types) + ("," * (len(m.axis_types) == 1)) + ")"
+    )
+    if len(a.axis_types) == len(b.axis_types) and tuple(a.axis_types) != tuple(b.axis_types):
+        found.append(f"axis types {types(a)} vs {types(b)}")
+    if isinstance(a, Mesh) and isinstance(b, Mesh):
+        ids = lambda m: [int(i) for i in m.device_ids.flat]
+        if set(ids(a)) != set(ids(b)):
+            found.append(f"devices {sorted(ids(a))} vs {sorted(ids(b))}")
+        elif ids(a) != ids(b):
+            found.append(f"device order {ids(a)} vs {ids(b)}")
+    return "; ".join(found) or "nothing accumjax can name (two distinct mesh objects)"
+
+
 def check_one_mesh(params: Any, batch: Any) -> None:
-    """Refuses parameters and a batch on meshes of the same devices but different axes,
-    naming both (JAX would say "Mesh for all inputs should be equal" inside the loss).
+    """Refuses parameters and a batch on different meshes of the same devices, saying what
+    differs (`mesh_difference`; JAX would say "Mesh for all inputs should be equal" inside
+    the loss).
 
     Example:
       >>> import jax.numpy as jnp
@@ -268,15 +303,23 @@ def check_one_mesh(params: Any, batch: Any) -> None:
         return
     (p_path, p_mesh), (b_path, b_mesh) = meshes["params"], meshes["batch"]
     concrete = isinstance(p_mesh, Mesh) and isinstance(b_mesh, Mesh)
-    same_devices = not concrete or set(p_mesh.device_ids.flat) == set(b_mesh.device_ids.flat)
-    if same_devices and (p_mesh.axis_names, p_mesh.axis_sizes) != (
-        b_mesh.axis_names,
-        b_mesh.axis_sizes,
-    ):
+    if concrete and set(p_mesh.device_ids.flat) != set(b_mesh.device_ids.flat):
+        return  # other devices: named by the step's own check of where its arrays lie
+    differ = (
+        p_mesh != b_mesh
+        if concrete
+        else (p_mesh.axis_names, p_mesh.axis_sizes)
+        != (
+            b_mesh.axis_names,
+            b_mesh.axis_sizes,
+        )
+    )
+    if differ:
         raise ValueError(
             f"params{p_path} lie on a mesh {dict(p_mesh.shape)} and batch{b_path} on a mesh "
-            f"{dict(b_mesh.shape)} of the same devices: a step's arrays must lie on one mesh. "
-            "Put the batch on the parameters' mesh (NamedSharding(mesh, P('data')))."
+            f"{dict(b_mesh.shape)} of the same devices, which differ in "
+            f"{mesh_difference(p_mesh, b_mesh)}: a step's arrays must lie on one mesh. Put the "
+            "batch on the parameters' mesh (NamedSharding(mesh, P('data')))."
         )
 
 

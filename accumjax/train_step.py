@@ -110,9 +110,11 @@ def make_train_step(
         ``"scan"`` (the whole batch per call, K strided microbatches inside).
       has_aux: ``loss_fn`` also returns auxiliary outputs (``metrics["aux"]``; stacked over
         microbatches in scan mode).
-      mixed_precision: ``None``, ``"bfloat16"`` (the loss runs in bfloat16; params, gradients
-        and accumulator keep their dtype) or ``"float16"`` (the same, with a dynamic loss
-        scale that ``step.init`` makes and the step adjusts once per window).
+      mixed_precision: ``None``, ``"bfloat16"`` (the loss sees the parameters in bfloat16 and
+        the batch as given, so float masks and weights are not rounded: give float model
+        inputs in bfloat16 to compute in it; master params, gradients and accumulator keep
+        their dtype) or ``"float16"`` (the same, with a dynamic loss scale that ``step.init``
+        makes and the step adjusts once per window).
       axis_name: with ``mesh``, the mesh's data axis; without, the step is ``jax.pmap``-ped
         over this axis name (replicated state, per-device metrics).
       mesh: the mesh the step runs on, needed only where the arrays do not say (a mesh with

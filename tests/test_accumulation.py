@@ -750,7 +750,7 @@ def test_bad_options(kwargs, match):
 @pytest.mark.parametrize(
     ("weight", "error", "match"),
     [
-        (None, ValueError, "needs update"),
+        (None, ValueError, r"make_train_step\(\.\.\., weight_fn=fn\).*update\(\.\.\., weight=w\)"),
         (-1.0, ValueError, ">= 0"),
         (float("inf"), ValueError, "finite"),
         (float("nan"), ValueError, "finite"),

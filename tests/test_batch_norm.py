@@ -1060,3 +1060,54 @@ def test_complex_windows_pool_across_devices_with_one_all_reduce():
     mean, var = _np_complex_stats(data)
     _assert_close(pooled["AccumBatchNorm_0"]["mean"], (1 - MOMENTUM) * mean)
     _assert_close(pooled["AccumBatchNorm_0"]["var"], MOMENTUM + (1 - MOMENTUM) * var)
+
+
+# ----------------------------------------------------------------------------- mistakes
+
+
+def test_own_loop_helpers_warn_about_a_plain_batch_norm():
+    model = nn.Sequential([nn.BatchNorm(use_running_average=False), nn.Dense(1)])
+    variables = model.init(_key(0), jnp.ones((4, 3)))  # flax.linen.BatchNorm, not ours
+    stats = variables["batch_stats"]
+    opt_state = accumjax.accumulate(optax.sgd(0.1), 4).init(variables["params"])
+    names = r"\['layers_0'\].*AccumBatchNorm.*convert_batch_norm_variables"
+    moved = jax.tree.map(lambda a: a + 1, stats)  # what a training forward pass returns
+    with pytest.warns(UserWarning, match=rf"sync_batch_norm.*{names}") as seen:
+        accumjax.sync_batch_norm(moved, stats, opt_state)
+    assert len(seen) == 1 and "K=4" in str(seen[0].message)
+    with warnings.catch_warnings():  # frozen (use_running_average=True): nothing moved
+        warnings.simplefilter("error")
+        accumjax.sync_batch_norm(stats, stats, opt_state)
+    with pytest.warns(UserWarning, match=rf"close_batch_norm_windows.*{names}"):
+        close_batch_norm_windows(stats, True)
+    accum = _init(AccumBatchNorm(), np.ones((2, 3), np.float32))
+    with warnings.catch_warnings():  # AccumBatchNorm's statistics: nothing to say
+        warnings.simplefilter("error")
+        close_batch_norm_windows(accum, True)
+
+
+def test_sync_batch_norm_refuses_its_statistics_swapped():
+    k = 2
+    x, (params, batch_stats, opt_state), _ = _user_loop_setup(k)
+    model = nn.Sequential(
+        [AccumBatchNorm(use_running_average=False, momentum=MOMENTUM), nn.Dense(1)]
+    )
+    _, new = model.apply(
+        {"params": params, "batch_stats": batch_stats}, x[:4], mutable=["batch_stats"]
+    )
+    opt_state = accumjax.accumulate(optax.sgd(0.1), k).init(params)
+    order = r"sync_batch_norm\(new_stats, old_stats, opt_state\)"
+    with pytest.raises(ValueError, match=rf"other way round.*{order}"):
+        accumjax.sync_batch_norm(batch_stats, new["batch_stats"], opt_state)
+    swapped = jax.jit(accumjax.sync_batch_norm)  # traced: refused when the program runs
+    with pytest.raises(jax.errors.JaxRuntimeError, match=rf"other way round.*{order}"):
+        jax.block_until_ready(swapped(batch_stats, new["batch_stats"], opt_state))
+    jax.block_until_ready(swapped(new["batch_stats"], batch_stats, opt_state))  # the right order
+
+
+def test_a_synchronized_layer_on_one_device_names_the_one_device_case():
+    layer = AccumBatchNorm(axis_name="data")
+    x = jnp.ones((4, 3))
+    variables = layer.init(_key(0), x, use_running_average=False)  # init pools nothing
+    with pytest.raises(ValueError, match=r"axis_name='data'.*one device.*axis_name=None.*mesh"):
+        layer.apply(variables, x, use_running_average=False, mutable=["batch_stats"])

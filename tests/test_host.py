@@ -7,6 +7,8 @@ a step called inside ``jax.jit`` (several steps in one program), ``jax.vmap`` or
 host-side checks skipped where values are traced.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -380,3 +382,36 @@ def test_a_short_batch_against_the_strided_rule_is_refused_where_the_step_can_te
     with pytest.raises(ValueError, match=r"microbatches \[3\]"):  # a concrete array n too
         step(state, appended, None, jnp.int32(3))
     step(state, appended, None, 4)  # every microbatch real: nothing to tell
+
+
+# ----------------------------------------------------------------------------- departures
+
+
+def test_parameters_off_the_batchs_mesh_are_replicated_with_a_warning():
+    params, batch = _problem()
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = accumjax.accumulate(optax.sgd(0.1), K)
+    step = accumjax.make_train_step(_loss, mode="scan", donate=False)
+    state = step.init(params, tx)  # one device: the batch's mesh is not known here
+    on_mesh = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    with pytest.warns(UserWarning, match=r"params\['b'\] \(and 1 more\).*replicated.*FSDP"):
+        new, _ = step(state, on_mesh)
+    assert new.params["w"].sharding.is_fully_replicated  # as the warning says
+    placed = step.init(jax.device_put(params, NamedSharding(mesh, P())), tx)
+    with warnings.catch_warnings():  # placed by the user, or by a step told its mesh: silent
+        warnings.simplefilter("error")
+        step(placed, on_mesh)
+        accumjax.make_train_step(_loss, mesh=mesh, axis_name="data").init(params, tx)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_parameters_with_mixed_precision_warn_naming_float32_master_weights(dtype):
+    params, batch = _problem()
+    tx = accumjax.accumulate(optax.adam(1e-2), K)
+    step = accumjax.make_train_step(_loss, mode="scan", mixed_precision=jnp.dtype(dtype).name)
+    half = jax.tree.map(lambda p: jnp.asarray(p, dtype), params)
+    with pytest.warns(UserWarning, match=r"params\['b'\] \(\w+16\) and 1 more.*float32 master"):
+        step(step.init(half, tx), _calls(batch, "scan")[0])
+    with warnings.catch_warnings():  # float32 master weights: nothing to say
+        warnings.simplefilter("error")
+        step(step.init(params, tx), _calls(batch, "scan")[0])

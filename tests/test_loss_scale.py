@@ -271,7 +271,7 @@ def _hand_loop(tx, params, ls, microbatches):
     @jax.jit
     def step(params, opt_state, ls, batch):
         def scaled_loss(p):
-            loss = _hand_loss(_to_float16(p), _to_float16(batch)).astype(jnp.float32)
+            loss = _hand_loss(_to_float16(p), batch).astype(jnp.float32)  # the batch as given
             return scale_loss(ls, loss)
 
         grads = unscale_grads(ls, jax.grad(scaled_loss)(params))
@@ -336,7 +336,7 @@ def test_update_loss_scale_is_the_float16_train_steps_rule():
         jax.tree.map(np.testing.assert_array_equal, state.params, hand_params)
 
     # Against float64 SGD on the microbatches kept (the overflowed one left out). The forward
-    # and backward passes see float16 inputs and parameters: 1e-3 is two float16 spacings at
+    # and backward passes see float16 parameters: 1e-3 is two float16 spacings at
     # these O(0.5) parameters (measured 1.1e-4; a window dropped or divided wrongly: ~0.1).
     kept = [None, *micro[1:]]
     ref = _float64_sgd(2.0**-3, params, [kept[i : i + HAND_K] for i in range(0, 6, HAND_K)])

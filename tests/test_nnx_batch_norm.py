@@ -535,3 +535,46 @@ def test_complex_window_matches_linen(accum_steps):
         np.testing.assert_array_equal(ours, theirs)  # same ops, same order: same bits
     _assert_equal_stats(nnx_stats, linen_stats)  # complex mean and acc_mean, real var
     assert nnx_stats["mean"].dtype == jnp.complex64 and np.any(nnx_stats["mean"].imag)
+
+
+def test_sync_batch_norm_refuses_its_statistics_swapped():
+    import optax
+
+    import accumjax
+
+    model = _NormFirst(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, accumjax.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, opt, xb):
+        before = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+        opt.update(model, nnx.grad(lambda m: jnp.mean(m(xb) ** 2))(model))
+        after = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+        nnx.update(model, accumjax.sync_batch_norm(before, after, opt.opt_state))  # swapped
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"sync_batch_norm\(new_stats, old_"):
+        train_step(model, opt, jnp.ones((4, 3)))
+        jax.effects_barrier()
+
+
+def test_own_loop_warns_about_a_plain_nnx_batch_norm():
+    import optax
+
+    import accumjax
+
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.BatchNorm(3, rngs=rngs)
+
+    model = Plain(nnx.Rngs(0))
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    opt_state = accumjax.accumulate(optax.sgd(0.1), 2).init({"w": jnp.zeros(1)})
+    moved = jax.tree.map(lambda a: a + 1, stats)  # what a training forward pass returns
+    with pytest.warns(UserWarning, match=r"\['norm'\].*NNXAccumBatchNorm"):
+        accumjax.sync_batch_norm(moved, stats, opt_state)
+
+
+def test_a_synchronized_layer_on_one_device_names_the_one_device_case():
+    layer = AccumBatchNorm(3, axis_name="data", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"axis_name='data'.*one device.*axis_name=None"):
+        layer(jnp.ones((4, 3)))

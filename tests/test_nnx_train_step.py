@@ -458,3 +458,18 @@ def test_rng_given_to_a_loss_without_key_names_rng(mode):
         step.lower(state, window, jax.random.key(0))
     with pytest.raises(TypeError, match=r"rng must be .*jax\.random\.key"):
         make_nnx_train_step(bn_loss, mode=mode)(state, window, 0)
+
+
+def test_a_plain_nnx_batch_norm_under_accumulation_warns():
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(FEATURES, OUT, rngs=rngs)
+            self.norm = nnx.BatchNorm(OUT, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.linear(x))
+
+    step = make_nnx_train_step(mse, mode="scan")
+    state = step.init(Plain(nnx.Rngs(0)), _acc())
+    with pytest.warns(UserWarning, match=r"\['norm'\].*NNXAccumBatchNorm.*convert_batch_norm"):
+        step(state, _windows()[0])

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accumjax
@@ -199,6 +199,24 @@ def test_params_and_batch_on_meshes_of_the_same_devices_with_other_axes_are_name
     state = step.init(_put(params, mesh, False), accumjax.accumulate(optax.sgd(0.1), K))
     batch = jax.device_put(batch, NamedSharding(other, P("batch")))
     with pytest.raises(ValueError, match=r"'data': 8.*'batch': 8.*same devices"):
+        step(state, batch)
+
+
+@pytest.mark.parametrize("other", ["order", "types"])
+def test_meshes_that_print_alike_say_what_differs(other):
+    params, batch = _problem()
+    mesh = _mesh()
+    devices, types = mesh.devices, mesh.axis_types
+    if other == "order":
+        devices, match = devices[::-1], r"device order \[0, 1, .*\] vs \[7, 6, "
+    else:
+        types, match = (AxisType.Auto,), r"axis types \(Explicit,\) vs \(Auto,\)"
+    batch = jax.device_put(
+        batch, NamedSharding(Mesh(devices, ("data",), axis_types=types), P("data"))
+    )
+    step = accumjax.make_train_step(_loss, mode="scan", donate=False)
+    state = step.init(_put(params, mesh, False), accumjax.accumulate(optax.sgd(0.1), K))
+    with pytest.raises(ValueError, match=rf"'data': 8.*'data': 8.*same devices.*{match}"):
         step(state, batch)
 
 
