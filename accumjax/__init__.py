@@ -59,7 +59,7 @@ from accumjax.planner import (
 from accumjax.train_state import TrainState, with_mode
 from accumjax.train_step import TrainStep, make_train_step
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "AccumBatchNorm",

@@ -2,9 +2,8 @@
 
 Both layers, :class:`accumjax.batch_norm.AccumBatchNorm` (linen) and
 :class:`accumjax.nnx_batch_norm.AccumBatchNorm` (NNX), run one training or evaluation call
-through :func:`normalize_and_accumulate`, and :func:`accumjax.close_batch_norm_windows`
-closes step-driven windows with :func:`pooled_windows` and :func:`close_window`. The layers
-only declare and write back their variables, so the two cannot drift apart.
+through :func:`normalize_and_accumulate`; :func:`accumjax.close_batch_norm_windows` closes
+step-driven windows with :func:`pooled_windows` and :func:`close_window`.
 
 The pieces:
 
@@ -48,7 +47,7 @@ from flax.linen import dtypes
 from flax.typing import Array, Axes, Dtype
 from jax import lax
 
-from accumjax._checks import INT32_MAX, check_int, check_real
+from accumjax._checks import INT32_MAX, check_axis_bound, check_int, check_real
 from accumjax.window import sum_dtype
 
 __all__ = [
@@ -64,7 +63,6 @@ __all__ = [
     "accumulator_dtype",
     "canonical_axes",
     "chan_merge",
-    "check_axis_bound",
     "check_config",
     "check_input",
     "close_window",
@@ -269,31 +267,6 @@ def empty_window(shape: tuple[int, ...], dtype: Any = None, mean_dtype: Any = No
     mean_dtype = dtype if mean_dtype is None else mean_dtype
     count, mean, m2 = (jnp.zeros(shape, d) for d in (dtype, mean_dtype, dtype))  # distinct
     return Window(count, mean, m2, jnp.zeros((), jnp.int32))
-
-
-def check_axis_bound(axis_name: str) -> None:
-    """Refuses a synchronized layer (``axis_name``) run where no mapped axis of that name is
-    bound (outside ``pmap``/``shard_map``: arrays on one device), naming the one-device case
-    rather than JAX's "unbound axis name".
-
-    Example:
-      >>> check_axis_bound("data")  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      ValueError: AccumBatchNorm(axis_name='data') pools ... one device ...
-    """
-    try:
-        lax.axis_size(axis_name)
-    except NameError as err:
-        raise ValueError(
-            f"AccumBatchNorm(axis_name={axis_name!r}) pools each call's statistics over the "
-            f"mapped axis {axis_name!r}, but no such axis is bound here: the layer runs outside "
-            "pmap/shard_map, as on arrays on one device (a train step off any mesh). On one "
-            "device there is nothing to pool: build the layer with axis_name=None; or put the "
-            "arrays on a one-device mesh, jax.make_mesh((1,), ('data',)) with the batch as "
-            "NamedSharding(mesh, P('data')), where make_train_step binds the data axis as on N "
-            "devices."
-        ) from err
 
 
 def compute_moments(

@@ -18,6 +18,7 @@ import jax.core
 __all__ = [
     "INT32_MAX",
     "check_alive",
+    "check_axis_bound",
     "check_callable",
     "check_choice",
     "check_int",
@@ -147,3 +148,28 @@ def check_alive(tree: Any, name: str) -> None:
         "step(state, batch)); to keep this one too, build the step with donate=False or "
         "give it a copy (step(jax.tree.map(jnp.copy, state), batch))."
     )
+
+
+def check_axis_bound(axis_name: str) -> None:
+    """Refuses a synchronized layer (``axis_name``) run where no mapped axis of that name is
+    bound (outside ``pmap``/``shard_map``: arrays on one device), naming the one-device case
+    rather than JAX's "unbound axis name".
+
+    Example:
+      >>> check_axis_bound("data")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: AccumBatchNorm(axis_name='data') pools ... one device ...
+    """
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"AccumBatchNorm(axis_name={axis_name!r}) pools each call's statistics over the "
+            f"mapped axis {axis_name!r}, but no such axis is bound here: the layer runs outside "
+            "pmap/shard_map, as on arrays on one device (a train step off any mesh). On one "
+            "device there is nothing to pool: build the layer with axis_name=None; or put the "
+            "arrays on a one-device mesh, jax.make_mesh((1,), ('data',)) with the batch as "
+            "NamedSharding(mesh, P('data')), where make_train_step binds the data axis as on N "
+            "devices."
+        ) from err

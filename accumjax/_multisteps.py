@@ -14,7 +14,16 @@ from typing import Any
 
 import optax
 
-__all__ = ["MULTISTEPS_ARGS", "MULTISTEPS_ATTRS", "Transformation", "check_skip_fn"]
+from accumjax.accumulation_state import MULTISTEPS_NOTE, locate
+
+__all__ = [
+    "MULTISTEPS_ARGS",
+    "MULTISTEPS_ATTRS",
+    "Transformation",
+    "check_inner",
+    "check_inner_state",
+    "check_skip_fn",
+]
 
 _GUIDE = "(docs/guides/migrating.md, 'From optax.MultiSteps')"
 _SKIP_NOT_FINITE = (
@@ -27,7 +36,7 @@ MULTISTEPS_ARGS = {
     "every_k_schedule": "optax.MultiSteps' name; accumulate takes K, an int or a schedule "
     f"update_count -> K, as every_k: accumulate(inner, every_k=k) {_GUIDE}.",
     "use_grad_mean": "optax.MultiSteps' name; write scaling='mean' for use_grad_mean=True, "
-    "scaling='sum' for False (also 'count' and 'weighted') " + _GUIDE + ".",
+    "scaling='sum' for False (also 'sum_over_k' and 'weighted') " + _GUIDE + ".",
     "should_skip_update_fn": "optax.MultiSteps' name. For optax.skip_not_finite leave it "
     f"out: {_SKIP_NOT_FINITE}. For a test of your own write skip_fn=fn with "
     "fn(grads, params) -> bool (MultiSteps' fn took (updates, gradient_step, params) and "
@@ -93,4 +102,28 @@ class Transformation(optax.GradientTransformationExtraArgs):
             )
         raise AttributeError(
             f"accumulate's transformation has no {name} (optax.MultiSteps' name): {fix} {_GUIDE}."
+        )
+
+
+def check_inner(inner: Any) -> None:
+    """Refuses an ``optax.MultiSteps`` given to `accumjax.accumulate` as its inner."""
+    if isinstance(inner, optax.MultiSteps):
+        raise TypeError(f"accumulate's inner is an optax.MultiSteps. {MULTISTEPS_NOTE}")
+
+
+def check_inner_state(inner_state: Any) -> None:
+    """Refuses an inner state that accumulates too: ``optax.MultiSteps``' (built with
+    ``.gradient_transformation()``, or inside a chain) or another `accumulate`'s."""
+    multi = locate(inner_state, optax.MultiStepsState)
+    if multi:
+        raise TypeError(
+            f"accumulate's inner holds optax.MultiSteps (its state at "
+            f"inner_tx_state{multi[0].path}). {MULTISTEPS_NOTE}"
+        )
+    nested = locate(inner_state)
+    if nested:
+        raise TypeError(
+            f"accumulate's inner holds another accumulate (its state at "
+            f"inner_tx_state{nested[0].path}): each update would take K x K' microbatches. "
+            "State K once: accumjax.accumulate(inner, K) with the product of the two Ks."
         )

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
-from accumjax.accumulation import check_inner_state, config_of
+from accumjax._multisteps import check_inner_state
+from accumjax.accumulation import config_of
 from accumjax.accumulation_state import (
     APPLY_IF_FINITE_NOTE,
     MULTISTEPS_NOTE,

@@ -50,17 +50,20 @@ from accumjax._checks import (
     refuse_unknown,
 )
 from accumjax._control import select_once
-from accumjax._multisteps import MULTISTEPS_ARGS, Transformation, check_skip_fn
+from accumjax._multisteps import (
+    MULTISTEPS_ARGS,
+    Transformation,
+    check_inner,
+    check_inner_state,
+    check_skip_fn,
+)
 from accumjax._policy import check_microbatch_transform, transform_state
 from accumjax.accumulation_state import (
     CONFIG_ATTR,
-    MULTISTEPS_NOTE,
     AccumulationState,
+    check_made_for,
     config_of,
-    k_changed,
-    k_of_tag,
     k_tag,
-    locate,
 )
 from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
@@ -68,7 +71,6 @@ __all__ = [
     "AccumulationState",
     "Config",
     "accumulate",
-    "check_inner_state",
     "check_state",
     "close_and_apply",
     "close_and_update",
@@ -152,29 +154,6 @@ def _check_params(params: Any) -> None:
             )
 
 
-def _check_inner(inner: Any) -> None:
-    if isinstance(inner, optax.MultiSteps):
-        raise TypeError(f"accumulate's inner is an optax.MultiSteps. {MULTISTEPS_NOTE}")
-
-
-def check_inner_state(inner_state: Any) -> None:
-    """Refuses an inner state that accumulates too: ``optax.MultiSteps``' (built with
-    ``.gradient_transformation()``, or inside a chain) or another `accumulate`'s."""
-    multi = locate(inner_state, optax.MultiStepsState)
-    if multi:
-        raise TypeError(
-            f"accumulate's inner holds optax.MultiSteps (its state at "
-            f"inner_tx_state{multi[0].path}). {MULTISTEPS_NOTE}"
-        )
-    nested = locate(inner_state)
-    if nested:
-        raise TypeError(
-            f"accumulate's inner holds another accumulate (its state at "
-            f"inner_tx_state{nested[0].path}): each update would take K x K' microbatches. "
-            "State K once: accumjax.accumulate(inner, K) with the product of the two Ks."
-        )
-
-
 def _check_grads(grads: Any, window: Any) -> None:
     if isinstance(window, window_lib.DeviceWindow):
         raise ValueError(
@@ -221,16 +200,7 @@ def check_state(config: Config, state: Any) -> AccumulationState:
             "accumulate's update needs the AccumulationState made by its own init, got "
             f"{type(state).__name__} (a plain optax state? pass state=tx.init(params))."
         )
-    made_k = k_of_tag(jnp.shape(state.every_k_tag))
-    if made_k != config.static_k:
-        raise ValueError(k_changed(made_k, config.static_k))
-    got_code = scaling_lib.concrete_value(state.scaling_code)
-    made = None if got_code is None else scaling_lib.SCALINGS[int(got_code)]
-    if made is not None and not scaling_lib.compatible(made, config.policy.scaling):
-        raise ValueError(
-            f"this state was made with scaling={made!r}; "
-            f"this accumulate uses scaling={config.policy.scaling!r}."
-        )
+    check_made_for(state, config.static_k, config.policy.scaling)
     return state
 
 
@@ -346,7 +316,7 @@ def accumulate(
     refuse_unknown("accumulate", multisteps, MULTISTEPS_ARGS)
     if every_k is None:
         raise TypeError("accumulate needs every_k, K: accumulate(inner, every_k=K).")
-    _check_inner(inner)
+    check_inner(inner)
     scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn, microbatch_transform)
     policy = Policy(
         scaling, max_norm, on_nonfinite, skip_fn, accumulator_dtype, microbatch_transform

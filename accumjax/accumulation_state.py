@@ -36,6 +36,7 @@ __all__ = [
     "AccumulationStats",
     "Located",
     "accumulated_gradients",
+    "check_made_for",
     "config_of",
     "has_updated",
     "k_changed",
@@ -255,6 +256,30 @@ def _walk(node: Any, path: tuple, within: tuple, kind: type, found: list[Located
         return
     for key, child in children:
         _walk(child, (*path, *key), (*within, node), kind, found)
+
+
+def check_made_for(state: AccumulationState, every_k: int | None, scaling: str) -> None:
+    """Refuses ``state`` if it was made for another K (read from its type, so at trace time
+    too) or, where its code is concrete, for an incompatible scaling
+    (`accumjax.scaling.compatible`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> state = accumjax.accumulate(optax.sgd(0.1), 4).init({"w": jnp.zeros(2)})
+      >>> check_made_for(state, 8, "mean")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: this optimizer state was made with every_k=4; this accumulate uses every_k=8...
+    """
+    made_k = k_of_tag(jnp.shape(state.every_k_tag))
+    if made_k != every_k:
+        raise ValueError(k_changed(made_k, every_k))
+    got_code = scaling_lib.concrete_value(state.scaling_code)
+    made = None if got_code is None else scaling_lib.SCALINGS[int(got_code)]
+    if made is not None and not scaling_lib.compatible(made, scaling):
+        raise ValueError(
+            f"this state was made with scaling={made!r}; this accumulate uses scaling={scaling!r}."
+        )
 
 
 def unwrap(state: Any) -> AccumulationState:

@@ -1591,13 +1591,14 @@ def test_a_chain_around_accumulate_is_refused_at_init_and_at_the_first_trace(mod
     cell = composition.ROWS["chain_before"]
     tx = composition.BUILDERS[cell](_sgd())
     refusal = re.escape(composition.step_refusal(cell))
-    batch = _windows(*_data())[0]  # 32 rows: divisible by K and by the 8 devices
+    batch, params = _windows(*_data())[0], _params()  # 32 rows: K and 8 devices divide it
     if mode == "scan_sharded":
         batch = jax.device_put(batch, _Named(_mesh(), _P("data")))
+        params = jax.device_put(params, _Named(_mesh(), _P()))
     step = _step(mode="stream" if mode == "stream" else "scan")
     with pytest.raises(TypeError, match=refusal):
-        step.init(_params(), tx)
-    state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
+        step.init(params, tx)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
     with pytest.raises(TypeError, match=refusal):
         step(state, batch)
 
