@@ -86,6 +86,8 @@ class Setup(NamedTuple):
       reduce_scatter: scan mode with parameters split over the data axis: their gradient is
         reduce-scattered into an accumulator sharded like them every ``"microbatch"``, or
         once a ``"window"`` (a full-size accumulator on every device).
+      optimizer_sharding: where a parameter replicated over the data axis keeps its
+        optimizer state and accumulator (`accumjax._layout.OPTIMIZER_SHARDINGS`).
       reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
         before it is added (`accumjax.window.add_microbatch`), or None.
       dims: inside ``shard_map``, the dimension each parameter is split on over the data
@@ -107,6 +109,7 @@ class Setup(NamedTuple):
     mesh: Any = None
     data_axis: str | None = None
     reduce_scatter: str = "microbatch"
+    optimizer_sharding: str = "replicated"
     reduce: Callable[[Any], Any] | None = None
     dims: Any = None
 

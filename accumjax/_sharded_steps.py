@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax import window as window_lib
+from accumjax._layout import Reduction
 from accumjax._agreement import Verdict, accepted, verdict, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
 from accumjax._loop import (
@@ -218,7 +219,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         local = _Local(
             state.params, state.model_state, batch, rng, state.step, ctx.loss_scale, ctx.n_real
         )
-        closed_specs = window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
+        closed_specs = window_lib.Closed(layout.optimizer_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
         row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
         closed, model_state, loss, aux = _shard_map(
             partial(_local_window, ctx, layout, cell),
@@ -227,7 +228,12 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             out_specs=(closed_specs, WHOLE, WHOLE, _Aux(row_spec, WHOLE)),  # pyright: ignore[reportArgumentType]
         )(local)
         aux = None if not cell else _join_aux(aux, cell, layout.shards)
-        return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, aux))
+        closing = Closing(closed, model_state, loss, aux)
+        if not layout.zero:
+            return scan_finish(ctx, state, acc, closing)
+        params, acc = _optimizer_side(layout, state.params, acc)
+        new, metrics = scan_finish(ctx, state.replace(params=params), acc, closing)
+        return _parameter_side(layout, new, ctx.owned), metrics
 
     return step
 
@@ -247,9 +253,9 @@ def _local_window(
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         setup = setup._replace(materialize=gather)
-    setup, scatter, whole_counts = _sum_layout(setup, layout, policy)
-    shapes = local.params if scatter is not None else sharded.gather(local.params, layout)
-    like = window_lib.init_window(jax.eval_shape(lambda p: p, shapes), policy.accumulator_dtype)
+    setup, scatter, whole_counts, sum_dims = _sum_layout(setup, layout, policy)
+    shapes = _sum_shapes(layout, local.params, sum_dims)
+    like = window_lib.init_window(shapes, policy.accumulator_dtype)
     ctx = _local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
     start = Carry(like, local.model_state, zero, zero)
     run = window_loop(ctx, params, start, local.batch)
@@ -265,7 +271,7 @@ def _local_window(
             carry.window,
             every_k,
             layout.axis,
-            layout.scatter() if scatter is None else scatter,
+            scatter,
             extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
             whole_counts=whole_counts,
             verdicts=verdicts,
@@ -284,26 +290,73 @@ def _local_window(
 
 def _sum_layout(
     setup: Setup, layout: sharded.Layout, policy: window_lib.Policy
-) -> tuple[Setup, Any, bool]:
-    """Where a scan window's sum lives: ``(setup, scatter, whole_counts)``.
+) -> tuple[Setup, Any, bool, tuple[int | None, ...]]:
+    """Where a scan window's sum lives, from the layout plan: ``(setup, scatter,
+    whole_counts, dims)``, ``scatter`` what the window's close does to each leaf
+    (`accumjax.window.close_window`), ``dims`` each sum's dimension split over the data axis.
 
-    A policy that reads the gradient reduces each microbatch's whole gradient (its leaves
-    split over the data axis reduce-scattered into shards): nothing is left to reduce at the
-    window's end. Otherwise, with ``reduce_scatter="microbatch"``, each microbatch's
-    gradient of a parameter split over the data axis is reduce-scattered into an accumulator
-    sharded like it, and the replicated ones are all-reduced once, at the window's end;
-    with ``"window"`` (or no split parameter) every leaf is a full-size sum reduced once
-    (``scatter`` None: `sharded.Layout.scatter`'s reduce-scatter at the end).
+    A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
+    whose optimizer state is split over the data axis reduce-scattered into shards): nothing
+    is left to reduce at the window's end. Otherwise a leaf reduced per microbatch is
+    reduce-scattered into its sharded accumulator as it comes, a leaf reduced per window is
+    a full-size sum reduce-scattered once at the end, and the others are all-reduced once.
     """
-    dims = layout.scatter()
+    opt_dims = layout.optimizer_dims
     if policy.reads:
-        whole = [window_lib.WHOLE if d is None else window_lib.REDUCED for d in layout.dims]
-        return setup._replace(dims=dims), jax.tree.unflatten(layout.treedef, whole), True
-    if setup.reduce_scatter == "microbatch" and any(d is not None for d in layout.dims):
-        done = [None if d is None else window_lib.REDUCED for d in layout.dims]
-        reduce = _reduce(layout, whole=False)
-        return setup._replace(reduce=reduce), jax.tree.unflatten(layout.treedef, done), False
-    return setup, None, False
+        whole = [window_lib.WHOLE if d is None else window_lib.REDUCED for d in opt_dims]
+        dims = jax.tree.unflatten(layout.treedef, list(opt_dims))
+        scatter = jax.tree.unflatten(layout.treedef, whole)
+        return setup._replace(dims=dims), scatter, True, opt_dims
+    kinds = []
+    for leaf in layout.leaves:
+        if leaf.reduction == Reduction.REDUCE_SCATTER_MICROBATCH:
+            kinds.append(window_lib.REDUCED)
+        elif leaf.reduction == Reduction.REDUCE_SCATTER_WINDOW:
+            kinds.append(leaf.optimizer)
+        else:
+            kinds.append(None)
+    scatter = jax.tree.unflatten(layout.treedef, kinds)
+    acc_dims = layout.accumulator_dims
+    if any(d is not None for d in acc_dims):
+        setup = setup._replace(reduce=_reduce(layout, whole=False))
+    return setup, scatter, False, acc_dims
+
+
+def _sum_shapes(layout: sharded.Layout, params: Any, dims: tuple[int | None, ...]) -> Any:
+    """The shapes of one device's window sums: each parameter's whole shape, split over the
+    data axis on ``dims``."""
+    out = []
+    leaves = layout.treedef.flatten_up_to(params)
+    for x, leaf, dim in zip(leaves, layout.leaves, dims, strict=True):
+        shape = list(jnp.shape(x))
+        if leaf.param is not None:
+            shape[leaf.param] *= layout.shards
+        if dim is not None:
+            shape[dim] //= layout.shards
+        out.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
+    return jax.tree.unflatten(layout.treedef, out)
+
+
+def _optimizer_side(layout: sharded.Layout, params: Any, acc: AccumulationState) -> tuple:
+    """A ZeRO window's update inputs in the global view: the parameters split like their
+    reduced gradient (a local slice) and the optimizer state laid out as planned."""
+    mesh = layout.mesh
+    params = sharded.place(params, mesh, layout.global_specs(layout.optimizer_dims))
+    inner = acc.inner_tx_state
+    if layout.opt_specs is not None:
+        inner = sharded.place(inner, mesh, layout.opt_specs)
+    return params, acc._replace(inner_tx_state=inner)
+
+
+def _parameter_side(layout: sharded.Layout, state: TrainState, owned: bool) -> TrainState:
+    """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
+    the optimizer state where it lies."""
+    params = sharded.place(state.params, layout.mesh, layout.global_specs(layout.dims))
+    opt = state.opt_state
+    if layout.opt_specs is not None:
+        inner = sharded.place(opt.inner_tx_state if owned else opt, layout.mesh, layout.opt_specs)
+        opt = opt._replace(inner_tx_state=inner) if owned else inner  # pyright: ignore[reportAttributeAccessIssue]
+    return state.replace(params=params, opt_state=opt)
 
 
 def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:
@@ -349,7 +402,8 @@ def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None) -> None:
     """Refuses a `DeviceWindow` laid out for another number of data shards than the call's."""
     want = 1 if layout is None else layout.shards
-    dims = (None,) * len(jax.tree.leaves(window.partial_sums)) if layout is None else layout.dims
+    dims = (None,) * len(jax.tree.leaves(window.partial_sums))
+    dims = dims if layout is None else layout.accumulator_dims
     for leaf, dim in zip(jax.tree.leaves(window.partial_sums), dims, strict=True):
         expected = 1 if dim is not None else want
         if leaf.shape[0] != expected:
@@ -393,7 +447,7 @@ def _mesh_call(
     cell: list[Any] = []
     window = acc.window
     per_shard = isinstance(window, window_lib.DeviceWindow)
-    sum_specs = layout.window_specs().partial_sums if per_shard else layout.param_specs()
+    sum_specs = layout.window_specs().partial_sums if per_shard else layout.accumulator_specs()
     local = _Local(
         state.params,
         state.model_state,
@@ -424,11 +478,26 @@ def _mesh_call(
         close = partial(_close_device_window, ctx, layout)
     else:  # the sum is reduced already: the window closes in the global view
         close = lambda f: close_fields(ctx, f)
+    if layout.zero:
+        close = partial(_zero_close, layout, ctx.owned, close)
+        fields = fields._replace(opt=_optimizer_side(layout, fields.params, fields.opt)[1])
     fields = window_lib.run_once(window_closes(opt), close, fields)
     aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
     carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
     counts = Counts(inc[2].astype(jnp.int32), inc[1].astype(jnp.int32))
     return finish(ctx, state, fields, Outcome(carry, pooled.loss, aux), counts)
+
+
+def _zero_close(
+    layout: sharded.Layout, owned: bool, close: Callable[[Fields], Fields], fields: Fields
+) -> Fields:
+    """``close`` with the update on the parameters split like their reduced gradient, and
+    the parameters and optimizer state laid out back as they lie."""
+    params, opt = _optimizer_side(layout, fields.params, fields.opt)
+    fields = close(fields._replace(params=params, opt=opt))
+    params = sharded.place(fields.params, layout.mesh, layout.global_specs(layout.dims))
+    _, opt = _optimizer_side(layout, params, fields.opt)
+    return fields._replace(params=params, opt=opt)
 
 
 def _local_call(
@@ -504,17 +573,18 @@ def _reduce(layout: sharded.Layout, whole: bool) -> Callable[[Any], Any] | None:
     """What a device's gradient goes through before it is added: reduce-scattered into the
     shards of parameters split over the data axis, and all-reduced for the others when the
     window keeps one ``whole`` sum (None: nothing to do)."""
-    if not whole and all(d is None for d in layout.dims):
+    dims = layout.accumulator_dims
+    if not whole and all(d is None for d in dims):
         return None
 
     def reduce(tree: Any) -> Any:
         leaves = layout.treedef.flatten_up_to(tree)
-        summed = [i for i, d in enumerate(layout.dims) if d is None and whole]
+        summed = [i for i, d in enumerate(dims) if d is None and whole]
         for i, x in zip(
             summed, jax.lax.psum([leaves[i] for i in summed], layout.axis), strict=True
         ):
             leaves[i] = x  # one all-reduce for all of them
-        for i, d in enumerate(layout.dims):
+        for i, d in enumerate(dims):
             if d is not None:
                 leaves[i] = jax.lax.psum_scatter(
                     leaves[i], layout.axis, scatter_dimension=d, tiled=True
@@ -562,8 +632,11 @@ def _pooled_model_state(
 def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -> Fields:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
-    reduced = [None if d is None else window_lib.REDUCED for d in layout.dims]
-    scatter = jax.tree.unflatten(layout.treedef, reduced)
+    kinds = [
+        window_lib.REDUCED if leaf.accumulator is not None else leaf.optimizer
+        for leaf in layout.leaves
+    ]
+    scatter = jax.tree.unflatten(layout.treedef, kinds)
     policy = ctx.config.policy
 
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
@@ -576,7 +649,7 @@ def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -
         local,
         layout,
         in_specs=(layout.window_specs(), WHOLE),
-        out_specs=window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6),  # pyright: ignore[reportArgumentType]
+        out_specs=window_lib.Closed(layout.optimizer_specs(), *(WHOLE,) * 6),  # pyright: ignore[reportArgumentType]
     )(fields.opt.window, fields.opt.every_k)
     fields = close_fields(ctx, fields, closed)
     model_state = close_model_state(fields.model_state, fields.opt.updated, None)
