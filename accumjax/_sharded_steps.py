@@ -482,6 +482,8 @@ def _mesh_call(
         close = partial(_zero_close, layout, ctx.owned, close)
         fields = fields._replace(opt=_optimizer_side(layout, fields.params, fields.opt)[1])
     fields = window_lib.run_once(window_closes(opt), close, fields)
+    if layout.zero:  # GSPMD may lay the loop's outputs out otherwise (an Auto mesh)
+        fields = _laid_back(layout, fields)
     aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
     carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
     counts = Counts(inc[2].astype(jnp.int32), inc[1].astype(jnp.int32))
@@ -493,11 +495,28 @@ def _zero_close(
 ) -> Fields:
     """``close`` with the update on the parameters split like their reduced gradient, and
     the parameters and optimizer state laid out back as they lie."""
-    params, opt = _optimizer_side(layout, fields.params, fields.opt)
-    fields = close(fields._replace(params=params, opt=opt))
+    params, opt = _optimizer_side(layout, _pinned(layout, fields.params), fields.opt)
+    return _laid_back(layout, close(fields._replace(params=params, opt=opt)))
+
+
+def _pinned(layout: sharded.Layout, params: Any) -> Any:
+    """``params`` constrained where they lie, so that XLA keeps them so in a loop's carry."""
+    specs = jax.tree.leaves(
+        layout.global_specs(layout.dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
+    )
+    leaves = [
+        jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+        for x, spec in zip(layout.treedef.flatten_up_to(params), specs, strict=True)
+    ]
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def _laid_back(layout: sharded.Layout, fields: Fields) -> Fields:
+    """``fields`` with the parameters where they lie (one all-gather of a ZeRO update) and
+    the optimizer state as planned."""
     params = sharded.place(fields.params, layout.mesh, layout.global_specs(layout.dims))
-    _, opt = _optimizer_side(layout, params, fields.opt)
-    return fields._replace(params=params, opt=opt)
+    params = _pinned(layout, params)
+    return fields._replace(params=params, opt=_optimizer_side(layout, params, fields.opt)[1])
 
 
 def _local_call(
