@@ -231,7 +231,10 @@ class TrainStep:
             state = _on_mesh(state, setup.mesh, PartitionSpec(), "state")
         sharded.check_one_mesh(state.params, batch)
         layout = sharded.layout_of(
-            state.params, batch, mesh=setup.mesh, axis=setup.data_axis,
+            state.params,
+            batch,
+            mesh=setup.mesh,
+            axis=setup.data_axis,
             reduce_scatter=setup.reduce_scatter,
         )
         if layout is not None:
@@ -264,21 +267,34 @@ class TrainStep:
         key = (id(state.tx), layout, choice, mine if placed else None)
         found = self._plans.get(key)
         if found is None or found[0] is not state.tx:
-            plan = sharded.layout_of(
-                state.params,
-                None,
-                mesh=layout.mesh,
-                axis=layout.axis,
-                optimizer_sharding=choice,
-                reduce_scatter=self._setup.reduce_scatter,
-            )
-            if placed:  # the user's layout: the dimension the state lies split on
-                plan = plan._replace(leaves=_as_placed(plan, state.params, placed))
-            config = config_of(state.tx)
-            init = state.tx.init if config is None else config.inner.init
-            specs = mine if placed else sharded.optimizer_state_specs(init, state.params, plan)
-            found = self._plans[key] = (state.tx, plan._replace(opt_specs=specs))
+            plan = self._new_plan(state, layout, choice, placed, mine)
+            found = self._plans[key] = (state.tx, plan)
         return found[1]
+
+    def _new_plan(
+        self,
+        state: Any,
+        layout: sharded.Layout,
+        choice: str,
+        placed: dict[Any, int | None] | None,
+        mine: tuple[Any, ...],
+    ) -> sharded.Layout:
+        """The ZeRO plan of ``layout`` for ``choice``: where the user ``placed`` the state
+        (its leaves' specs ``mine``), or where ``step.init`` lays it out."""
+        plan = sharded.layout_of(
+            state.params,
+            None,
+            mesh=layout.mesh,
+            axis=layout.axis,
+            optimizer_sharding=choice,
+            reduce_scatter=self._setup.reduce_scatter,
+        )
+        assert plan is not None  # the same mesh and axis as ``layout``'s
+        if placed:  # the user's layout: the dimension the state lies split on
+            return plan._replace(leaves=_as_placed(plan, state.params, placed), opt_specs=mine)
+        config = config_of(state.tx)
+        init = state.tx.init if config is None else config.inner.init
+        return plan._replace(opt_specs=sharded.optimizer_state_specs(init, state.params, plan))
 
     def _run(self, run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any) -> Any:
         _check_real_microbatches(n, self._scan, config_of(getattr(state, "tx", None)))
@@ -472,6 +488,7 @@ def _laid_out(opt_state: Any, specs: OptSpecs | None) -> Any:
         return opt_state
     mesh, leaf_specs = specs
     return sharded.place(opt_state, mesh, leaf_specs)
+
 
 def _build(
     mode: str,

@@ -30,9 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax import window as window_lib
-from accumjax._layout import Reduction
 from accumjax._agreement import Verdict, accepted, verdict, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
+from accumjax._layout import Reduction
 from accumjax._loop import (
     Carry,
     Context,
@@ -352,10 +352,10 @@ def _parameter_side(layout: sharded.Layout, state: TrainState, owned: bool) -> T
     """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
     the optimizer state where it lies."""
     params = sharded.place(state.params, layout.mesh, layout.global_specs(layout.dims))
-    opt = state.opt_state
+    opt: Any = state.opt_state
     if layout.opt_specs is not None:
         inner = sharded.place(opt.inner_tx_state if owned else opt, layout.mesh, layout.opt_specs)
-        opt = opt._replace(inner_tx_state=inner) if owned else inner  # pyright: ignore[reportAttributeAccessIssue]
+        opt = opt._replace(inner_tx_state=inner) if owned else inner
     return state.replace(params=params, opt_state=opt)
 
 
