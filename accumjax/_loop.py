@@ -93,6 +93,9 @@ class Setup(NamedTuple):
       dims: inside ``shard_map``, the dimension each parameter is split on over the data
         axis (a pytree like the parameters), for a policy that reduces each microbatch's
         whole gradient; None for none.
+      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
+        inner optimizer updates them (split like their reduced gradient) and back (one
+        all-gather), inside the update's loop; None for the parameters as they are.
     """
 
     grad_fn: GradFn
@@ -112,6 +115,7 @@ class Setup(NamedTuple):
     optimizer_sharding: str = "replicated"
     reduce: Callable[[Any], Any] | None = None
     dims: Any = None
+    split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
 
 
 class Context(NamedTuple):
@@ -380,7 +384,12 @@ def close_fields(
     before = fields.opt
     every_step = ctx.setup.mode == "scan"
     params, opt = close_and_apply(
-        ctx.config, before, fields.params, closed=closed, every_step=every_step
+        ctx.config,
+        before,
+        fields.params,
+        closed=closed,
+        every_step=every_step,
+        split=ctx.setup.split_params,
     )
     model_state = fields.model_state
     if closed is None:

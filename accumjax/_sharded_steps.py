@@ -231,8 +231,9 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         closing = Closing(closed, model_state, loss, aux)
         if not layout.zero:
             return scan_finish(ctx, state, acc, closing)
-        params, acc = _optimizer_side(layout, state.params, acc)
-        new, metrics = scan_finish(ctx, state.replace(params=params), acc, closing)
+        _, acc = _optimizer_side(layout, state.params, acc)
+        ctx = ctx._replace(setup=ctx.setup._replace(split_params=_split_params(layout)))
+        new, metrics = scan_finish(ctx, state, acc, closing)
         return _parameter_side(layout, new, ctx.owned), metrics
 
     return step
@@ -346,6 +347,16 @@ def _optimizer_side(layout: sharded.Layout, params: Any, acc: AccumulationState)
     if layout.opt_specs is not None:
         inner = sharded.place(inner, mesh, layout.opt_specs)
     return params, acc._replace(inner_tx_state=inner)
+
+
+def _split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """`accumjax._loop.Setup.split_params` of a ZeRO layout: the whole parameters (pinned
+    where they lie, so that XLA keeps them whole in the update's loop carry) sliced like the
+    reduced gradient, and the new slices all-gathered back."""
+    mesh, split = layout.mesh, layout.global_specs(layout.optimizer_dims)
+    to_shards = lambda p: sharded.place(_pinned(layout, p), mesh, split)
+    to_whole = lambda p: _pinned(layout, sharded.place(p, mesh, layout.global_specs(layout.dims)))
+    return to_shards, to_whole
 
 
 def _parameter_side(layout: sharded.Layout, state: TrainState, owned: bool) -> TrainState:

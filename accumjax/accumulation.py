@@ -425,6 +425,7 @@ def close_and_apply(
     *,
     closed: window_lib.Closed | None = None,
     every_step: bool = False,
+    split: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
 ) -> tuple[Any, AccumulationState]:
     """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
 
@@ -440,6 +441,9 @@ def close_and_apply(
         around the microbatch loop), or None to close ``state.window`` here.
       every_step: a window closes on every step (scan mode): its update is selected rather
         than branched to on a GPU (`accumjax._control.select_once`).
+      split: ``(to_shards, to_whole)``: ``inner`` updates ``to_shards(params)`` (ZeRO: split
+        like the reduced gradient) and the result goes back through ``to_whole``, both in
+        the update's loop (so only an applied window gathers); None for ``params`` as is.
 
     Returns:
       ``(params, state)``: the new parameters and the state with an empty window.
@@ -452,10 +456,14 @@ def close_and_apply(
 
     def update(operand: Any) -> Any:
         params, inner_state, closed, norms = operand
+        if split is not None:
+            params = split[0](params)
         updates, inner_state, scaled, norms = _inner_update(
             config, closed, inner_state, params, dtypes, {}, norms
         )
         new_params = _cast_like(optax.apply_updates(params, updates), params)
+        if split is not None:
+            new_params = split[1](new_params)
         return new_params, inner_state, closed._replace(grad_sum=scaled), norms
 
     # The parameters travel once: a loop carry holding one buffer twice makes XLA copy it.

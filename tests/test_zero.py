@@ -164,13 +164,16 @@ def test_zero1_reduce_scatters_and_gathers_once_per_window_and_clips_by_the_whol
     for key, want in replicated.params.items():
         np.testing.assert_allclose(zero1.params[key], want, rtol=1e-6, atol=1e-7)
     assert _per_window(compiled_replicated, min_bytes=GRADIENT_BYTES)["all-reduce"] == 1
-    # A clean window: no gradient-sized all-reduce; each of the three leaves that split is
-    # reduce-scattered once and its new value all-gathered once; "odd" (3 floats) travels in
-    # the window's one small all-reduce with the counts and the loss.
-    clean = _per_window(compiled)
-    assert _per_window(compiled, min_bytes=GRADIENT_BYTES)["all-reduce"] == 0
-    assert clean == {**clean, "all-reduce": 1, "reduce-scatter": 3, "all-gather": 3}
-    assert clean["collective-permute"] == clean["all-to-all"] == 0
+    # No gradient-sized all-reduce. The three leaves that split are reduce-scattered once a
+    # window, and their new values all-gathered once, in the update (a loop of at most one
+    # trip, as a non-finite window's re-run: a trip count of 0 counts a clean window without
+    # its update, 1 with the update and a re-run). "odd" (3 floats) travels in the window's
+    # one small all-reduce with the counts and the loss.
+    assert _per_window(compiled, 1, GRADIENT_BYTES)["all-reduce"] == 0
+    clean, applied = _per_window(compiled), _per_window(compiled, 1)
+    assert clean == {**clean, "all-reduce": 1, "reduce-scatter": 3, "all-gather": 0}
+    assert applied == {**applied, "reduce-scatter": 2 * 3, "all-gather": 3}
+    assert applied["collective-permute"] == applied["all-to-all"] == 0
     mu = zero1.opt_state.inner_tx_state[1][0].mu
     assert [mu[k].sharding.spec[:1] for k in ("w1", "b1", "w2")] == [("data",)] * 3
     assert mu["odd"].sharding.is_fully_replicated
@@ -183,8 +186,10 @@ def test_zero2_reduce_scatters_each_microbatch_and_stream_zero1_once_per_window(
     tx = accumjax.accumulate(optax.adam(0.1), K)
     scan = accumjax.make_train_step(_loss, mode="scan", optimizer_sharding="zero2")
     whole = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    clean = _per_window(scan.lower(scan.init(params, tx), whole).compile())
-    assert clean == {**clean, "all-reduce": 1, "reduce-scatter": 3 * K, "all-gather": 3}
+    compiled = scan.lower(scan.init(params, tx), whole).compile()
+    clean, applied = _per_window(compiled), _per_window(compiled, 1)
+    assert clean == {**clean, "all-reduce": 1, "reduce-scatter": 3 * K, "all-gather": 0}
+    assert applied["all-gather"] == 3
     stream = accumjax.make_train_step(_loss, optimizer_sharding="zero1")
     call = jax.device_put(jax.tree.map(lambda a: a[:16], batch), NamedSharding(mesh, P("data")))
     compiled = stream.lower(stream.init(params, tx), call).compile()
