@@ -511,15 +511,18 @@ def _zero_close(
 
 
 def _pinned(layout: sharded.Layout, params: Any) -> Any:
-    """``params`` constrained where they lie, so that XLA keeps them so in a loop's carry."""
+    """``params`` constrained where they lie, so that XLA keeps them so in a loop's carry
+    (on an ``Explicit`` mesh through `jax.sharding.auto_axes`: under ``jax.set_mesh`` a
+    constraint equal to the type is dropped)."""
     specs = jax.tree.leaves(
         layout.global_specs(layout.dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
     )
-    leaves = [
-        jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
-        for x, spec in zip(layout.treedef.flatten_up_to(params), specs, strict=True)
-    ]
-    return jax.tree.unflatten(layout.treedef, leaves)
+    shardings = [NamedSharding(layout.mesh, spec) for spec in specs]
+    leaves = layout.treedef.flatten_up_to(params)
+    constrain = lambda xs: jax.lax.with_sharding_constraint(xs, shardings)
+    if jax.sharding.AxisType.Explicit in tuple(layout.mesh.axis_types):
+        constrain = jax.sharding.auto_axes(constrain, out_sharding=shardings)
+    return jax.tree.unflatten(layout.treedef, constrain(leaves))
 
 
 def _laid_back(layout: sharded.Layout, fields: Fields) -> Fields:

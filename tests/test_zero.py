@@ -137,16 +137,18 @@ def _problem():
 
 def _compiled_window(kind, layout):
     """Two scan windows of Adam behind ``clip_by_global_norm`` (which clips here) on 8
-    devices: the state and the compiled step."""
+    devices, under ``jax.set_mesh`` (where a sharding constraint equal to an Explicit
+    array's type is dropped): the state and the compiled step."""
     params, batch = _problem()
     mesh = _mesh(N, kind)
     step = accumjax.make_train_step(_loss, mode="scan", optimizer_sharding=layout)
     tx = accumjax.accumulate(optax.chain(optax.clip_by_global_norm(0.05), optax.adam(0.1)), K)
-    state = step.init(jax.device_put(params, NamedSharding(mesh, P())), tx)
-    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    compiled = step.lower(state, batch).compile()
-    for _ in range(2):
-        state, _ = step(state, batch)
+    with jax.set_mesh(mesh):
+        state = step.init(jax.device_put(params, NamedSharding(mesh, P())), tx)
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        compiled = step.lower(state, batch).compile()
+        for _ in range(2):
+            state, _ = step(state, batch)
     return state, compiled
 
 
