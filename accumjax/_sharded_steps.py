@@ -519,11 +519,10 @@ def _pinned(layout: sharded.Layout, params: Any) -> Any:
     )
     shardings = [NamedSharding(layout.mesh, spec) for spec in specs]
     leaves = layout.treedef.flatten_up_to(params)
-    constrain: Callable[[list[Any]], list[Any]]
-    constrain = lambda xs: jax.lax.with_sharding_constraint(xs, shardings)
+    constrain = partial(jax.lax.with_sharding_constraint, shardings=shardings)
     if jax.sharding.AxisType.Explicit in tuple(layout.mesh.axis_types):
-        constrain = jax.sharding.auto_axes(constrain, out_sharding=shardings)
-    return jax.tree.unflatten(layout.treedef, constrain(leaves))
+        constrain = cast(Any, jax.sharding.auto_axes)(constrain, out_sharding=shardings)
+    return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 
 def _laid_back(layout: sharded.Layout, fields: Fields) -> Fields:
