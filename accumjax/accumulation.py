@@ -463,6 +463,9 @@ def close_and_apply(
         )
         new_params = _cast_like(optax.apply_updates(params, updates), params)
         if split is not None:
+            # The new shards leave through the gradient's slot of the carry (free once read)
+            # where they fit it, rather than a buffer of their own until they are gathered.
+            scaled = jax.tree.map(_in_slot, new_params, scaled)
             new_params = split[1](new_params)
         return new_params, inner_state, closed._replace(grad_sum=scaled), norms
 
@@ -499,6 +502,12 @@ def _inner_update(
     # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments), so
     # the state is a fixed pytree type under loop carries.
     return updates, _cast_like(new_inner, inner_state), scaled, norms
+
+
+def _in_slot(new: Any, slot: Any) -> Any:
+    """``new`` where it has ``slot``'s shape and dtype, else ``slot``."""
+    same = jnp.shape(new) == jnp.shape(slot) and jnp.result_type(new) == jnp.result_type(slot)
+    return new if same else slot
 
 
 def _like(x: Any) -> jax.ShapeDtypeStruct:
