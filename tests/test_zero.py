@@ -78,6 +78,7 @@ _CASES = [
     (8, "auto", "stream", "zero1"),
     (2, "auto", "scan", "zero2"),
     (8, "explicit", "scan", "zero2"),
+    (8, "explicit", "stream", "zero2"),
 ]
 
 
