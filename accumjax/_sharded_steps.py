@@ -58,6 +58,7 @@ from accumjax._scan import (
     window_k,
     window_loop,
 )
+from accumjax._zero import laid_back, optimizer_side, parameter_side, split_params, zero_close
 from accumjax.accumulation import window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
@@ -231,10 +232,10 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         closing = Closing(closed, model_state, loss, aux)
         if not layout.zero:
             return scan_finish(ctx, state, acc, closing)
-        _, acc = _optimizer_side(layout, state.params, acc)
-        ctx = ctx._replace(setup=ctx.setup._replace(split_params=_split_params(layout)))
+        _, acc = optimizer_side(layout, state.params, acc)
+        ctx = ctx._replace(setup=ctx.setup._replace(split_params=split_params(layout)))
         new, metrics = scan_finish(ctx, state, acc, closing)
-        return _parameter_side(layout, new, ctx.owned), metrics
+        return parameter_side(layout, new, ctx.owned), metrics
 
     return step
 
@@ -255,7 +256,7 @@ def _local_window(
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         setup = setup._replace(materialize=gather)
     setup, scatter, whole_counts, sum_dims = _sum_layout(setup, layout, policy)
-    shapes = _sum_shapes(layout, local.params, sum_dims)
+    shapes = layout.local_sums(local.params, sum_dims)
     like = window_lib.init_window(shapes, policy.accumulator_dtype)
     ctx = _local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
     start = Carry(like, local.model_state, zero, zero)
@@ -321,53 +322,6 @@ def _sum_layout(
     if any(d is not None for d in acc_dims):
         setup = setup._replace(reduce=_reduce(layout, whole=False))
     return setup, scatter, False, acc_dims
-
-
-def _sum_shapes(layout: sharded.Layout, params: Any, dims: tuple[int | None, ...]) -> Any:
-    """The shapes of one device's window sums: each parameter's whole shape, split over the
-    data axis on ``dims``."""
-    out = []
-    leaves = layout.treedef.flatten_up_to(params)
-    for x, leaf, dim in zip(leaves, layout.leaves, dims, strict=True):
-        shape = list(jnp.shape(x))
-        if leaf.param is not None:
-            shape[leaf.param] *= layout.shards
-        if dim is not None:
-            shape[dim] //= layout.shards
-        out.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
-    return jax.tree.unflatten(layout.treedef, out)
-
-
-def _optimizer_side(layout: sharded.Layout, params: Any, acc: AccumulationState) -> tuple:
-    """A ZeRO window's update inputs in the global view: the parameters split like their
-    reduced gradient (a local slice) and the optimizer state laid out as planned."""
-    mesh = layout.mesh
-    params = sharded.place(params, mesh, layout.global_specs(layout.optimizer_dims))
-    inner = acc.inner_tx_state
-    if layout.opt_specs is not None:
-        inner = sharded.place(inner, mesh, layout.opt_specs)
-    return params, acc._replace(inner_tx_state=inner)
-
-
-def _split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """`accumjax._loop.Setup.split_params` of a ZeRO layout: the whole parameters (pinned
-    where they lie, so that XLA keeps them whole in the update's loop carry) sliced like the
-    reduced gradient, and the new slices all-gathered back."""
-    mesh, split = layout.mesh, layout.global_specs(layout.optimizer_dims)
-    to_shards = lambda p: sharded.place(_pinned(layout, p), mesh, split)
-    to_whole = lambda p: _pinned(layout, sharded.place(p, mesh, layout.global_specs(layout.dims)))
-    return to_shards, to_whole
-
-
-def _parameter_side(layout: sharded.Layout, state: TrainState, owned: bool) -> TrainState:
-    """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
-    the optimizer state where it lies."""
-    params = sharded.place(state.params, layout.mesh, layout.global_specs(layout.dims))
-    opt: Any = state.opt_state
-    if layout.opt_specs is not None:
-        inner = sharded.place(opt.inner_tx_state if owned else opt, layout.mesh, layout.opt_specs)
-        opt = opt._replace(inner_tx_state=inner) if owned else inner
-    return state.replace(params=params, opt_state=opt)
 
 
 def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:
@@ -490,47 +444,15 @@ def _mesh_call(
     else:  # the sum is reduced already: the window closes in the global view
         close = lambda f: close_fields(ctx, f)
     if layout.zero:
-        close = partial(_zero_close, layout, ctx.owned, close)
-        fields = fields._replace(opt=_optimizer_side(layout, fields.params, fields.opt)[1])
+        close = partial(zero_close, layout, ctx.owned, close)
+        fields = fields._replace(opt=optimizer_side(layout, fields.params, fields.opt)[1])
     fields = window_lib.run_once(window_closes(opt), close, fields)
     if layout.zero:  # GSPMD may lay the loop's outputs out otherwise (an Auto mesh)
-        fields = _laid_back(layout, fields)
+        fields = laid_back(layout, fields)
     aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
     carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
     counts = Counts(inc[2].astype(jnp.int32), inc[1].astype(jnp.int32))
     return finish(ctx, state, fields, Outcome(carry, pooled.loss, aux), counts)
-
-
-def _zero_close(
-    layout: sharded.Layout, owned: bool, close: Callable[[Fields], Fields], fields: Fields
-) -> Fields:
-    """``close`` with the update on the parameters split like their reduced gradient, and
-    the parameters and optimizer state laid out back as they lie."""
-    params, opt = _optimizer_side(layout, _pinned(layout, fields.params), fields.opt)
-    return _laid_back(layout, close(fields._replace(params=params, opt=opt)))
-
-
-def _pinned(layout: sharded.Layout, params: Any) -> Any:
-    """``params`` constrained where they lie, so that XLA keeps them so in a loop's carry
-    (on an ``Explicit`` mesh through `jax.sharding.auto_axes`: under ``jax.set_mesh`` a
-    constraint equal to the type is dropped)."""
-    specs = jax.tree.leaves(
-        layout.global_specs(layout.dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
-    )
-    shardings = [NamedSharding(layout.mesh, spec) for spec in specs]
-    leaves = layout.treedef.flatten_up_to(params)
-    constrain = partial(jax.lax.with_sharding_constraint, shardings=shardings)
-    if jax.sharding.AxisType.Explicit in tuple(layout.mesh.axis_types):
-        constrain = cast(Any, jax.sharding.auto_axes)(constrain, out_sharding=shardings)
-    return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
-
-
-def _laid_back(layout: sharded.Layout, fields: Fields) -> Fields:
-    """``fields`` with the parameters where they lie (one all-gather of a ZeRO update) and
-    the optimizer state as planned."""
-    params = sharded.place(fields.params, layout.mesh, layout.global_specs(layout.dims))
-    params = _pinned(layout, params)
-    return fields._replace(params=params, opt=_optimizer_side(layout, params, fields.opt)[1])
 
 
 def _local_call(

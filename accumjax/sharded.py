@@ -106,6 +106,21 @@ class Layout(NamedTuple):
         """The reduced gradient's partition specs over the data axis, for ``shard_map``."""
         return jax.tree.unflatten(self.treedef, [_spec(d, self.axis) for d in self.optimizer_dims])
 
+    def local_sums(self, params: Any, dims: tuple[int | None, ...]) -> Any:
+        """Inside ``shard_map``, the shapes of one device's window sums of ``params`` (its
+        local parameters): each parameter's whole shape, split over the data axis on
+        ``dims``."""
+        out = []
+        leaves = self.treedef.flatten_up_to(params)
+        for x, leaf, dim in zip(leaves, self.leaves, dims, strict=True):
+            shape = list(jnp.shape(x))
+            if leaf.param is not None:
+                shape[leaf.param] *= self.shards
+            if dim is not None:
+                shape[dim] //= self.shards
+            out.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
+        return jax.tree.unflatten(self.treedef, out)
+
     def global_specs(self, dims: tuple[int | None, ...]) -> Any:
         """Per leaf, its full partition spec with the data axis moved to ``dims``."""
         out = []
