@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from accumjax import window as window_lib
-from accumjax._layout import LeafLayout, Reduction, leaf_layout
+from accumjax._layout import LeafLayout, leaf_layout
 
 __all__ = [
     "Layout",
@@ -93,10 +93,6 @@ class Layout(NamedTuple):
         """Whether a replicated parameter's optimizer state is split over the axis."""
         return any(leaf.param is None and leaf.optimizer is not None for leaf in self.leaves)
 
-    def reductions(self) -> tuple[Reduction, ...]:
-        """Per leaf, how its gradient is reduced."""
-        return tuple(leaf.reduction for leaf in self.leaves)
-
     def accumulator_specs(self) -> Any:
         """The window accumulator's partition specs over the data axis, for ``shard_map``."""
         dims = self.accumulator_dims
@@ -135,10 +131,6 @@ class Layout(NamedTuple):
     def shards(self) -> int:
         """How many data shards (devices along the data axis) there are."""
         return int(self.mesh.shape[self.axis])
-
-    def scatter(self) -> Any:
-        """A pytree like the parameters with each leaf's dimension split over the axis."""
-        return jax.tree.unflatten(self.treedef, self.dims)
 
     def param_specs(self) -> Any:
         """The parameters' partition specs over the data axis, for ``shard_map``."""
