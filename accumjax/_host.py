@@ -500,8 +500,8 @@ def _build(
     loss_scale: Any,
 ) -> TrainState:
     """A train state with ``step == 0`` for ``mode`` (traceable); ``where`` lays out a
-    stream window (`TrainStep._mesh_and_axis`), ``specs`` the optimizer state on an
-    ``Auto`` mesh (`_opt_specs`)."""
+    stream window (`TrainStep._mesh_and_axis`), ``specs`` the optimizer state (ZeRO's split
+    over the data axis, `TrainStep._zero_specs`; on an ``Auto`` mesh, `_opt_specs`)."""
     config = config_of(tx)
     opt_state = _laid_out(opt_state_for(tx, params, "scan"), specs)  # no accumulator
     if mode == "stream" and config is not None:
