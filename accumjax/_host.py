@@ -29,12 +29,14 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from accumjax import sharded
+from accumjax import window as window_lib
 from accumjax._checks import check_alive
 from accumjax._loop import Setup, stream_step
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
 from accumjax._split import split
 from accumjax._step_checks import check_init_inputs, init_call
+from accumjax._zero import as_placed, placed_zero
 from accumjax.accumulation import check_state, config_of
 from accumjax.distributed import replicate
 from accumjax.loss_scale import DynamicLossScale, dynamic_loss_scale
@@ -262,6 +264,7 @@ class TrainStep:
         self._returned: list[Any] = []  # the optimizer state of the last call's output
         self._builders: dict[Any, Any] = {}  # (id(tx), where) -> (tx, init's build function)
         self._weighers: dict[int, Any] = {}  # K -> the jitted `_microbatch_weights`
+        self._plans: dict[Any, Any] = {}  # (id(tx), layout, choice) -> (tx, the layout plan)
         self.__wrapped__ = jitted
 
     # ------------------------------------------------------------------------- calls
@@ -275,7 +278,15 @@ class TrainStep:
         if setup.mesh is not None:  # asked for: the step's mesh takes what is off it
             state = _on_mesh(state, setup.mesh, PartitionSpec(), "state")
         sharded.check_one_mesh(state.params, batch)
-        layout = sharded.layout_of(state.params, batch, mesh=setup.mesh, axis=setup.data_axis)
+        layout = sharded.layout_of(
+            state.params,
+            batch,
+            mesh=setup.mesh,
+            axis=setup.data_axis,
+            reduce_scatter=setup.reduce_scatter,
+        )
+        if layout is not None:
+            layout = self._optimizer_plan(layout, state)
         if layout is not None:
             config = config_of(state.tx)
             scan = self._scan and setup.batch_axis == 0  # else refused in the step
@@ -287,6 +298,53 @@ class TrainStep:
             rng = _on_mesh(rng, layout.mesh, PartitionSpec(), "rng")
             batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis), "batch")
         return (state, batch, rng, layout, n) if self._scan else (state, batch, rng, layout)
+
+    def _optimizer_plan(self, layout: sharded.Layout, state: Any) -> sharded.Layout:
+        """``layout`` with its optimizer plan: ZeRO where ``optimizer_sharding`` says so, or
+        where the optimizer state lies split over the data axis beside replicated parameters
+        (`accumjax._zero.placed_zero`); a stream state without a per-shard window stays
+        replicated."""
+        choice = self._setup.optimizer_sharding
+        opt = getattr(state, "opt_state", None)
+        inner = getattr(opt, "inner_tx_state", opt)
+        placed = placed_zero(inner, state.params, layout) if choice == "replicated" else None
+        if placed:
+            choice = "zero1"
+        per_shard = isinstance(getattr(opt, "window", None), window_lib.DeviceWindow)
+        if choice == "replicated" or not (self._scan or per_shard):
+            return layout
+        mine = tuple(getattr(sharded.sharding_of(x), "spec", None) for x in jax.tree.leaves(inner))
+        key = (id(state.tx), layout, choice, mine if placed else None)
+        found = self._plans.get(key)
+        if found is None or found[0] is not state.tx:
+            plan = self._new_plan(state, layout, choice, placed, mine)
+            found = self._plans[key] = (state.tx, plan)
+        return found[1]
+
+    def _new_plan(
+        self,
+        state: Any,
+        layout: sharded.Layout,
+        choice: str,
+        placed: dict[Any, int | None] | None,
+        mine: tuple[Any, ...],
+    ) -> sharded.Layout:
+        """The ZeRO plan of ``layout`` for ``choice``: where the user ``placed`` the state
+        (its leaves' specs ``mine``), or where ``step.init`` lays it out."""
+        plan = sharded.layout_of(
+            state.params,
+            None,
+            mesh=layout.mesh,
+            axis=layout.axis,
+            optimizer_sharding=choice,
+            reduce_scatter=self._setup.reduce_scatter,
+        )
+        assert plan is not None  # the same mesh and axis as ``layout``'s
+        if placed:  # the user's layout: the dimension the state lies split on
+            return plan._replace(leaves=as_placed(plan, state.params, placed), opt_specs=mine)
+        config = config_of(state.tx)
+        init = state.tx.init if config is None else config.inner.init
+        return plan._replace(opt_specs=sharded.optimizer_state_specs(init, state.params, plan))
 
     def _run(self, run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any) -> Any:
         _check_real_microbatches(n, self._scan, config_of(getattr(state, "tx", None)))
@@ -388,7 +446,7 @@ class TrainStep:
             state = _build(setup.mode, tx, where, None, params, model_state, loss_scale)
             state = state.replace(opt_state=opt_state_for(tx, params, setup.mode))
             return replicate(state).replace(apply_fn=apply_fn)
-        specs = _opt_specs(tx, params)
+        specs = self._zero_specs(tx, params) or _opt_specs(tx, params)
         build, jitted = self._builder(tx, self._mesh_and_axis(params), specs)
         args = (params, model_state, loss_scale)
         if _abstract(params):
@@ -424,7 +482,32 @@ class TrainStep:
         axis = None if mesh is None else sharded.data_axis(mesh, setup.data_axis)
         if axis is None:
             return None, None, None
-        return mesh, axis, sharded.split_dims(params, axis)
+        plan = sharded.layout_of(
+            params, None, mesh=mesh, axis=axis, optimizer_sharding=setup.optimizer_sharding
+        )
+        return mesh, axis, None if plan is None else plan.accumulator_dims
+
+    def _zero_specs(self, tx: Any, params: Any) -> OptSpecs | None:
+        """With ``optimizer_sharding`` ZeRO on a concrete mesh: the mesh and each optimizer
+        state leaf's partition spec of the layout plan (None otherwise)."""
+        setup = self._setup
+        if setup.optimizer_sharding == "replicated":
+            return None
+        mesh = setup.mesh if setup.mesh is not None else sharded.mesh_of(params)
+        axis = None if mesh is None else sharded.data_axis(mesh, setup.data_axis)
+        if not isinstance(mesh, Mesh) or axis is None:
+            return None
+        plan = sharded.layout_of(
+            params,
+            None,
+            mesh=mesh,
+            axis=axis,
+            optimizer_sharding=setup.optimizer_sharding,
+            reduce_scatter=setup.reduce_scatter,
+        )
+        init = partial(opt_state_for, tx, mode="scan")
+        specs = None if plan is None else sharded.optimizer_state_specs(init, params, plan)
+        return None if specs is None else (mesh, specs)
 
 
 OptSpecs = tuple[Mesh, tuple[PartitionSpec | None, ...]]
@@ -473,12 +556,7 @@ def _laid_out(opt_state: Any, specs: OptSpecs | None) -> Any:
     if specs is None:
         return opt_state
     mesh, leaf_specs = specs
-    leaves, treedef = jax.tree.flatten(opt_state)
-    placed = [
-        x if spec is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-        for x, spec in zip(leaves, leaf_specs, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, placed)
+    return sharded.place(opt_state, mesh, leaf_specs)
 
 
 def _build(
@@ -491,8 +569,8 @@ def _build(
     loss_scale: Any,
 ) -> TrainState:
     """A train state with ``step == 0`` for ``mode`` (traceable); ``where`` lays out a
-    stream window (`TrainStep._mesh_and_axis`), ``specs`` the optimizer state on an
-    ``Auto`` mesh (`_opt_specs`)."""
+    stream window (`TrainStep._mesh_and_axis`), ``specs`` the optimizer state (ZeRO's split
+    over the data axis, `TrainStep._zero_specs`; on an ``Auto`` mesh, `_opt_specs`)."""
     config = config_of(tx)
     opt_state = _laid_out(opt_state_for(tx, params, "scan"), specs)  # no accumulator
     if mode == "stream" and config is not None:

@@ -85,11 +85,16 @@ class Setup(NamedTuple):
       reduce_scatter: scan mode with parameters split over the data axis: their gradient is
         reduce-scattered into an accumulator sharded like them every ``"microbatch"``, or
         once a ``"window"`` (a full-size accumulator on every device).
+      optimizer_sharding: where a parameter replicated over the data axis keeps its
+        optimizer state and accumulator (`accumjax._layout.OPTIMIZER_SHARDINGS`).
       reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
         before it is added (`accumjax.window.add_microbatch`), or None.
       dims: inside ``shard_map``, the dimension each parameter is split on over the data
         axis (a pytree like the parameters), for a policy that reduces each microbatch's
         whole gradient; None for none.
+      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
+        inner optimizer updates them (split like their reduced gradient) and back (one
+        all-gather), inside the update's loop; None for the parameters as they are.
     """
 
     grad_fn: GradFn
@@ -106,8 +111,10 @@ class Setup(NamedTuple):
     mesh: Any = None
     data_axis: str | None = None
     reduce_scatter: str = "microbatch"
+    optimizer_sharding: str = "replicated"
     reduce: Callable[[Any], Any] | None = None
     dims: Any = None
+    split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
 
 
 class Context(NamedTuple):
@@ -389,7 +396,12 @@ def close_fields(
     before = fields.opt
     every_step = ctx.setup.mode == "scan"
     params, opt = close_and_apply(
-        ctx.config, before, fields.params, closed=closed, every_step=every_step
+        ctx.config,
+        before,
+        fields.params,
+        closed=closed,
+        every_step=every_step,
+        split=ctx.setup.split_params,
     )
     model_state = fields.model_state
     if closed is None:

@@ -32,6 +32,7 @@ from accumjax import sharded
 from accumjax import window as window_lib
 from accumjax._agreement import Verdict, accepted, verdict, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
+from accumjax._layout import Reduction
 from accumjax._loop import (
     Carry,
     Context,
@@ -57,6 +58,7 @@ from accumjax._scan import (
     window_k,
     window_loop,
 )
+from accumjax._zero import laid_back, optimizer_side, parameter_side, split_params, zero_close
 from accumjax.accumulation import window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
@@ -218,7 +220,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         local = _Local(
             state.params, state.model_state, batch, rng, state.step, ctx.loss_scale, ctx.n_real
         )
-        closed_specs = window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
+        closed_specs = window_lib.Closed(layout.optimizer_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
         row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
         closed, model_state, loss, aux = _shard_map(
             partial(_local_window, ctx, layout, cell),
@@ -227,7 +229,13 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             out_specs=(closed_specs, WHOLE, WHOLE, _Aux(row_spec, WHOLE)),  # pyright: ignore[reportArgumentType]
         )(local)
         aux = None if not cell else _join_aux(aux, cell, layout.shards)
-        return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, aux))
+        closing = Closing(closed, model_state, loss, aux)
+        if not layout.zero:
+            return scan_finish(ctx, state, acc, closing)
+        _, acc = optimizer_side(layout, state.params, acc)
+        ctx = ctx._replace(setup=ctx.setup._replace(split_params=split_params(layout)))
+        new, metrics = scan_finish(ctx, state, acc, closing)
+        return parameter_side(layout, new, ctx.owned), metrics
 
     return step
 
@@ -247,9 +255,9 @@ def _local_window(
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         setup = setup._replace(materialize=gather)
-    setup, scatter, whole_counts = _sum_layout(setup, layout, policy)
-    shapes = local.params if scatter is not None else sharded.gather(local.params, layout)
-    like = window_lib.init_window(jax.eval_shape(lambda p: p, shapes), policy.accumulator_dtype)
+    setup, scatter, whole_counts, sum_dims = _sum_layout(setup, layout, policy)
+    shapes = layout.local_sums(local.params, sum_dims)
+    like = window_lib.init_window(shapes, policy.accumulator_dtype)
     ctx = _local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
     start = Carry(like, local.model_state, zero, zero)
     run = window_loop(ctx, params, start, local.batch)
@@ -265,7 +273,7 @@ def _local_window(
             carry.window,
             every_k,
             layout.axis,
-            layout.scatter() if scatter is None else scatter,
+            scatter,
             extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
             whole_counts=whole_counts,
             verdicts=verdicts,
@@ -284,26 +292,36 @@ def _local_window(
 
 def _sum_layout(
     setup: Setup, layout: sharded.Layout, policy: window_lib.Policy
-) -> tuple[Setup, Any, bool]:
-    """Where a scan window's sum lives: ``(setup, scatter, whole_counts)``.
+) -> tuple[Setup, Any, bool, tuple[int | None, ...]]:
+    """Where a scan window's sum lives, from the layout plan: ``(setup, scatter,
+    whole_counts, dims)``, ``scatter`` what the window's close does to each leaf
+    (`accumjax.window.close_window`), ``dims`` each sum's dimension split over the data axis.
 
-    A policy that reads the gradient reduces each microbatch's whole gradient (its leaves
-    split over the data axis reduce-scattered into shards): nothing is left to reduce at the
-    window's end. Otherwise, with ``reduce_scatter="microbatch"``, each microbatch's
-    gradient of a parameter split over the data axis is reduce-scattered into an accumulator
-    sharded like it, and the replicated ones are all-reduced once, at the window's end;
-    with ``"window"`` (or no split parameter) every leaf is a full-size sum reduced once
-    (``scatter`` None: `sharded.Layout.scatter`'s reduce-scatter at the end).
+    A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
+    whose optimizer state is split over the data axis reduce-scattered into shards): nothing
+    is left to reduce at the window's end. Otherwise a leaf reduced per microbatch is
+    reduce-scattered into its sharded accumulator as it comes, a leaf reduced per window is
+    a full-size sum reduce-scattered once at the end, and the others are all-reduced once.
     """
-    dims = layout.scatter()
+    opt_dims = layout.optimizer_dims
     if policy.reads:
-        whole = [window_lib.WHOLE if d is None else window_lib.REDUCED for d in layout.dims]
-        return setup._replace(dims=dims), jax.tree.unflatten(layout.treedef, whole), True
-    if setup.reduce_scatter == "microbatch" and any(d is not None for d in layout.dims):
-        done = [None if d is None else window_lib.REDUCED for d in layout.dims]
-        reduce = _reduce(layout, whole=False)
-        return setup._replace(reduce=reduce), jax.tree.unflatten(layout.treedef, done), False
-    return setup, None, False
+        whole = [window_lib.WHOLE if d is None else window_lib.REDUCED for d in opt_dims]
+        dims = jax.tree.unflatten(layout.treedef, list(opt_dims))
+        scatter = jax.tree.unflatten(layout.treedef, whole)
+        return setup._replace(dims=dims), scatter, True, opt_dims
+    kinds = []
+    for leaf in layout.leaves:
+        if leaf.reduction == Reduction.REDUCE_SCATTER_MICROBATCH:
+            kinds.append(window_lib.REDUCED)
+        elif leaf.reduction == Reduction.REDUCE_SCATTER_WINDOW:
+            kinds.append(leaf.optimizer)
+        else:
+            kinds.append(None)
+    scatter = jax.tree.unflatten(layout.treedef, kinds)
+    acc_dims = layout.accumulator_dims
+    if any(d is not None for d in acc_dims):
+        setup = setup._replace(reduce=_reduce(layout, whole=False))
+    return setup, scatter, False, acc_dims
 
 
 def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:
@@ -349,7 +367,8 @@ def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None) -> None:
     """Refuses a `DeviceWindow` laid out for another number of data shards than the call's."""
     want = 1 if layout is None else layout.shards
-    dims = (None,) * len(jax.tree.leaves(window.partial_sums)) if layout is None else layout.dims
+    dims = (None,) * len(jax.tree.leaves(window.partial_sums))
+    dims = dims if layout is None else layout.accumulator_dims
     for leaf, dim in zip(jax.tree.leaves(window.partial_sums), dims, strict=True):
         expected = 1 if dim is not None else want
         if leaf.shape[0] != expected:
@@ -393,7 +412,7 @@ def _mesh_call(
     cell: list[Any] = []
     window = acc.window
     per_shard = isinstance(window, window_lib.DeviceWindow)
-    sum_specs = layout.window_specs().partial_sums if per_shard else layout.param_specs()
+    sum_specs = layout.window_specs().partial_sums if per_shard else layout.accumulator_specs()
     local = _Local(
         state.params,
         state.model_state,
@@ -424,7 +443,12 @@ def _mesh_call(
         close = partial(_close_device_window, ctx, layout)
     else:  # the sum is reduced already: the window closes in the global view
         close = lambda f: close_fields(ctx, f)
+    if layout.zero:
+        close = partial(zero_close, layout, ctx.owned, close)
+        fields = fields._replace(opt=optimizer_side(layout, fields.params, fields.opt)[1])
     fields = window_lib.run_once(window_closes(opt), close, fields)
+    if layout.zero:  # GSPMD may lay the loop's outputs out otherwise (an Auto mesh)
+        fields = laid_back(layout, fields)
     aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
     carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
     counts = Counts(inc[2].astype(jnp.int32), inc[1].astype(jnp.int32))
@@ -508,17 +532,18 @@ def _reduce(layout: sharded.Layout, whole: bool) -> Callable[[Any], Any] | None:
     """What a device's gradient goes through before it is added: reduce-scattered into the
     shards of parameters split over the data axis, and all-reduced for the others when the
     window keeps one ``whole`` sum (None: nothing to do)."""
-    if not whole and all(d is None for d in layout.dims):
+    dims = layout.accumulator_dims
+    if not whole and all(d is None for d in dims):
         return None
 
     def reduce(tree: Any) -> Any:
         leaves = layout.treedef.flatten_up_to(tree)
-        summed = [i for i, d in enumerate(layout.dims) if d is None and whole]
+        summed = [i for i, d in enumerate(dims) if d is None and whole]
         for i, x in zip(
             summed, jax.lax.psum([leaves[i] for i in summed], layout.axis), strict=True
         ):
             leaves[i] = x  # one all-reduce for all of them
-        for i, d in enumerate(layout.dims):
+        for i, d in enumerate(dims):
             if d is not None:
                 leaves[i] = jax.lax.psum_scatter(
                     leaves[i], layout.axis, scatter_dimension=d, tiled=True
@@ -566,8 +591,11 @@ def _pooled_model_state(
 def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -> Fields:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
-    reduced = [None if d is None else window_lib.REDUCED for d in layout.dims]
-    scatter = jax.tree.unflatten(layout.treedef, reduced)
+    kinds = [
+        window_lib.REDUCED if leaf.accumulator is not None else leaf.optimizer
+        for leaf in layout.leaves
+    ]
+    scatter = jax.tree.unflatten(layout.treedef, kinds)
     policy = ctx.config.policy
 
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
@@ -580,7 +608,7 @@ def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -
         local,
         layout,
         in_specs=(layout.window_specs(), WHOLE),
-        out_specs=window_lib.Closed(layout.param_specs(), *(WHOLE,) * 6),  # pyright: ignore[reportArgumentType]
+        out_specs=window_lib.Closed(layout.optimizer_specs(), *(WHOLE,) * 6),  # pyright: ignore[reportArgumentType]
     )(fields.opt.window, fields.opt.every_k)
     fields = close_fields(ctx, fields, closed)
     model_state = close_model_state(fields.model_state, fields.opt.updated, None)

@@ -1,33 +1,12 @@
 """Gradient accumulation as an optax transformation: `accumulate` and its window end.
 
-``accumulate(inner, K)`` collects K microbatch gradients and hands their scaled sum to ``inner``
-once per window, so K small microbatches give the update of one big batch. It is a drop-in
-replacement for ``optax.MultiSteps`` with these differences:
-
-- ``inner`` runs only at the end of a window, inside `accumjax.window.run_once` (on a CPU a
-  loop that runs at most once, updated in place; on a CUDA GPU a conditional, which the
-  device decides without a host round trip), so a non-update microstep costs a gradient, a
-  norm and an add, and the inner state is untouched bit for bit between updates.
-- The accumulator keeps a plain sum (never narrower than float32 by default) and divides once,
-  by the strategy's denominator (see `accumjax.scaling`).
-- A non-finite microbatch is detected, counted and (by default) left out; it still advances the
-  window, so windows stay aligned with the data (``optax.MultiSteps`` with ``skip_not_finite``
-  instead pretends the call never happened). The window's sum is checked once more when it
-  closes, so finite microbatches whose sum overflows skip the window and are counted too.
-- With ``axis_name`` the window's sum is all-reduced once per window, and every device takes
-  the same decision about each microbatch (`accumjax.window.inspect_microbatch`).
-
-The state and the free functions that read it (`accumjax.stats`, `accumjax.has_updated`, ...)
-are `accumjax.accumulation_state`. `close_and_update` (this transformation's ``update``) and
-`close_and_apply` (`accumjax.make_train_step`, which updates the parameters in the same loop)
-are the one place that acts on a closed window.
-
-The window logic (add, close, decide) is `accumjax.window`, shared with `make_train_step`'s
-stream and scan modes, so a policy means the same thing everywhere.
-
-Reference: ``optax.MultiSteps``; the seed behaviour is the TensorFlow GradientAccumulator library
-(andreped/GradientAccumulator), whose optimizer wrapper runs the inner optimizer every step and
-thereby advances Adam/momentum state on non-update steps, which this module does not do.
+``accumulate(inner, K)`` collects K microbatch gradients and hands their scaled sum to
+``inner`` once per window, a drop-in replacement for ``optax.MultiSteps``: ``inner`` runs only
+when a window closes (its state is untouched bit for bit in between), the accumulator keeps a
+plain sum divided once (`accumjax.scaling`), and a non-finite microbatch is counted and left
+out while it still advances the window. `close_and_update` (this transformation's ``update``)
+and `close_and_apply` (the train step's) are the one place that acts on a closed window; the
+window logic itself is `accumjax.window`, shared by every entry point.
 """
 
 from __future__ import annotations
@@ -487,6 +466,7 @@ def close_and_apply(
     *,
     closed: window_lib.Closed | None = None,
     every_step: bool = False,
+    split: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
 ) -> tuple[Any, AccumulationState]:
     """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
 
@@ -502,6 +482,9 @@ def close_and_apply(
         around the microbatch loop), or None to close ``state.window`` here.
       every_step: a window closes on every step (scan mode): its update is selected rather
         than branched to on a GPU (`accumjax._control.select_once`).
+      split: ``(to_shards, to_whole)``: ``inner`` updates ``to_shards(params)`` (ZeRO: split
+        like the reduced gradient) and the result goes back through ``to_whole``, both in
+        the update's loop (so only an applied window gathers); None for ``params`` as is.
 
     Returns:
       ``(params, state)``: the new parameters and the state with an empty window.
@@ -514,10 +497,17 @@ def close_and_apply(
 
     def update(operand: Any) -> Any:
         params, inner_state, closed, norms = operand
+        if split is not None:
+            params = split[0](params)
         updates, inner_state, scaled, norms = _inner_update(
             config, closed, inner_state, params, dtypes, {}, norms
         )
         new_params = _cast_like(optax.apply_updates(params, updates), params)
+        if split is not None:
+            # The new shards leave through the gradient's slot of the carry (free once read)
+            # where they fit it, rather than a buffer of their own until they are gathered.
+            scaled = jax.tree.map(_in_slot, new_params, scaled)
+            new_params = split[1](new_params)
         return new_params, inner_state, closed._replace(grad_sum=scaled), norms
 
     # The parameters travel once: a loop carry holding one buffer twice makes XLA copy it.
@@ -553,6 +543,12 @@ def _inner_update(
     # Keep the state's dtypes (an f16 param with f32 grads would promote adam's moments), so
     # the state is a fixed pytree type under loop carries.
     return updates, _cast_like(new_inner, inner_state), scaled, norms
+
+
+def _in_slot(new: Any, slot: Any) -> Any:
+    """``new`` where it has ``slot``'s shape and dtype, else ``slot``."""
+    same = jnp.shape(new) == jnp.shape(slot) and jnp.result_type(new) == jnp.result_type(slot)
+    return new if same else slot
 
 
 def _like(x: Any) -> jax.ShapeDtypeStruct:

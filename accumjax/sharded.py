@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from accumjax import window as window_lib
+from accumjax._layout import LeafLayout, leaf_layout
 
 __all__ = [
     "Layout",
@@ -46,6 +47,8 @@ __all__ = [
     "mesh_difference",
     "mesh_of",
     "names",
+    "optimizer_state_specs",
+    "place",
     "sharding_of",
     "shards_of",
     "split_dims",
@@ -62,21 +65,73 @@ class Layout(NamedTuple):
       axis: the data axis: the batch's leading dimension is split over it.
       treedef: the parameters' tree structure.
       dims: per parameter leaf, the dimension split over ``axis`` (None: replicated over it).
+      leaves: per parameter leaf, its `accumjax._layout.LeafLayout` (the layout plan).
+      specs: per parameter leaf, its partition spec over every mesh axis (a tuple).
+      opt_specs: with a ZeRO layout, per leaf of the inner optimizer's state, its partition
+        spec (`optimizer_state_specs`); None to leave the state where it lies.
     """
 
     mesh: AnyMesh
     axis: str
     treedef: Any
     dims: tuple[int | None, ...]
+    leaves: tuple[LeafLayout, ...] = ()
+    specs: tuple[tuple[Any, ...], ...] = ()
+    opt_specs: tuple[PartitionSpec | None, ...] | None = None
+
+    @property
+    def accumulator_dims(self) -> tuple[int | None, ...]:
+        """Per leaf, the window accumulator's dimension split over the axis (None: whole)."""
+        return tuple(leaf.accumulator for leaf in self.leaves)
+
+    @property
+    def optimizer_dims(self) -> tuple[int | None, ...]:
+        """Per leaf, the reduced gradient's and optimizer state's split dimension."""
+        return tuple(leaf.optimizer for leaf in self.leaves)
+
+    @property
+    def zero(self) -> bool:
+        """Whether a replicated parameter's optimizer state is split over the axis."""
+        return any(leaf.param is None and leaf.optimizer is not None for leaf in self.leaves)
+
+    def accumulator_specs(self) -> Any:
+        """The window accumulator's partition specs over the data axis, for ``shard_map``."""
+        dims = self.accumulator_dims
+        return jax.tree.unflatten(self.treedef, [_spec(d, self.axis) for d in dims])
+
+    def optimizer_specs(self) -> Any:
+        """The reduced gradient's partition specs over the data axis, for ``shard_map``."""
+        return jax.tree.unflatten(self.treedef, [_spec(d, self.axis) for d in self.optimizer_dims])
+
+    def local_sums(self, params: Any, dims: tuple[int | None, ...]) -> Any:
+        """Inside ``shard_map``, the shapes of one device's window sums of ``params`` (its
+        local parameters): each parameter's whole shape, split over the data axis on
+        ``dims``."""
+        out = []
+        leaves = self.treedef.flatten_up_to(params)
+        for x, leaf, dim in zip(leaves, self.leaves, dims, strict=True):
+            shape = list(jnp.shape(x))
+            if leaf.param is not None:
+                shape[leaf.param] *= self.shards
+            if dim is not None:
+                shape[dim] //= self.shards
+            out.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
+        return jax.tree.unflatten(self.treedef, out)
+
+    def global_specs(self, dims: tuple[int | None, ...]) -> Any:
+        """Per leaf, its full partition spec with the data axis moved to ``dims``."""
+        out = []
+        for spec, dim in zip(self.specs, dims, strict=True):
+            entries = [tuple(n for n in names(e) if n != self.axis) for e in spec]
+            if dim is not None:
+                entries[dim] = (self.axis, *entries[dim])
+            out.append(PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries)))
+        return jax.tree.unflatten(self.treedef, out)
 
     @property
     def shards(self) -> int:
         """How many data shards (devices along the data axis) there are."""
         return int(self.mesh.shape[self.axis])
-
-    def scatter(self) -> Any:
-        """A pytree like the parameters with each leaf's dimension split over the axis."""
-        return jax.tree.unflatten(self.treedef, self.dims)
 
     def param_specs(self) -> Any:
         """The parameters' partition specs over the data axis, for ``shard_map``."""
@@ -86,7 +141,8 @@ class Layout(NamedTuple):
         """The ``shard_map`` specs of a `accumjax.window.DeviceWindow`: each device its own
         partial sums (a parameter split over the axis: its shard of the one reduced sum)."""
         sums = [
-            PartitionSpec(self.axis) if d is None else _spec(d + 1, self.axis) for d in self.dims
+            PartitionSpec(self.axis) if d is None else _spec(d + 1, self.axis)
+            for d in self.accumulator_dims
         ]
         whole = PartitionSpec()
         return window_lib.DeviceWindow(
@@ -206,7 +262,13 @@ def _split_dim(path: str, leaf: Any, axis: str) -> int | None:
 
 
 def layout_of(
-    params: Any, batch: Any, *, mesh: AnyMesh | None = None, axis: str | None = None
+    params: Any,
+    batch: Any,
+    *,
+    mesh: AnyMesh | None = None,
+    axis: str | None = None,
+    optimizer_sharding: str = "replicated",
+    reduce_scatter: str = "microbatch",
 ) -> Layout | None:
     """The `Layout` of a call, or None when it runs off any mesh.
 
@@ -215,6 +277,7 @@ def layout_of(
       batch: the batch; its first leaf's sharding names the data axis.
       mesh, axis: the step's own mesh and data axis (``make_train_step(mesh=...,
         axis_name=...)``), or None to read them from the arrays.
+      optimizer_sharding, reduce_scatter: the plan's choices (`accumjax._layout.leaf_layout`).
 
     Returns:
       A `Layout` (a one-device mesh too: the step runs there as on N devices), or None (no
@@ -248,7 +311,24 @@ def layout_of(
         return None
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     dims = tuple(_split_dim(jax.tree_util.keystr(p), leaf, axis) for p, leaf in paths)
-    return Layout(mesh, axis, treedef, dims)
+    shards = int(mesh.shape[axis])
+    specs, leaves = [], []
+    for (_, leaf), dim in zip(paths, dims, strict=True):
+        shape = tuple(jnp.shape(leaf))
+        spec = tuple(getattr(sharding_of(leaf), "spec", ()) or ())
+        spec = spec + (None,) * (len(shape) - len(spec))
+        specs.append(spec)
+        leaves.append(
+            leaf_layout(
+                dim,
+                shape,
+                spec,
+                shards,
+                optimizer_sharding=optimizer_sharding,
+                reduce_scatter=reduce_scatter,
+            )
+        )
+    return Layout(mesh, axis, treedef, dims, tuple(leaves), tuple(specs))
 
 
 def mesh_difference(a: AnyMesh, b: AnyMesh) -> str:
@@ -353,6 +433,55 @@ def _zeros(shape: tuple[int, ...], dtype: Any, mesh: AnyMesh | None, spec: Any) 
     if any(types[a] == jax.sharding.AxisType.Explicit for e in spec for a in names(e)):
         return jax.sharding.reshard(zeros, sharding)
     return jax.lax.with_sharding_constraint(zeros, sharding)
+
+
+def place(tree: Any, mesh: AnyMesh, specs: Any) -> Any:
+    """``tree`` laid out as ``specs`` (a tree of ``PartitionSpec``, or a tuple of them or
+    None, one per leaf) on ``mesh`` inside a trace: resharded on an ``Explicit`` mesh,
+    constrained on an ``Auto`` one."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not isinstance(specs, tuple):
+        specs = tuple(
+            jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None)
+        )
+    explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+    out = []
+    for x, spec in zip(leaves, specs, strict=True):
+        if spec is None or not isinstance(x, jax.Array | jax.core.Tracer):
+            out.append(x)
+            continue
+        sharding = NamedSharding(mesh, spec)
+        out.append(
+            jax.sharding.reshard(x, sharding)
+            if explicit
+            else jax.lax.with_sharding_constraint(x, sharding)
+        )
+    return jax.tree.unflatten(treedef, out)
+
+
+def optimizer_state_specs(
+    init: Any, params: Any, layout: Layout
+) -> tuple[PartitionSpec | None, ...] | None:
+    """Per leaf of ``init(params)`` (an optimizer state), its partition spec when each
+    parameter is laid out as its optimizer dimension of ``layout`` says (traced on an
+    ``Explicit`` twin of the mesh, so sharding in types derives it: Adam's moments split like
+    the gradient); None off a concrete mesh."""
+    mesh = layout.mesh
+    if not isinstance(mesh, Mesh):
+        return None
+    explicit = (jax.sharding.AxisType.Explicit,) * len(mesh.axis_names)
+    twin = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
+    specs = jax.tree.leaves(
+        layout.global_specs(layout.optimizer_dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
+    )
+    leaves = layout.treedef.flatten_up_to(params)
+    typed = [
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=NamedSharding(twin, spec))
+        for x, spec in zip(leaves, specs, strict=True)
+    ]
+    with jax.set_mesh(twin):
+        shapes = jax.eval_shape(init, jax.tree.unflatten(layout.treedef, typed))
+    return tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
 
 
 def split_dims(params: Any, axis: str | None) -> tuple[int | None, ...]:

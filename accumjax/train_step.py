@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from accumjax._checks import check_callable, check_choice, check_int, refuse_unknown
 from accumjax._host import TrainStep, wrap
+from accumjax._layout import check_optimizer_sharding
 from accumjax._loop import Setup
 from accumjax._loss_adapter import make_grad_fn
 from accumjax._split import check_batch_axis
@@ -87,6 +88,7 @@ def make_train_step(
     unroll: int | bool = 1,
     gather_params: str = "window",
     reduce_scatter: str = "microbatch",
+    optimizer_sharding: str = "replicated",
     batch_axis: Any = 0,
     aux_rows: bool = False,
     **removed: Any,
@@ -132,6 +134,16 @@ def make_train_step(
         reduce-scatters a window); ``"window"`` keeps a full-size sum on every device and
         reduces it once, when the window closes (one reduction, three full-size gradients
         of memory per device). Replicated parameters are reduced once per window either way.
+      optimizer_sharding: under ``jit`` on a mesh, where parameters replicated over the data
+        axis keep their optimizer state: ``"replicated"`` (default: every device the whole
+        state, one all-reduce of the window's gradient), ``"zero1"`` (ZeRO-1: the state
+        split over the data axis; each device's full-size window sum is reduce-scattered
+        once, the optimizer runs on the shards and the new parameters are all-gathered once)
+        or ``"zero2"`` (ZeRO-2: also each microbatch's gradient reduce-scattered into a
+        1/N-size accumulator, K reduce-scatters a window). ``step.init`` lays the state out;
+        a state the user split over the data axis himself runs as ``"zero1"`` with his
+        layout. A leaf with no dimension that divides by the devices stays replicated.
+        ``pmap`` keeps its replicated layout. See :doc:`/guides/data_parallel`.
       batch_axis: scan mode: the batch axis split into microbatches, an int or a pytree prefix
         of the batch (``None`` at a leaf leaves it whole); only 0 on a mesh.
       aux_rows: scan mode with ``has_aux``: aux in the batch's row order, shape ``(B, ...)``,
@@ -215,6 +227,7 @@ def make_train_step(
             _GATHER[1],
             mode,
         ),
+        optimizer_sharding=check_optimizer_sharding(optimizer_sharding),
         loss_positional=positional_limit(loss_fn),
         batch_axis=_check_scan_only("batch_axis", check_batch_axis(batch_axis), 0, mode),
         aux_rows=_check_scan_only("aux_rows", _check_bool("aux_rows", aux_rows), False, mode),

@@ -254,8 +254,89 @@ def fsdp(n: int) -> dict[str, Any]:
     return out
 
 
+OPTIMIZER_SHARDINGS = ("replicated", "zero1", "zero2")
+
+
+def _replicated(mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
+    """The model's parameters replicated over "data" (data parallel) and a batch of 16 rows
+    per device per microbatch, on ``mesh``."""
+    params = jax.device_put(common.dense_params(), NamedSharding(mesh, PartitionSpec()))
+    batch = jax.device_put(
+        common.dense_batch(mesh.size * K * common.DENSE_ROWS), accumjax.data_sharding(mesh, "data")
+    )
+    return params, batch
+
+
+def _hand_written(mesh: jax.sharding.Mesh, stage: int) -> Any:
+    """A hand-written ``shard_map`` step (issue 44's reference): each device sums its rows'
+    gradients over K microbatches, then stage 0 (DDP) all-reduces the sum once and runs Adam
+    replicated; stage 1 (ZeRO-1) reduce-scatters the sum once, runs Adam on 1/N shards of
+    its state and all-gathers the new parameters; stage 2 (ZeRO-2) reduce-scatters each
+    microbatch's gradient into a 1/N accumulator, then as stage 1. State donated."""
+    n, tx = mesh.size, _tx()
+    shard = lambda t: jax.lax.psum_scatter(t, "data", scatter_dimension=0, tiled=True)
+    gather = lambda t: jax.lax.all_gather(t, "data", axis=0, tiled=True)
+
+    def local(params: Any, opt: Any, batch: Any) -> Any:
+        micro = jax.tree.map(lambda x: x.reshape(-1, K, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def body(acc: Any, mb: Any) -> Any:
+            g = jax.grad(common.dense_loss)(params, mb)
+            return jax.tree.map(jnp.add, acc, jax.tree.map(shard, g) if stage == 2 else g), None
+
+        like = jax.tree.map(shard, params) if stage == 2 else params
+        zeros = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros_like(a), "data", to="varying"), like)
+        acc, _ = jax.lax.scan(body, zeros, micro)
+        if stage == 0:
+            grads = jax.tree.map(lambda a: jax.lax.psum(a, "data") / (K * n), acc)
+            updates, opt = tx.update(grads, opt, params)
+            return optax.apply_updates(params, updates), opt
+        grads = jax.tree.map(lambda a: a / (K * n), acc if stage == 2 else jax.tree.map(shard, acc))
+        index = jax.lax.axis_index("data")
+        mine = jax.tree.map(lambda p: p.reshape(n, -1, p.shape[1])[index], params)
+        updates, opt = tx.update(grads, opt, mine)
+        return jax.tree.map(gather, optax.apply_updates(mine, updates)), opt
+
+    whole = PartitionSpec()
+    split = lambda a: PartitionSpec("data") if stage and a.ndim == 2 else whole
+    params, batch = _replicated(mesh)
+    opt = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, split(a))), tx.init(params))
+    specs = (jax.tree.map(lambda _: whole, params), jax.tree.map(split, opt))
+    step = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(*specs, PartitionSpec("data")),
+        out_specs=specs,
+        check_vma=False,
+    )
+    args = (params, opt, batch)
+    return _figures(jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(), args)
+
+
+def data_parallel(n: int) -> dict[str, Any]:
+    """Per-device memory and collectives per window of each data-parallel layout on the first
+    ``n`` devices (parameters replicated; Explicit mesh; default policy): accumjax with each
+    ``optimizer_sharding`` beside the hand-written DDP, ZeRO-1 and ZeRO-2 steps."""
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    out: dict[str, Any] = {}
+    with jax.set_mesh(mesh):
+        for choice in OPTIMIZER_SHARDINGS:
+            params, batch = _replicated(mesh)
+            step = accumjax.make_train_step(
+                common.dense_loss, mode="scan", optimizer_sharding=choice
+            )
+            state = step.init(params, accumjax.accumulate(_tx(), K))
+            compiled = step.lower(state, batch).compile()
+            out[f"accumjax optimizer_sharding={choice}"] = _figures(compiled, (state, batch))
+        for stage, name in enumerate(("DDP", "ZeRO-1", "ZeRO-2")):
+            out[f"hand-written {name}"] = _hand_written(mesh, stage)
+    return out
+
+
 def _worker(n: int) -> dict[str, Any]:
-    return {"one_device": one_device()} if n == 1 else {"fsdp": fsdp(n)}
+    if n == 1:
+        return {"one_device": one_device()}
+    return {"fsdp": fsdp(n), "data_parallel": data_parallel(n)}
 
 
 def _spawn(n: int, host_devices: int | None) -> dict[str, Any]:
@@ -292,7 +373,15 @@ def run(host_devices: int | None = None) -> dict[str, Any]:
         },
         "host_devices": host_devices,
         "one_device": _spawn(1, host_devices)["one_device"],
-        "fsdp": {str(n): _spawn(n, host_devices)["fsdp"] for n in MESH_SIZES},
+        **_by_mesh_size({n: _spawn(n, host_devices) for n in MESH_SIZES}),
+    }
+
+
+def _by_mesh_size(workers: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The workers' sections, each keyed by N."""
+    return {
+        section: {str(n): out[section] for n, out in workers.items()}
+        for section in ("fsdp", "data_parallel")
     }
 
 
@@ -311,6 +400,58 @@ def _sized(counts: dict[Any, int]) -> str:
     return " + ".join(f"{k}x{_size(int(b))}" for b, k in counts.items()) or "0"
 
 
+def _memory_rows(title: str, section: dict[str, Any]) -> list[str]:
+    """A section's per-device memory table, one row per step, one column per N."""
+    sizes = list(section)
+    lines = [
+        "",
+        f"{title}, per device: argument + temp = MiB (output not aliasing an argument MiB)",
+        "",
+        "| step | " + " | ".join(f"N={n}" for n in sizes) + " |",
+        "|---" * (len(sizes) + 1) + "|",
+    ]
+    for name in section[sizes[0]]:
+        cells = []
+        for n in sizes:
+            m = section[n][name]
+            if "error" in m:
+                cells.append(f"fails: {m['error'][:90]}")
+                continue
+            total = m["argument_bytes"] + m["temp_bytes"]
+            extra = m["output_bytes"] - m["alias_bytes"]
+            cells.append(
+                f"{_mib(m['argument_bytes'])} + {_mib(m['temp_bytes'])} = **{_mib(total)}** "
+                f"({_mib(extra)})"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _collective_rows(title: str, section: dict[str, Any]) -> list[str]:
+    """A section's collectives per window, one row per step and N."""
+    lines = [
+        "",
+        f"{title}, collectives per window, count x result size (in brackets where a loop run "
+        "at most once, a window's re-run or its update, adds to them: with it run once)",
+        "",
+        "| step | N | " + " | ".join(OPS) + " | other |",
+        "|---" * 6 + "|",
+    ]
+    for n, steps in section.items():
+        for name, m in steps.items():
+            if "error" in m:
+                continue
+            clean, rerun = m["collectives"], m["collectives_rerun"]
+            cells = {op: _sized(clean.get(op, {})) for op in {*clean, *rerun}}
+            for op in rerun:
+                if rerun[op] != clean.get(op):
+                    cells[op] += f" [{_sized(rerun[op])}]"
+            other = "; ".join(f"{op} {cell}" for op, cell in sorted(cells.items()) if op not in OPS)
+            counts = " | ".join(cells.get(op, "0") for op in OPS)
+            lines.append(f"| {name} | {n} | {counts} | {other} |")
+    return lines
+
+
 def table(r: dict[str, Any]) -> str:
     """Markdown tables of ``run()``'s figures."""
     one = r["one_device"]
@@ -326,58 +467,19 @@ def table(r: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {_mib(m['temp_bytes'])} | {ratio:.2f} | {_mib(m['argument_bytes'])} |"
         )
-    sizes = list(r["fsdp"])
-    lines += [
-        "",
-        "FSDP, per device: argument + temp = MiB (output not aliasing an argument MiB)",
-        "",
-        "| step | " + " | ".join(f"N={n}" for n in sizes) + " |",
-        "|---" * (len(sizes) + 1) + "|",
-    ]
-    for name in r["fsdp"][sizes[0]]:
-        cells = []
-        for n in sizes:
-            m = r["fsdp"][n][name]
-            if "error" in m:
-                cells.append(f"fails: {m['error'][:90]}")
-                continue
-            total = m["argument_bytes"] + m["temp_bytes"]
-            extra = m["output_bytes"] - m["alias_bytes"]
-            cells.append(
-                f"{_mib(m['argument_bytes'])} + {_mib(m['temp_bytes'])} = **{_mib(total)}** "
-                f"({_mib(extra)})"
-            )
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "FSDP, collectives per window, count x result size (in brackets where a window's "
-        "re-run, a loop run at most once, adds to them: with it run once)",
-        "",
-        "| step | N | " + " | ".join(OPS) + " | other |",
-        "|---" * 6 + "|",
-    ]
-    for n in sizes:
-        for name, m in r["fsdp"][n].items():
-            if "error" in m:
-                continue
-            clean, rerun = m["collectives"], m["collectives_rerun"]
-            cells = {op: _sized(clean.get(op, {})) for op in {*clean, *rerun}}
-            for op in rerun:
-                if rerun[op] != clean.get(op):
-                    cells[op] += f" [{_sized(rerun[op])}]"
-            other = "; ".join(f"{op} {cell}" for op, cell in sorted(cells.items()) if op not in OPS)
-            counts = " | ".join(cells.get(op, "0") for op in OPS)
-            lines.append(f"| {name} | {n} | {counts} | {other} |")
+    for name, title in (("fsdp", "FSDP"), ("data_parallel", "Data parallel")):
+        lines += _memory_rows(title, r[name]) + _collective_rows(title, r[name])
     checks = [
         m["argument_check_bytes"]
-        for v in r["fsdp"].values()
+        for section in ("fsdp", "data_parallel")
+        for v in r[section].values()
         for m in v.values()
         if "error" not in m
     ]
     lines += [
         "",
         "memory_analysis() is per device: argument bytes minus the bytes of one device's shard "
-        f"of every argument, over all FSDP steps: {min(checks)} to {max(checks)}",
+        f"of every argument, over all mesh steps: {min(checks)} to {max(checks)}",
     ]
     return "\n".join(lines)
 

@@ -1,0 +1,126 @@
+"""The layout plan of a train step on a mesh: per parameter leaf, where the parameter, its
+window accumulator and its optimizer state lie along the data axis, and how its gradient is
+reduced across the devices.
+
+Each leaf is a `LeafLayout` (dimensions split over the data axis, None for replicated over it)
+and a `Reduction`. The layouts a user chooses are rows of one table (`leaf_layout`):
+
+================  =========  ===========  =========  ==============================
+layout            parameter  accumulator  optimizer  reduction
+================  =========  ===========  =========  ==============================
+replicated        whole      whole        whole      all-reduce per window
+ZeRO-1            whole      whole        d          reduce-scatter per window
+ZeRO-2            whole      d            d          reduce-scatter per microbatch
+FSDP              d          d            d          reduce-scatter per microbatch
+FSDP ``window``   d          whole        d          reduce-scatter per window
+================  =========  ===========  =========  ==============================
+
+``d`` is the parameter's split dimension (FSDP) or, for ZeRO, its first dimension that divides
+by the number of devices and no other mesh axis splits; a leaf with none stays replicated.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+from accumjax._checks import check_choice
+
+__all__ = [
+    "OPTIMIZER_SHARDINGS",
+    "REPLICATED",
+    "LeafLayout",
+    "Reduction",
+    "check_optimizer_sharding",
+    "leaf_layout",
+    "zero_dim",
+]
+
+OPTIMIZER_SHARDINGS = ("replicated", "zero1", "zero2")
+
+
+class Reduction(enum.Enum):
+    """How a leaf's gradient is reduced across the data axis."""
+
+    ALL_REDUCE = "all-reduce per window"
+    REDUCE_SCATTER_WINDOW = "reduce-scatter per window"
+    REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
+
+
+class LeafLayout(NamedTuple):
+    """Where one parameter leaf's arrays lie along the data axis (static, hashable).
+
+    Attributes:
+      param: the parameter's dimension split over the data axis (None: replicated).
+      accumulator: the window accumulator's (None: a full-size sum on every device).
+      optimizer: the reduced gradient's and the optimizer state's (None: replicated).
+      reduction: how the gradient is reduced across the devices.
+    """
+
+    param: int | None
+    accumulator: int | None
+    optimizer: int | None
+    reduction: Reduction
+
+
+REPLICATED = LeafLayout(None, None, None, Reduction.ALL_REDUCE)
+
+
+def check_optimizer_sharding(value: Any) -> str:
+    """``make_train_step(optimizer_sharding=...)`` validated."""
+    return check_choice("optimizer_sharding", value, OPTIMIZER_SHARDINGS)
+
+
+def zero_dim(shape: tuple[int, ...], spec: tuple[Any, ...], shards: int) -> int | None:
+    """The dimension a replicated parameter's optimizer state is split on over ``shards``
+    devices: the first that divides by ``shards`` and that ``spec`` (its partition spec)
+    leaves unsplit; None for none (the leaf stays replicated).
+
+    Example:
+      >>> zero_dim((3, 8), (), 4), zero_dim((3,), (), 2), zero_dim((8, 8), ("model",), 2)
+      (1, None, 1)
+    """
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
+        if entry is None and size % shards == 0 and size >= shards:
+            return dim
+    return None
+
+
+def leaf_layout(
+    param_dim: int | None,
+    shape: tuple[int, ...],
+    spec: tuple[Any, ...],
+    shards: int,
+    *,
+    optimizer_sharding: str,
+    reduce_scatter: str,
+) -> LeafLayout:
+    """One leaf's row of the layout table (see the module docstring).
+
+    Args:
+      param_dim: the parameter's dimension split over the data axis, or None.
+      shape, spec: the parameter's global shape and partition spec.
+      shards: the number of devices along the data axis.
+      optimizer_sharding: ``"replicated"``, ``"zero1"`` or ``"zero2"``: where a replicated
+        parameter's optimizer state (and with ``"zero2"`` its accumulator) lies.
+      reduce_scatter: FSDP: ``"microbatch"`` or ``"window"``.
+
+    Returns:
+      The `LeafLayout`.
+
+    Example:
+      >>> leaf_layout(None, (8, 4), (), 2, optimizer_sharding="zero1",
+      ...             reduce_scatter="microbatch").reduction.value
+      'reduce-scatter per window'
+    """
+    if param_dim is not None:
+        if reduce_scatter == "microbatch":
+            return LeafLayout(param_dim, param_dim, param_dim, Reduction.REDUCE_SCATTER_MICROBATCH)
+        return LeafLayout(param_dim, None, param_dim, Reduction.REDUCE_SCATTER_WINDOW)
+    dim = None if optimizer_sharding == "replicated" else zero_dim(shape, spec, shards)
+    if dim is None:
+        return REPLICATED
+    if optimizer_sharding == "zero1":
+        return LeafLayout(None, None, dim, Reduction.REDUCE_SCATTER_WINDOW)
+    return LeafLayout(None, dim, dim, Reduction.REDUCE_SCATTER_MICROBATCH)

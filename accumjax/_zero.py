@@ -1,0 +1,153 @@
+"""ZeRO under ``jit`` (internal): a window's update on parameters replicated over the data
+axis whose optimizer state is split over it (`accumjax._layout`'s ZeRO rows).
+
+The inner optimizer runs in the global view on the parameters sliced like their reduced
+gradient, and the new slices are all-gathered back: inside the update's loop of at most one
+trip (`split_params`, scan mode) or around the window's close (`zero_close`, stream mode).
+The parameters are pinned whole (`pinned`) wherever XLA could otherwise carry them split
+through a loop and gather them on every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from accumjax import sharded
+from accumjax._layout import REPLICATED, LeafLayout, Reduction
+from accumjax._loop import Fields
+from accumjax.accumulation_state import AccumulationState
+from accumjax.train_state import TrainState
+
+__all__ = [
+    "as_placed",
+    "laid_back",
+    "optimizer_side",
+    "parameter_side",
+    "pinned",
+    "placed_zero",
+    "split_params",
+    "zero_close",
+]
+
+
+def optimizer_side(layout: sharded.Layout, params: Any, acc: AccumulationState) -> tuple:
+    """A ZeRO window's update inputs in the global view: the parameters split like their
+    reduced gradient (a local slice) and the optimizer state laid out as planned."""
+    mesh = layout.mesh
+    params = sharded.place(params, mesh, layout.global_specs(layout.optimizer_dims))
+    inner = acc.inner_tx_state
+    if layout.opt_specs is not None:
+        inner = sharded.place(inner, mesh, layout.opt_specs)
+    return params, acc._replace(inner_tx_state=inner)
+
+
+def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """`accumjax._loop.Setup.split_params` of a ZeRO layout: the whole parameters (pinned
+    where they lie, so that XLA keeps them whole in the update's loop carry) sliced like the
+    reduced gradient, and the new slices all-gathered back.
+
+    Args:
+      layout: the call's `accumjax.sharded.Layout` with a ZeRO plan.
+
+    Returns:
+      ``(to_shards, to_whole)``, functions of the parameters in the global view (traced).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from accumjax import sharded
+      >>> from accumjax._zero import split_params
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> params = {"w": jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P()))}
+      >>> layout = sharded.layout_of(params, None, mesh=mesh, optimizer_sharding="zero1")
+      >>> to_shards, to_whole = split_params(layout)
+      >>> tuple(jax.jit(to_shards)(params)["w"].sharding.spec)
+      ('data', None)
+      >>> jax.jit(lambda p: to_whole(to_shards(p)))(params)["w"].sharding.is_fully_replicated
+      True
+    """
+    mesh, split = layout.mesh, layout.global_specs(layout.optimizer_dims)
+    to_shards = lambda p: sharded.place(pinned(layout, p), mesh, split)
+    to_whole = lambda p: pinned(layout, sharded.place(p, mesh, layout.global_specs(layout.dims)))
+    return to_shards, to_whole
+
+
+def parameter_side(layout: sharded.Layout, state: TrainState, owned: bool) -> TrainState:
+    """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
+    the optimizer state where it lies."""
+    params = sharded.place(state.params, layout.mesh, layout.global_specs(layout.dims))
+    opt: Any = state.opt_state
+    if layout.opt_specs is not None:
+        inner = sharded.place(opt.inner_tx_state if owned else opt, layout.mesh, layout.opt_specs)
+        opt = opt._replace(inner_tx_state=inner) if owned else inner
+    return state.replace(params=params, opt_state=opt)
+
+
+def zero_close(
+    layout: sharded.Layout, owned: bool, close: Callable[[Fields], Fields], fields: Fields
+) -> Fields:
+    """``close`` with the update on the parameters split like their reduced gradient, and
+    the parameters and optimizer state laid out back as they lie."""
+    params, opt = optimizer_side(layout, pinned(layout, fields.params), fields.opt)
+    return laid_back(layout, close(fields._replace(params=params, opt=opt)))
+
+
+def pinned(layout: sharded.Layout, params: Any) -> Any:
+    """``params`` constrained where they lie, so that XLA keeps them so in a loop's carry
+    (on an ``Explicit`` mesh through `jax.sharding.auto_axes`: under ``jax.set_mesh`` a
+    constraint equal to the type is dropped)."""
+    specs = jax.tree.leaves(
+        layout.global_specs(layout.dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
+    )
+    shardings = [NamedSharding(layout.mesh, spec) for spec in specs]
+    leaves = layout.treedef.flatten_up_to(params)
+    constrain = partial(jax.lax.with_sharding_constraint, shardings=shardings)
+    if jax.sharding.AxisType.Explicit in tuple(layout.mesh.axis_types):
+        constrain = cast(Any, jax.sharding.auto_axes)(constrain, out_sharding=shardings)
+    return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
+
+
+def laid_back(layout: sharded.Layout, fields: Fields) -> Fields:
+    """``fields`` with the parameters where they lie (one all-gather of a ZeRO update) and
+    the optimizer state as planned."""
+    params = sharded.place(fields.params, layout.mesh, layout.global_specs(layout.dims))
+    params = pinned(layout, params)
+    return fields._replace(params=params, opt=optimizer_side(layout, params, fields.opt)[1])
+
+
+def placed_zero(inner: Any, params: Any, layout: sharded.Layout) -> dict[Any, int | None]:
+    """Where the user split the optimizer state over the data axis beside replicated
+    parameters: for each replicated parameter's shape, the dimension its state leaves lie
+    split on (None: replicated); empty when no state leaf of such a shape is split."""
+    whole = {
+        tuple(jnp.shape(p))
+        for p, d in zip(layout.treedef.flatten_up_to(params), layout.dims, strict=True)
+        if d is None
+    }
+    found: dict[Any, int | None] = {}
+    for x in jax.tree.leaves(inner):
+        shape = tuple(jnp.shape(x))
+        if shape not in whole:
+            continue
+        spec = getattr(sharded.sharding_of(x), "spec", ()) or ()
+        dims = [i for i, e in enumerate(spec) if layout.axis in sharded.names(e)]
+        found[shape] = dims[0] if dims else found.get(shape)
+    return found if any(d is not None for d in found.values()) else {}
+
+
+def as_placed(plan: sharded.Layout, params: Any, placed: dict[Any, int | None]) -> tuple:
+    """``plan``'s leaves with each replicated parameter's optimizer dimension as placed."""
+    leaves = []
+    for p, leaf in zip(plan.treedef.flatten_up_to(params), plan.leaves, strict=True):
+        if leaf.param is None:
+            dim = placed.get(tuple(jnp.shape(p)))
+            zero1 = LeafLayout(None, None, dim, Reduction.REDUCE_SCATTER_WINDOW)
+            leaf = REPLICATED if dim is None else zero1
+        leaves.append(leaf)
+    return tuple(leaves)
