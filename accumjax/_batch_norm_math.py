@@ -48,7 +48,8 @@ from flax.typing import Array, Axes, Dtype
 from jax import lax
 
 from accumjax._checks import INT32_MAX, check_axis_bound, check_int, check_real
-from accumjax.window import sum_dtype
+from accumjax._norms import abs_squared
+from accumjax._window import sum_dtype
 
 __all__ = [
     "ACCUMULATOR_NAMES",
@@ -58,7 +59,6 @@ __all__ = [
     "Moments",
     "Running",
     "Window",
-    "abs_sq",
     "accumulate",
     "accumulator_dtype",
     "canonical_axes",
@@ -172,18 +172,6 @@ def complex_like(dtype: Any, other: Any) -> jnp.dtype:
     """
     complex_other = jnp.issubdtype(other, jnp.complexfloating)
     return jnp.promote_types(dtype, other) if complex_other else jnp.dtype(dtype)
-
-
-def abs_sq(x: Array) -> Array:
-    """``|x|**2`` elementwise, real: ``re**2 + im**2`` for a complex ``x`` (as Flax computes it).
-
-    Example:
-      >>> abs_sq(jnp.array([3 + 4j], jnp.complex64))
-      Array([25.], dtype=float32)
-    """
-    if jnp.iscomplexobj(x):
-        return lax.square(lax.real(x)) + lax.square(lax.imag(x))
-    return lax.square(x)
 
 
 def check_config(accum_steps: Any, momentum: Any, epsilon: Any = 0.0) -> None:
@@ -323,13 +311,13 @@ def compute_moments(
     def local_sum(values: Array) -> Array:
         return jnp.sum(values, reduction_axes, where=where)
 
-    sums = (local_sum(x), local_sum(abs_sq(x))) if use_fast_variance else (local_sum(x),)
+    sums = (local_sum(x), local_sum(abs_squared(x))) if use_fast_variance else (local_sum(x),)
     count, *sums = all_sum((count, *sums))
     denom = jnp.maximum(count, 1).astype(jnp.finfo(x.dtype).dtype)  # real for a complex x
     mean = sums[0] / denom
     if use_fast_variance:
-        return Moments(count, mean, jnp.maximum(0.0, sums[1] / denom - abs_sq(mean)))
-    centred = abs_sq(x - jnp.expand_dims(mean, reduction_axes))
+        return Moments(count, mean, jnp.maximum(0.0, sums[1] / denom - abs_squared(mean)))
+    centred = abs_squared(x - jnp.expand_dims(mean, reduction_axes))
     return Moments(count, mean, all_sum(local_sum(centred)) / denom)
 
 
@@ -342,9 +330,9 @@ def _local_mean_var(
     """
     mean = jnp.mean(x, reduction_axes)
     if use_fast_variance:
-        var = jnp.maximum(0.0, jnp.mean(abs_sq(x), reduction_axes) - abs_sq(mean))
+        var = jnp.maximum(0.0, jnp.mean(abs_squared(x), reduction_axes) - abs_squared(mean))
     else:
-        var = jnp.mean(abs_sq(x - jnp.expand_dims(mean, reduction_axes)), reduction_axes)
+        var = jnp.mean(abs_squared(x - jnp.expand_dims(mean, reduction_axes)), reduction_axes)
     return mean, var
 
 
@@ -413,7 +401,7 @@ def chan_merge(
     n = n_a + n_b
     w_b = n_b / jnp.maximum(n, 1)  # n_b / n, and 0 when both are empty
     delta = mean_b - mean_a
-    return n, mean_a + delta * w_b, m2_a + m2_b + abs_sq(delta) * n_a * w_b
+    return n, mean_a + delta * w_b, m2_a + m2_b + abs_squared(delta) * n_a * w_b
 
 
 def ema(old: Array, new: Array, momentum: Any, update: Array) -> Array:
@@ -520,7 +508,7 @@ def window_sums(shifts: list[Array], windows: list[Window]) -> Array:
     parts: list[Array] = []
     for shift, window in zip(shifts, windows, strict=True):
         delta = window.mean - shift.astype(window.mean.dtype)
-        parts += [window.count, window.count * delta, window.m2 + window.count * abs_sq(delta)]
+        parts += [window.count, window.count * delta, window.m2 + window.count * abs_squared(delta)]
     dtype = jnp.result_type(*parts) if parts else jnp.float32
     return jnp.concatenate([p.astype(dtype).ravel() for p in parts] or [jnp.zeros(0, dtype)])
 

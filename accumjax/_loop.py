@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accumjax import window as window_lib
+import accumjax._window as window_lib
 from accumjax._agreement import Verdict, verdict, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._loss_adapter import GradFn
@@ -86,7 +86,7 @@ class Setup(NamedTuple):
         reduce-scattered into an accumulator sharded like them every ``"microbatch"``, or
         once a ``"window"`` (a full-size accumulator on every device).
       reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
-        before it is added (`accumjax.window.add_microbatch`), or None.
+        before it is added (`accumjax._window.add_microbatch`), or None.
       dims: inside ``shard_map``, the dimension each parameter is split on over the data
         axis (a pytree like the parameters), for a policy that reduces each microbatch's
         whole gradient; None for none.
@@ -123,7 +123,7 @@ class Context(NamedTuple):
       rng: the step's PRNG key, or None.
       step_count: ``state.step``, folded into every microbatch key.
       axis_name: the mapped or sharded batch axis: its index is folded into keys, and the
-        devices along it agree about each microbatch (`accumjax.window.inspect_microbatch`).
+        devices along it agree about each microbatch (`accumjax._window.inspect_microbatch`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
     """
@@ -154,7 +154,7 @@ class Context(NamedTuple):
     @property
     def blind(self) -> bool:
         """Whether scan mode adds each microbatch as it comes and decides about them all at the
-        window's end (`accumjax.window.close_window`'s verdicts): every policy that does not
+        window's end (`accumjax._window.close_window`'s verdicts): every policy that does not
         read the gradient's values, in a window of more than one microbatch (one microbatch's
         gradient is the window's sum: it is decided about as it comes)."""
         return self.setup.mode == "scan" and not self.config.policy.reads and self.k > 1
@@ -340,9 +340,9 @@ def microbatch(
 
     In scan mode (`Context.blind`) it is added as it comes where ``gate`` (a decision taken
     before, True in a window's first pass) and decided about at the window's end from its
-    `Outcome.verdict`; otherwise decided first (`accumjax.window.inspect_microbatch`; on a
+    `Outcome.verdict`; otherwise decided first (`accumjax._window.inspect_microbatch`; on a
     mesh about the whole microbatch). ``first`` opens the window with it
-    (`accumjax.window.first_microbatch`).
+    (`accumjax._window.first_microbatch`).
     """
     loss, new_model_state, aux, grads, weight = gradient(
         ctx, params, carry.model_state, batch, index

@@ -9,7 +9,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
-from accumjax.clipping import squared_norm
+from accumjax._norms import global_norm
 
 __all__ = [
     "REDUCED",
@@ -21,13 +21,6 @@ __all__ = [
     "reduced_scatter",
     "sharded_norm",
 ]
-
-
-def global_norm(tree: Any) -> jax.Array:
-    r"""Global L2 norm of a pytree: the leaves' `accumjax.clipping.squared_norm`\s (float32 or
-    wider whatever the leaf dtype), summed, float32."""
-    squares = [squared_norm(x) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))).astype(jnp.float32)
 
 
 REDUCED = -1  # a `close_window` scatter entry: this leaf's sum is a reduced shard already

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from accumjax import window as window_lib
+import accumjax._window as window_lib
 from accumjax._agreement import Verdict, weigh
 from accumjax._loop import (
     Carry,
@@ -115,7 +115,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
     Each microbatch is added as it comes where ``gate`` (a bool vector decided before; None
     for all) and decided about at the window's end from its verdict (`Context.blind`), or,
     for a policy that reads the gradient's values, decided as it comes (on a mesh the
-    devices agree about each one: `accumjax.window.inspect_microbatch`). The loop body is
+    devices agree about each one: `accumjax._window.inspect_microbatch`). The loop body is
     traced once, however many times ``run`` is called.
     """
     take = _microbatches(ctx, params, batch)
@@ -234,7 +234,7 @@ def settle(
     A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
     devices refused one (and accepted another), the window runs again, adding only the
     accepted ones, each as it comes: a second pass only for such a window, in
-    `accumjax.window.run_once` (no loop on the data; on a GPU one conditional).
+    `accumjax._window.run_once` (no loop on the data; on a GPU one conditional).
     """
     closed, model_state, extras = close(first.carry, first.verdicts, first.losses)
     policy = ctx.config.policy
@@ -257,7 +257,7 @@ class Closing(NamedTuple):
     """A window's microbatches after its one reduction (what a scan step closes with).
 
     Attributes:
-      closed: the reduced and decided window (`accumjax.window.Closed`).
+      closed: the reduced and decided window (`accumjax._window.Closed`).
       model_state: the model state after its microbatches, its BatchNorm windows closed
         with the decision.
       loss: the window's loss metric.

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax import window as window_lib
 from accumjax._agreement import Verdict, accepted, verdict, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
 from accumjax._loop import (

@@ -24,6 +24,7 @@ import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
 from accumjax._multisteps import check_inner_state
+from accumjax._window import Policy
 from accumjax.accumulation import config_of
 from accumjax.accumulation_state import (
     APPLY_IF_FINITE_NOTE,
@@ -33,7 +34,6 @@ from accumjax.accumulation_state import (
     locate,
 )
 from accumjax.loss_scale import DynamicLossScale
-from accumjax.window import Policy
 
 __all__ = [
     "check_composition",

@@ -4,7 +4,7 @@
 once per window, so K small microbatches give the update of one big batch. It is a drop-in
 replacement for ``optax.MultiSteps`` with these differences:
 
-- ``inner`` runs only at the end of a window, inside `accumjax.window.run_once` (on a CPU a
+- ``inner`` runs only at the end of a window, inside `accumjax._window.run_once` (on a CPU a
   loop that runs at most once, updated in place; on a CUDA GPU a conditional, which the
   device decides without a host round trip), so a non-update microstep costs a gradient, a
   norm and an add, and the inner state is untouched bit for bit between updates.
@@ -15,7 +15,7 @@ replacement for ``optax.MultiSteps`` with these differences:
   instead pretends the call never happened). The window's sum is checked once more when it
   closes, so finite microbatches whose sum overflows skip the window and are counted too.
 - With ``axis_name`` the window's sum is all-reduced once per window, and every device takes
-  the same decision about each microbatch (`accumjax.window.inspect_microbatch`).
+  the same decision about each microbatch (`accumjax._window.inspect_microbatch`).
 
 The state and the free functions that read it (`accumjax.stats`, `accumjax.has_updated`, ...)
 are `accumjax.accumulation_state`. `close_and_update` (this transformation's ``update``) and
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import accumjax._window as window_lib
 from accumjax import scaling as scaling_lib
-from accumjax import window as window_lib
 from accumjax._checks import (
     INT32_MAX,
     check_callable,
@@ -58,6 +58,7 @@ from accumjax._multisteps import (
     check_skip_fn,
 )
 from accumjax._policy import check_microbatch_transform, transform_state
+from accumjax._window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 from accumjax.accumulation_state import (
     CONFIG_ATTR,
     AccumulationState,
@@ -65,7 +66,6 @@ from accumjax.accumulation_state import (
     config_of,
     k_tag,
 )
-from accumjax.window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
 
 __all__ = [
     "AccumulationState",
@@ -448,7 +448,7 @@ def close_and_update(
     """Closes the full window and, if it is usable, returns ``inner``'s updates for it.
 
     The optax path (`accumulate`'s ``update``): reduce once, decide, and run ``inner`` in a
-    `accumjax.window.run_once`, so the inner state is updated in place and left bit for bit
+    `accumjax._window.run_once`, so the inner state is updated in place and left bit for bit
     as it was when the window is not applied.
 
     Args:
@@ -491,7 +491,7 @@ def close_and_apply(
     """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
 
     The train-step path: as `close_and_update`, but the parameters are updated inside the
-    `accumjax.window.run_once` too (in place, untouched when the window is not applied), and
+    `accumjax._window.run_once` too (in place, untouched when the window is not applied), and
     ``inner`` sees gradients in the parameters' dtypes.
 
     Args:

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import accumjax._window as window_lib
 from accumjax import scaling as scaling_lib
-from accumjax import window as window_lib
 from accumjax._checks import check_alive
 from accumjax._variables import unwrap_variables
-from accumjax.window import Window
+from accumjax._window import Window
 
 __all__ = [
     "APPLY_IF_FINITE_NOTE",

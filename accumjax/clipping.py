@@ -72,6 +72,7 @@ import numpy as np
 import optax
 
 from accumjax._checks import check_real
+from accumjax._norms import squared_norm
 
 __all__ = [
     "adaptive_clip",
@@ -150,55 +151,6 @@ def _given_axes(axis: int | tuple[int, ...], shape: tuple[int, ...]) -> tuple[in
     if len(unique) < len(axes):
         raise ValueError(f"axis {axis!r} names an axis twice.")
     return tuple(sorted(unique))
-
-
-def _compute_dtype(dtype: Any) -> np.dtype:
-    """Real dtype in which norms of ``dtype`` arrays are accumulated (at least float32)."""
-    real = jnp.finfo(dtype).dtype  # complex64 -> float32, bfloat16 -> bfloat16, ...
-    return jnp.promote_types(real, jnp.float32)
-
-
-def squared_norm(
-    x: jax.typing.ArrayLike,
-    axis: int | tuple[int, ...] | None = None,
-    keepdims: bool = False,
-) -> jax.Array:
-    """Computes the sum of squares ``sum(|x|**2)`` over ``axis``, in at least float32.
-
-    The one norm implementation of the package: :func:`compute_norm` (and through it
-    :func:`unitwise_norm` and AGC) is its square root.
-
-    Args:
-      x: A floating point (or complex) array.
-      axis: Axis or axes to reduce; ``None`` reduces all of them.
-      keepdims: Whether to keep the reduced axes with size 1 (as ``jnp.sum`` does).
-
-    Returns:
-      ``sum(x * x)`` for real ``x`` and ``sum(real(conj(x) * x))`` for complex ``x``, with
-      ``x`` first cast to at least float32 (complex64 for complex ``x``). Its dtype is
-      ``float32`` for ``float16``, ``bfloat16`` (and other sub-32-bit) inputs, and the real
-      dtype of ``x`` otherwise (``float32``, ``float64``; ``complex64 -> float32``). Its
-      shape is that of ``jnp.sum``.
-
-    Raises:
-      TypeError: if ``x`` is not floating point or complex.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from accumjax.clipping import squared_norm
-      >>> squared_norm(jnp.array([3.0, 4.0], jnp.float16))
-      Array(25., dtype=float32)
-      >>> squared_norm(jnp.array([[3.0, 0.0], [4.0, 1.0]]), axis=0, keepdims=True)
-      Array([[25.,  1.]], dtype=float32)
-      >>> squared_norm(jnp.array([3 + 4j], jnp.complex64))
-      Array(25., dtype=float32)
-    """
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        raise TypeError(f"a norm needs a floating point array, got dtype {x.dtype}.")
-    x = x.astype(jnp.promote_types(x.dtype, _compute_dtype(x.dtype)))
-    squared = (jnp.conj(x) * x).real if jnp.iscomplexobj(x) else x * x
-    return jnp.sum(squared, axis=axis, keepdims=keepdims)
 
 
 def compute_norm(

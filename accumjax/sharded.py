@@ -33,7 +33,7 @@ import jax.core
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from accumjax import window as window_lib
+import accumjax._window as window_lib
 
 __all__ = [
     "Layout",

@@ -17,7 +17,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from accumjax import window as window_lib
+import accumjax._window as window_lib
 from accumjax._checks import check_choice
 from accumjax.accumulation import config_of, init_state
 from accumjax.accumulation_state import AccumulationState

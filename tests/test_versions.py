@@ -141,7 +141,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from flax import linen as nn
 from . import sibling
-from accumjax import window
+import accumjax._window as window
 
 def f(x):
     import optax
