@@ -34,8 +34,9 @@ from accumjax._loop import Setup, stream_step
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
 from accumjax._split import split
+from accumjax._state import config_of
 from accumjax._step_checks import check_init_inputs, init_call
-from accumjax.accumulation import check_state, config_of
+from accumjax._window_end import check_state
 from accumjax.distributed import replicate
 from accumjax.loss_scale import DynamicLossScale, dynamic_loss_scale
 from accumjax.train_state import TrainState, opt_state_for, unalias
@@ -251,7 +252,7 @@ class TrainStep:
 
     ``step(state, batch, rng=None)`` (scan mode: ``num_real_microbatches=None`` too) runs
     one call; ``step.init(params, tx, ...)`` builds the state it takes; ``step.lower(...)``
-    lowers it (e.g. for `accumjax.count_collectives`).
+    lowers it (e.g. for `accumjax.collectives.count_collectives`).
     """
 
     def __init__(self, setup: Setup, jitted: Any, *, pmapped: bool) -> None:

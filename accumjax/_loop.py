@@ -5,7 +5,7 @@ needs into one `Context` (as optax's microbatching ``Accumulator`` bundles init,
 finalize); every function below takes that one value. One microbatch (`microbatch`) computes
 its gradient with the loss adapter, adds it to the window (`accumjax.window`) and keeps its
 model state only when it was added. `close_fields` closes a window: one reduction, the
-decision, the update (`accumjax.accumulation.close_and_apply`), BatchNorm windows and the loss
+decision, the update (`accumjax._window_end.close_and_apply`), BatchNorm windows and the loss
 scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
 call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
 parallel wrappers (`accumjax._sharded_steps`, `accumjax._host`) run both under ``jit``, ``pmap``
@@ -25,15 +25,9 @@ import accumjax._window as window_lib
 from accumjax._agreement import Verdict, verdict, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._loss_adapter import GradFn
+from accumjax._state import config_of
 from accumjax._step_checks import check_step_inputs
-from accumjax.accumulation import (
-    Config,
-    check_state,
-    close_and_apply,
-    config_of,
-    init_state,
-    window_closes,
-)
+from accumjax._window_end import Config, check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState, count_update
@@ -116,7 +110,7 @@ class Context(NamedTuple):
 
     Attributes:
       setup: the `Setup`.
-      config: the optimizer's `accumjax.accumulation.Config` (K, policy, axis).
+      config: the optimizer's `accumjax._window_end.Config` (K, policy, axis).
       owned: whether the optimizer is an ``accumulate`` (else a plain optimizer, run as a
         window of one microbatch whose counters are not kept).
       loss_scale: the dynamic loss scale (float16), or None.

@@ -57,7 +57,7 @@ from accumjax._scan import (
     window_k,
     window_loop,
 )
-from accumjax.accumulation import window_closes
+from accumjax._window_end import window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 

@@ -24,15 +24,9 @@ import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
 from accumjax._multisteps import check_inner_state
+from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Located, config_of, locate
 from accumjax._window import Policy
-from accumjax.accumulation import config_of
-from accumjax.accumulation_state import (
-    APPLY_IF_FINITE_NOTE,
-    MULTISTEPS_NOTE,
-    AccumulationState,
-    Located,
-    locate,
-)
+from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
 __all__ = [

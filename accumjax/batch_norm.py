@@ -67,8 +67,8 @@ from accumjax._batch_norm_windows import (
     warn_if_open,
     warn_plain_batch_norm,
 )
+from accumjax._state import unwrap
 from accumjax._variables import is_variable, unwrap_variables
-from accumjax.accumulation_state import unwrap
 from accumjax.batch_norm_convert import convert_batch_norm_variables
 
 __all__ = [

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
 
 import accumjax._window as window_lib
-from accumjax.accumulation_state import k_changed, k_of_tag
+from accumjax._state import k_changed, k_of_tag
 
 __all__ = ["restore_checkpoint"]
 

@@ -52,7 +52,8 @@ import numpy as np
 
 from accumjax import sharded
 from accumjax._checks import check_int
-from accumjax.accumulation import accumulate, config_of, with_every_k
+from accumjax._state import config_of
+from accumjax.accumulation import accumulate, with_every_k
 from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
 from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step

@@ -19,7 +19,8 @@ from flax.training import train_state
 
 import accumjax._window as window_lib
 from accumjax._checks import check_choice
-from accumjax.accumulation import config_of, init_state
+from accumjax._state import config_of
+from accumjax._window_end import init_state
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 

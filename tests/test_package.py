@@ -120,6 +120,8 @@ CORE = (
     "_agreement",
     "_control",
     "_norms",
+    "_state",
+    "_window_end",
     "scaling",
     "accumulation",
     "accumulation_state",
