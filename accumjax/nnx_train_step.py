@@ -222,7 +222,7 @@ class NNXTrainStep:
     def lower(
         self, state: NNXTrainState, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> Any:
-        """``jax.jit(...).lower`` of the step (e.g. for :func:`accumjax.collectives.count_collectives`)."""
+        """``jax.jit(...).lower`` of the step (for `accumjax.collectives.count_collectives`)."""
         return self._for(state, rng).lower(state, batch, rng, num_real_microbatches)
 
     def init(

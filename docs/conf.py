@@ -73,7 +73,7 @@ html_static_path: list[str] = []
 SECTIONS = {
     "accumjax.accumulation": "Accumulation",
     "accumjax.accumulation_state": "Accumulation",
-    "accumjax.window": "Accumulation",
+    "accumjax._state": "Accumulation",
     "accumjax.train_state": "Train step",
     "accumjax.train_step": "Train step",
     "accumjax.batch_norm": "BatchNorm (linen)",
