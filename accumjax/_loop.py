@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 import accumjax._window as window_lib
-from accumjax._agreement import Verdict, verdict, weigh
+from accumjax._agreement import MicrobatchDecision, device_decision, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._loss_adapter import GradFn
 from accumjax._state import config_of
@@ -166,13 +166,13 @@ class Carry(NamedTuple):
 class Outcome(NamedTuple):
     """What a window's microbatches produced: the carry, the loss metric and the aux; for one
     microbatch, also whether it was added to the window, added as it came this device's
-    `accumjax._agreement.Verdict` about it, and whether it was found non-finite."""
+    `accumjax._agreement.MicrobatchDecision` about it, and whether it was found non-finite."""
 
     carry: Carry
     loss: Any
     aux: Any
     added: Any = None
-    verdict: Verdict | None = None
+    verdict: MicrobatchDecision | None = None
     nonfinite: Any = None
 
 
@@ -348,7 +348,7 @@ def microbatch(
     if ctx.blind:  # this device's verdict on its rows; the devices decide at the window's end
         m = window_lib.inspect_microbatch(policy, grads, weight, params)
         w = jnp.ones((), jnp.float32) if weight is None else weight
-        mine = verdict(policy.scaling, m.nonfinite, w)
+        mine = device_decision(policy.scaling, m.nonfinite, w)
         gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
         m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
     else:

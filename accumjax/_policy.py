@@ -71,7 +71,7 @@ class Policy(NamedTuple):
         """Whether a gradient waits for the decision about it before it is added (a policy
         that detects or skips): its window stays clean of what it leaves out. Scan mode adds
         each gradient as it comes instead and decides at the window's end (`close_window`'s
-        verdicts)."""
+        decisions)."""
         return self.detects or self.skip_fn is not None
 
 

@@ -17,7 +17,7 @@ __all__ = [
     "gathered",
     "global_norm",
     "own_shard",
-    "reduce_window",
+    "cross_device_reduce",
     "reduced_scatter",
     "sharded_norm",
 ]
@@ -44,7 +44,7 @@ def reduced_scatter(dims: Any, like: Any) -> Any:
     return jax.tree.unflatten(treedef, [WHOLE if d is None else REDUCED for d in split])
 
 
-def reduce_window(
+def cross_device_reduce(
     grad_sum: Any, scalars: list[jax.Array], axis_name: str, scatter: Any
 ) -> tuple[Any, list[jax.Array]]:
     """The window's one reduction: a grouped ``psum`` of the leaves still partial on each

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax._agreement import Verdict, accepted, verdict, weigh
+from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
 from accumjax._loop import (
     Carry,
@@ -50,10 +50,10 @@ from accumjax._loop import (
 from accumjax._scan import (
     Closing,
     accepted_loss,
+    decide_window,
     real_microbatches,
     scan_finish,
     scan_step,
-    settle,
     window_k,
     window_loop,
 )
@@ -268,7 +268,7 @@ def _local_window(
             layout.scatter() if scatter is None else scatter,
             extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
             whole_counts=whole_counts,
-            verdicts=verdicts,
+            decisions=verdicts,
         )
         out = _unflatten(closed.extras, extras)
         if losses is None:
@@ -278,7 +278,7 @@ def _local_window(
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
         return closed._replace(extras=None), model_state, [loss, *out[2 : 2 + len(split.means)]]
 
-    closed, model_state, extras = settle(ctx, first, run, close)
+    closed, model_state, extras = decide_window(ctx, first, run, close)
     return closed._replace(accepted=None), model_state, extras[0], _Aux(split.rows, extras[1:])
 
 
@@ -456,7 +456,7 @@ def _local_call(
         policy, grads, weight, params, axis_name=axis, keep_whole=False
     )
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
-    mine = verdict(policy.scaling, ~m.added, weighs)
+    mine = device_decision(policy.scaling, ~m.added, weighs)
     m = _share(policy, m, layout)
     split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
     floats = [] if new_state is None else _floats(new_state)[1]
@@ -468,7 +468,7 @@ def _local_call(
         [jnp.stack([weighted_loss, weighs * loss_share(ctx)]), ballot, bn, *floats, *split.means],
         layout.axis,
     )
-    added = accepted(policy.scaling, Verdict(*ballot[1:]))
+    added = accepted(policy.scaling, MicrobatchDecision(*ballot[1:]))
     nonfinite = m.nonfinite if reads else ~added  # without skip_fn, only non-finite is refused
     m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, m.weight, 0.0))
     reduce = _reduce(layout, whole=not per_shard)

@@ -131,16 +131,16 @@ def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
         )
     config = config_of(tx)
     if config is None:  # an accumulate inside: tx.init's state tells (abstractly)
-        check_composition(jax.eval_shape(tx.init, params), owned=False)
+        check_composition(jax.eval_shape(tx.init, params), accumulating=False)
     if f16 and config is not None:
         _check_detects(config.policy)
 
 
-def check_composition(opt_state: Any, owned: bool) -> None:
+def check_composition(opt_state: Any, accumulating: bool) -> None:
     """Refuses an optimizer state that accumulates where the step cannot see it.
 
     The step reads K and the policies from an `accumjax.accumulate` at the top of ``tx``
-    (``owned``) and runs any other ``tx`` as a plain optimizer, an update on every call. So
+    (``accumulating``) and runs any other ``tx`` as a plain optimizer, an update on every call. So
     it refuses, naming the form that works: an ``optax.MultiSteps`` state anywhere; for a
     ``tx`` that is not an ``accumulate``, an `accumjax.AccumulationState` anywhere in its
     state (``optax.chain``, ``optax.masked``, ``optax.multi_transform``,
@@ -151,20 +151,20 @@ def check_composition(opt_state: Any, owned: bool) -> None:
 
     Args:
       opt_state: the optimizer state (arrays, or shapes from ``jax.eval_shape(tx.init, ...)``).
-      owned: whether ``tx`` is an ``accumulate``.
+      accumulating: whether ``tx`` is an ``accumulate``.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
       >>> tx = optax.chain(optax.clip(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
       >>> try:
-      ...     check_composition(tx.init({"w": jnp.zeros(2)}), owned=False)
+      ...     check_composition(tx.init({"w": jnp.zeros(2)}), accumulating=False)
       ... except TypeError as err:
       ...     print(str(err).split("inside: ")[1].split(";")[0])  # the form that works
       tx = accumjax.accumulate(optax.chain(..., inner), K)
     """
     found = locate(opt_state)
     if locate(opt_state, optax.MultiStepsState):
-        also = f" {MULTISTEPS_NOTE}" if owned or found else ""  # with accumulate
+        also = f" {MULTISTEPS_NOTE}" if accumulating or found else ""  # with accumulate
         raise TypeError(
             "tx is or contains optax.MultiSteps (state.opt_state holds an "
             "optax.MultiStepsState): the train step accumulates by itself and would run it as "
@@ -172,7 +172,7 @@ def check_composition(opt_state: Any, owned: bool) -> None:
             "call while MultiSteps holds its updates back. Use tx=accumjax.accumulate(inner, K) "
             f"in place of optax.MultiSteps(inner, K).{also}"
         )
-    if owned:
+    if accumulating:
         if isinstance(opt_state, AccumulationState):
             check_inner_state(opt_state.inner_tx_state)
         return

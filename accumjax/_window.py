@@ -14,7 +14,7 @@ keep windows of their own, `accumjax.batch_norm`, closed with this window's deci
 3. ``close_window``: at most one cross-device reduction (`accumjax._reduction`), then the
    decision: a window is *usable* when its weight sum is > 0, its scaled sum is finite and
    the policy allows it. Scan mode adds every microbatch as it comes and decides about them
-   all here, from their verdicts (`accumjax._agreement`).
+   all here, from their decisions (`accumjax._agreement`).
 4. the caller applies the update (and closes model-state windows) only when usable.
 
 The shape follows optax's microbatching accumulators (init / add / finalize) and jmp's loss
@@ -30,16 +30,16 @@ import jax
 import jax.numpy as jnp
 
 from accumjax import scaling as scaling_lib
-from accumjax._agreement import Verdict, accepted, verdict, weigh, whole_gradient
+from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh, whole_gradient
 from accumjax._control import run_once
 from accumjax._norms import global_norm
 from accumjax._policy import ON_NONFINITE, OnNonfinite, Policy, SkipFn, transformed_gradient
 from accumjax._reduction import (
     REDUCED,
     WHOLE,
+    cross_device_reduce,
     gathered,
     own_shard,
-    reduce_window,
     reduced_scatter,
     sharded_norm,
 )
@@ -156,7 +156,7 @@ class Closed(NamedTuple):
       norm: the global norm of the scaled gradient (float32).
       extras: the caller's values that travelled in the window's reduction
         (`close_window`'s ``extras``), summed over devices, or None.
-      accepted: with `close_window`'s ``verdicts``, whether each microbatch is accepted.
+      accepted: with `close_window`'s ``decisions``, whether each microbatch is accepted.
     """
 
     grad_sum: Any
@@ -344,7 +344,7 @@ def agreed(
     would see, the same on every device: ``(gradient the policy reads, its norm, whether the
     microbatch is finite, the weight to add, the whole gradient or None)``.
 
-    The devices' verdicts meet in one all-reduce; for a policy that reads the gradient it is
+    The devices' decisions meet in one all-reduce; for a policy that reads the gradient it is
     the reduction of the whole gradient (`accumjax._agreement.whole_gradient`), which the window
     then adds and never reduces again. ``"propagate"`` without weights needs none.
     """
@@ -354,7 +354,7 @@ def agreed(
     own = valid
     if policy.detects and (weighted or not reads):  # else the whole gradient's norm decides
         own = own & jnp.isfinite(global_norm(grads))
-    mine = verdict(policy.scaling, ~own, weight)
+    mine = device_decision(policy.scaling, ~own, weight)
     if not reads:
         return grads, None, accepted(policy.scaling, jax.lax.psum(mine, axis_name)), weight, None
     whole, summed = whole_gradient(policy.scaling, grads, weight, axis_name, mine, dims)
@@ -528,7 +528,7 @@ def close_window(
     *,
     extras: jax.Array | None = None,
     whole_counts: bool = False,
-    verdicts: Verdict | None = None,
+    decisions: MicrobatchDecision | None = None,
 ) -> Closed:
     """Reduces the window once across devices, scales it and decides whether it is usable.
 
@@ -550,8 +550,8 @@ def close_window(
         values already (the devices agreed about each microbatch, or the window is one
         device's part of a `DeviceWindow`): they are not reduced, and ``"sum_over_k"``
         divides by K.
-      verdicts: the window's microbatches were added as they came (`Policy.waits` is False,
-        or a first pass of a policy that waits): each one's `accumjax._agreement.Verdict`
+      decisions: the window's microbatches were added as they came (`Policy.waits` is False,
+        or a first pass of a policy that waits): each one's `accumjax._agreement.MicrobatchDecision`
         from this device, stacked. They travel in the reduction and decide the counts;
         `Closed.accepted` says which microbatches the devices accept.
 
@@ -568,8 +568,8 @@ def close_window(
     devices, ok = 1, None
     if axis_name is not None:
         counts = [] if whole_counts else [weight_sum, nonfinite, skipped]
-        own = [*counts, *([] if verdicts is None else verdicts)]
-        grad_sum, summed = reduce_window(
+        own = [*counts, *([] if decisions is None else decisions)]
+        grad_sum, summed = cross_device_reduce(
             grad_sum, [*own, *([] if extras is None else [extras])], axis_name, scatter
         )
         if not whole_counts:
@@ -580,11 +580,11 @@ def close_window(
             # every device.)
             weight_sum = summed[0]
             nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
-        if verdicts is not None:
-            verdicts = Verdict(*summed[len(counts) : len(own)])
+        if decisions is not None:
+            decisions = MicrobatchDecision(*summed[len(counts) : len(own)])
         extras = None if extras is None else summed[-1]
-    if verdicts is not None:
-        ok = accepted(policy.scaling, verdicts)
+    if decisions is not None:
+        ok = accepted(policy.scaling, decisions)
         nonfinite = skipped = jnp.sum(~ok).astype(jnp.int32)
     denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
@@ -593,7 +593,7 @@ def close_window(
     apply = weight_sum > 0
     if policy.detects:
         apply = apply & jnp.isfinite(norm)
-    if policy.on_nonfinite == "skip_window" or (verdicts is not None and policy.detects):
+    if policy.on_nonfinite == "skip_window" or (decisions is not None and policy.detects):
         apply = apply & (nonfinite == 0)
     return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras, ok)
 

@@ -50,7 +50,7 @@ from accumjax._batch_norm_math import (
     MOMENTUM_NAME,
     BatchNormOptions,
     Running,
-    Window,
+    StatsWindow,
     accumulator_dtype,
     canonical_axes,
     check_config,
@@ -117,7 +117,7 @@ class AccumBatchNorm(nn.Module):
 
     ``batch_stats`` holds ``mean`` and ``var`` (as in ``BatchNorm``) plus the open window's
     accumulators (``acc_count``, ``acc_mean``, ``acc_m2``, ``acc_step``) and, step-driven,
-    ``momentum``. Window decisions use ``jnp.where``, so the layer works under ``jit``,
+    ``momentum``. StatsWindow decisions use ``jnp.where``, so the layer works under ``jit``,
     ``scan``, ``pmap`` and ``shard_map``. Complex inputs, masks, ``axis_name`` pooling and
     ``accum_steps=1`` against ``BatchNorm``: :doc:`/guides/batch_norm`.
 
@@ -249,7 +249,7 @@ class AccumBatchNorm(nn.Module):
             feature_axes,
             BatchNormOptions.of(self, self.momentum),
             Running(*(v.value for v in running)),
-            None if window is None else Window(*(v.value for v in window)),
+            None if window is None else StatsWindow(*(v.value for v in window)),
             scale,
             bias,
             use_running_average=bool(use_running_average),
@@ -275,7 +275,9 @@ class AccumBatchNorm(nn.Module):
         var = self.variable("batch_stats", "var", jnp.ones, feature_shape, dtype)
         return Running(mean, var)
 
-    def _window_stats(self, feature_shape: tuple[int, ...], statistics: Any) -> tuple[Window, Any]:
+    def _window_stats(
+        self, feature_shape: tuple[int, ...], statistics: Any
+    ) -> tuple[StatsWindow, Any]:
         """Declares the zero accumulators and, step-driven, the ``momentum`` scalar."""
         dtype = accumulator_dtype()
         dtypes = (dtype, complex_like(dtype, statistics), dtype)
@@ -289,7 +291,7 @@ class AccumBatchNorm(nn.Module):
             momentum = self.variable(
                 "batch_stats", MOMENTUM_NAME, lambda: jnp.asarray(self.momentum, jnp.float32)
             )
-        return Window(count, mean, m2, step), momentum
+        return StatsWindow(count, mean, m2, step), momentum
 
 
 # ---------------------------------------------------------------------------------------------

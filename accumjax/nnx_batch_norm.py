@@ -1,6 +1,6 @@
 """Batch normalization for ``flax.nnx`` whose running statistics see the accumulated batch.
 
-The NNX twin of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: the same arithmetic
+The NNX version of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: the same arithmetic
 (each call runs :func:`accumjax._batch_norm_math.normalize_and_accumulate`, as the linen
 layer does), the same options (``axis`` an int or a tuple, ``force_float32_reductions``),
 the same ``nnx.BatchStat`` names as the linen layer's ``batch_stats`` entries, and the same
@@ -31,10 +31,10 @@ from jax.nn import initializers
 from accumjax._batch_norm_math import (
     BatchNormOptions,
     Running,
-    Window,
+    StatsWindow,
     canonical_axes,
     check_config,
-    empty_window,
+    empty_stats_window,
     normalize_and_accumulate,
     running_dtype,
 )
@@ -185,7 +185,7 @@ class AccumBatchNorm(nnx.Module):
         stats_dtype = running_dtype(force_float32_reductions, param_dtype)
         self.mean = nnx.BatchStat(jnp.zeros(shape, stats_dtype))
         self.var = nnx.BatchStat(jnp.ones(shape, stats_dtype))
-        count, mean, m2, step = empty_window(shape)
+        count, mean, m2, step = empty_stats_window(shape)
         self.acc_count = nnx.BatchStat(count)
         self.acc_mean = nnx.BatchStat(mean)
         self.acc_m2 = nnx.BatchStat(m2)
@@ -276,7 +276,7 @@ class AccumBatchNorm(nnx.Module):
             feature_axes,
             BatchNormOptions.of(self, variable_value(self.momentum)),
             running,
-            Window(
+            StatsWindow(
                 view(self.acc_count), view(self.acc_mean), view(self.acc_m2), self.acc_step[...]
             ),
             scale,
