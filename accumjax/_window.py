@@ -538,12 +538,12 @@ def close_window(
       every_k: K of this window (``"sum_over_k"`` divides by K times the number of devices).
       axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
         one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
-      scatter: with ``axis_name``, a pytree like the sum holding, for each leaf, the
-        dimension its parameter is sharded on over ``axis_name`` (that leaf is
-        reduce-scattered: each device keeps its shard), `REDUCED` (a shard reduced
-        already, microbatch by microbatch), `WHOLE` (reduced already, whole) or None
-        (all-reduced); None for all (`WHOLE` for all with a policy that reads the gradient,
-        whose microbatches `add_microbatch` added reduced).
+      scatter: with ``axis_name``, a pytree like the sum of each leaf's
+        `accumjax._reduction.LeafReduction`: the dimension its parameter is sharded on over
+        ``axis_name`` (reduce-scattered: each device keeps its shard), `Reduced.SHARD` (a
+        shard reduced already, microbatch by microbatch), `Reduced.WHOLE` (reduced
+        already, whole) or None (all-reduced); None for all (`Reduced.WHOLE` for all with a
+        policy that reads the gradient, whose microbatches `add_microbatch` added reduced).
       extras: with ``axis_name``, a float vector of the caller's own per-device values
         (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
       whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
