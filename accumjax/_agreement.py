@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accumjax.scaling import Scaling
+from accumjax._scaling import Scaling
 
 __all__ = ["MicrobatchDecision", "accepted", "device_decision", "weigh", "whole_gradient"]
 

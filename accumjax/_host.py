@@ -31,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from accumjax import sharded
 from accumjax._checks import check_alive
 from accumjax._loop import Setup, stream_step
+from accumjax._opt_state import opt_state_for, unalias
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
 from accumjax._split import split
@@ -39,7 +40,7 @@ from accumjax._step_checks import check_init_inputs, init_call
 from accumjax._window_end import check_state
 from accumjax.distributed import replicate
 from accumjax.loss_scale import DynamicLossScale, dynamic_loss_scale
-from accumjax.train_state import TrainState, opt_state_for, unalias
+from accumjax.train_state import TrainState
 
 __all__ = ["TrainStep", "wrap"]
 

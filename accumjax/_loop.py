@@ -25,12 +25,13 @@ import accumjax._window as window_lib
 from accumjax._agreement import MicrobatchDecision, device_decision, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._loss_adapter import GradFn
+from accumjax._opt_state import count_update
 from accumjax._state import config_of
 from accumjax._step_checks import check_step_inputs
 from accumjax._window_end import Config, check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
-from accumjax.train_state import TrainState, count_update
+from accumjax.train_state import TrainState
 
 __all__ = [
     "Carry",
@@ -455,7 +456,7 @@ def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
     """The loop carry a step starts from: the state's window and model state, no loss yet.
 
     A scan-mode state holds no accumulator; the loop's own is made here, inside the step
-    (`accumjax.train_state.opt_state_for`)."""
+    (`accumjax._opt_state.opt_state_for`)."""
     zero = jnp.zeros((), jnp.float32)
     window = acc.window
     if window.grad_sum is None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accumjax import scaling as scaling_lib
+import accumjax._scaling as scaling_lib
 
 __all__ = [
     "ON_NONFINITE",

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from accumjax import scaling as scaling_lib
+import accumjax._scaling as scaling_lib
 from accumjax._checks import check_alive
 from accumjax._variables import unwrap_variables
 from accumjax._window import Window
@@ -210,7 +210,7 @@ def _walk(node: Any, path: tuple, within: tuple, kind: type, found: list[Located
 def check_made_for(state: AccumulationState, every_k: int | None, scaling: str) -> None:
     """Refuses ``state`` if it was made for another K (read from its type, so at trace time
     too) or, where its code is concrete, for an incompatible scaling
-    (`accumjax.scaling.compatible`).
+    (`accumjax._scaling.compatible`).
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accumjax import scaling as scaling_lib
+import accumjax._scaling as scaling_lib
 from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh, whole_gradient
 from accumjax._control import run_once
 from accumjax._norms import global_norm

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import accumjax._scaling as scaling_lib
 import accumjax._window as window_lib
-from accumjax import scaling as scaling_lib
 from accumjax._checks import INT32_MAX
 from accumjax._control import select_once
 from accumjax._multisteps import check_inner_state
@@ -72,7 +72,7 @@ def check_state(config: Config, state: Any) -> AccumulationState:
     A state made for another K (a checkpoint resumed under another ``every_k``) is refused
     from its type (`AccumulationState.every_k_tag`), so at trace time under ``jit`` too; one
     made with another scaling when its (concrete) code says so (``"mean"``, ``"count"`` and
-    ``"sum_over_k"`` states are one state: `accumjax.scaling.compatible`; under ``jit`` the
+    ``"sum_over_k"`` states are one state: `accumjax._scaling.compatible`; under ``jit`` the
     code is traced: `make_train_step` checks it on its first call).
     """
     if not isinstance(state, AccumulationState):

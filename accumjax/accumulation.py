@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import accumjax._scaling as scaling_lib
 import accumjax._window as window_lib
-from accumjax import scaling as scaling_lib
 from accumjax._checks import (
     check_callable,
     check_choice,

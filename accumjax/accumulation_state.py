@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+import accumjax._scaling as scaling_lib
 import accumjax._window as window_lib
-from accumjax import scaling as scaling_lib
 from accumjax._state import AccumulationState, config_of, unwrap
 
 __all__ = [

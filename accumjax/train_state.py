@@ -19,14 +19,12 @@ from flax.training import train_state
 
 import accumjax._window as window_lib
 from accumjax._checks import check_choice
+from accumjax._opt_state import MODES, count_update, unalias
 from accumjax._state import config_of
-from accumjax._window_end import init_state
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
-__all__ = ["MODES", "TrainState", "count_update", "opt_state_for", "unalias", "with_mode"]
-
-MODES = ("stream", "scan")
+__all__ = ["TrainState", "with_mode"]
 
 
 class TrainState(train_state.TrainState):
@@ -137,32 +135,6 @@ class TrainState(train_state.TrainState):
         )
 
 
-def opt_state_for(tx: optax.GradientTransformation, params: Any, mode: str) -> Any:
-    """``tx.init(params)``, laid out for a mode: in scan mode an `accumjax.accumulate` state
-    holds no accumulator (its window opens and closes inside one call).
-
-    Args:
-      tx: the optimizer.
-      params: the parameters (arrays, or ``jax.ShapeDtypeStruct``s).
-      mode: ``"stream"`` or ``"scan"``.
-
-    Returns:
-      The optimizer state; a scan-mode `accumjax.AccumulationState` has
-      ``window.grad_sum=None``, and no parameter-sized buffer is allocated for it.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, accumjax
-      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4)
-      >>> opt_state_for(tx, {"w": jnp.zeros(3)}, "scan").window.grad_sum is None
-      True
-    """
-    check_choice("mode", mode, MODES)
-    config = config_of(tx)
-    if config is None:
-        return tx.init(params)
-    return init_state(config, params, accumulator=mode == "stream")
-
-
 def with_mode(state: TrainState, mode: str) -> TrainState:
     """``state`` laid out for another mode: the accumulator added (zeros) or dropped.
 
@@ -218,27 +190,3 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
         )
     window = window_lib.init_window(None, dtype)
     return state.replace(opt_state=opt._replace(window=window, added=jnp.zeros((), bool)))
-
-
-def count_update(counter: jax.Array, applied: Any) -> jax.Array:
-    """``counter + 1`` (saturating) where ``applied``, else ``counter``."""
-    return jnp.where(applied, optax.safe_increment(counter), counter)
-
-
-def unalias(tree: Any) -> Any:
-    """Copies leaves that are the same array object as an earlier leaf.
-
-    Optimizer ``init`` functions may reuse one zeros array for several fields; a donating
-    step cannot donate one buffer twice.
-    """
-    seen: set[int] = set()
-
-    def copy_repeat(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        if id(x) in seen:
-            return jnp.copy(x)
-        seen.add(id(x))
-        return x
-
-    return jax.tree.map(copy_repeat, tree)

@@ -31,12 +31,13 @@ from accumjax._checks import check_callable, check_choice, check_int, refuse_unk
 from accumjax._host import TrainStep, wrap
 from accumjax._loop import Setup
 from accumjax._loss_adapter import make_grad_fn
+from accumjax._opt_state import MODES
 from accumjax._split import check_batch_axis
 from accumjax._step_checks import positional_limit
 
 __all__ = ["TrainStep", "make_train_step"]
 
-_MODES = ("stream", "scan")
+
 _PRECISIONS = {None: None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _GATHER = ("window", "microbatch")
 
@@ -203,7 +204,7 @@ def make_train_step(
     data_axis = _check_mesh(mesh, axis_name)
     setup = Setup(
         grad_fn=make_grad_fn(loss_fn, has_aux, compute_dtype),
-        mode=check_choice("mode", mode, _MODES),
+        mode=check_choice("mode", mode, MODES),
         axis_name=axis_name if mesh is None else None,
         weight_fn=check_callable("weight_fn", weight_fn),
         f16=mixed_precision == "float16",

@@ -123,6 +123,7 @@ CORE = (
     "_state",
     "_window_end",
     "scaling",
+    "_scaling",
     "accumulation",
     "accumulation_state",
 )

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import accumjax
-from accumjax import scaling
+import accumjax._scaling as scaling
 
 
 def test_validate_scaling():
