@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from accumjax._checks import check_alive
+from accumjax._checks import check_alive, check_callable
 from accumjax._host import TrainStep
 from accumjax._step_checks import check_key_argument, positional_limit
 from accumjax.loss_scale import DynamicLossScale
@@ -320,7 +320,6 @@ def make_nnx_train_step(
       >>> int(model.norm.acc_step[...])  # the BatchNorm window was closed
       0
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    check_callable("loss_fn", loss_fn, optional=False)
     make_train_step(loss_fn, **options)  # checks the arguments now, once
     return NNXTrainStep(loss_fn, options)

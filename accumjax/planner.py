@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from accumjax import sharded
-from accumjax._checks import check_int
+from accumjax._checks import check_callable, check_int
 from accumjax._state import config_of
 from accumjax.accumulation import accumulate, with_every_k
 from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
@@ -465,8 +465,7 @@ def plan_microbatches(
       >>> keyed.predicted_bytes > big.predicted_bytes
       True
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    check_callable("loss_fn", loss_fn, optional=False)
     _check_state(state)
     if rng is None and _needs_key(loss_fn, state):
         raise TypeError(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
+from accumjax._checks import check_mesh_axis
 
 __all__ = [
     "Layout",
@@ -157,8 +158,7 @@ def data_axis(mesh: AnyMesh, axis: str | None = None) -> str | None:
       'data'
     """
     if axis is not None:
-        if axis not in mesh.axis_names:
-            raise ValueError(f"axis_name {axis!r} is not an axis of the mesh {mesh.axis_names}.")
+        check_mesh_axis(axis, mesh)
         return axis
     big = [a for a in mesh.axis_names if mesh.shape[a] > 1]
     if len(big) > 1:

@@ -27,7 +27,13 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from accumjax._checks import check_callable, check_choice, check_int, refuse_unknown
+from accumjax._checks import (
+    check_callable,
+    check_choice,
+    check_int,
+    check_mesh_axis,
+    refuse_unknown,
+)
 from accumjax._host import TrainStep, wrap
 from accumjax._loop import Setup
 from accumjax._loss_adapter import make_grad_fn
@@ -249,6 +255,5 @@ def _check_mesh(mesh: Any, axis_name: str | None) -> str | None:
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis_name is None:
         raise ValueError("mesh needs axis_name: the mesh axis the batch is split over.")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+    check_mesh_axis(axis_name, mesh)
     return axis_name
