@@ -30,12 +30,14 @@ from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
 __all__ = [
+    "POSITIONAL",
     "check_composition",
     "check_init_inputs",
     "check_key_argument",
     "check_step_inputs",
     "init_call",
     "positional_limit",
+    "signature_parameters",
 ]
 
 
@@ -280,6 +282,23 @@ def _check_rng(rng: Any) -> None:
     raise TypeError(f"{what}.{' For a seed, pass jax.random.key(seed).' if seed else ''}")
 
 
+#: The kinds of parameter a positional argument binds to.
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def signature_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters, or None when it has no signature (a builtin, say).
+
+    Example:
+      >>> [p.name for p in signature_parameters(lambda params, batch: 0)]
+      ['params', 'batch']
+    """
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def positional_limit(fn: Callable[..., Any]) -> int | None:
     """The most positional arguments ``fn`` takes, or None (``*args``, or no signature).
 
@@ -287,15 +306,10 @@ def positional_limit(fn: Callable[..., Any]) -> int | None:
       >>> positional_limit(lambda params, batch, key=None: 0), positional_limit(print)
       (3, None)
     """
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
+    parameters = signature_parameters(fn)
+    if parameters is None or any(p.kind is p.VAR_POSITIONAL for p in parameters):
         return None
-    kinds = [p.kind for p in parameters]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(kind in positional for kind in kinds)
+    return sum(p.kind in POSITIONAL for p in parameters)
 
 
 def check_key_argument(limit: int | None, n_args: int, rng: Any) -> None:

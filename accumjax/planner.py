@@ -43,7 +43,6 @@ callable, so it also plans custom steps.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -53,6 +52,7 @@ import numpy as np
 from accumjax import sharded
 from accumjax._checks import check_callable, check_int
 from accumjax._state import config_of
+from accumjax._step_checks import POSITIONAL, signature_parameters
 from accumjax.accumulation import accumulate, with_every_k
 from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
 from accumjax.train_state import TrainState
@@ -282,12 +282,10 @@ def _check_state(state: Any) -> None:
 
 def _needs_key(loss_fn: Callable[..., Any], state: Any) -> bool:
     """Whether ``loss_fn`` has a required parameter after those of a key-free call."""
-    try:
-        parameters = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):
+    parameters = signature_parameters(loss_fn)
+    if parameters is None:
         return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p for p in parameters if p.kind in positional and p.default is p.empty]
+    required = [p for p in parameters if p.kind in POSITIONAL and p.default is p.empty]
     key_free = 2 if isinstance(state, NNXTrainState) or state.model_state is None else 3
     return len(required) > key_free
 
