@@ -23,6 +23,7 @@ scales: the policy is a static value, never a chain of ``None`` checks in the ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -376,6 +377,7 @@ def add_microbatch(
     reduce: Callable[[Any], Any] | None = None,
     axis_name: str | None = None,
     gate: jax.Array | None = None,
+    first: bool = False,
 ) -> tuple[Window, Microbatch]:
     """Adds one microbatch gradient to the window when it is usable.
 
@@ -398,6 +400,10 @@ def add_microbatch(
         whole microbatch's (`inspect_microbatch`); None on one device.
       gate: whether to add the gradient, decided before it exists (a scan window's passes,
         decided at its end): it is added as it comes, without waiting for ``inspected``.
+      first: open a window with this microbatch (`first_microbatch`): ``window`` only gives
+        the accumulator dtypes, and the gradient becomes the accumulator, without the zeros
+        of ``add_microbatch(policy, empty_like(window), ...)`` (XLA can reuse the
+        gradient's buffer); ``reduce`` is not used.
 
     Returns:
       ``(window, microbatch)``: the new window and what was decided about the microbatch.
@@ -408,6 +414,8 @@ def add_microbatch(
     if gate is None and policy.waits:
         gate = m.added
     source = _source(m, grads)
+    if first:
+        return _opened(policy, window, m, source, gate), m
     part = lambda a, g: _scaled(policy, m, g.astype(a.dtype))
     if reduce is None or m.whole is not None:
         add = lambda a, g: a + part(a, g) if gate is None else jnp.where(gate, a + part(a, g), a)
@@ -428,52 +436,26 @@ def add_microbatch(
     return window, m
 
 
-def first_microbatch(
-    policy: Policy,
-    like: Window,
-    grads: Any,
-    weight: Any = None,
-    params: Any = None,
-    inspected: Microbatch | None = None,
-    axis_name: str | None = None,
-    gate: jax.Array | None = None,
-) -> tuple[Window, Microbatch]:
-    """Opens a window with its first microbatch: the gradient becomes the accumulator.
-
-    ``add_microbatch(policy, empty_like(like), ...)`` without the zeros (XLA can reuse the
-    gradient's buffer).
-
-    Args:
-      policy: the window's `Policy`.
-      like: a window whose accumulator dtypes the new one takes (its values are not read).
-      grads: the first microbatch's gradient.
-      weight: its weight (``scaling="weighted"`` only).
-      params: the parameters, passed to ``policy.skip_fn``.
-      inspected, axis_name, gate: as in `add_microbatch`.
-
-    Returns:
-      ``(window, microbatch)`` as `add_microbatch`.
-    """
-    if inspected is None:
-        inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
-    m = inspected
-    source = _source(m, grads)
-    if gate is None and policy.waits:
-        gate = m.added
+def _opened(
+    policy: Policy, like: Window, m: Microbatch, source: Any, gate: jax.Array | None
+) -> Window:
+    """A window opened with one microbatch (`add_microbatch`'s ``first``)."""
 
     def start(a: jax.Array, g: jax.Array) -> jax.Array:
         g = _scaled(policy, m, g.astype(a.dtype))
         return g if gate is None else jnp.where(gate, g, jnp.zeros_like(g))
 
-    empty = empty_like(like)
-    window = empty._replace(
+    return empty_like(like)._replace(
         grad_sum=jax.tree.map(start, like.grad_sum, source),
         weight_sum=m.weight,
         micro_step=jnp.ones((), jnp.int32),
         window_nonfinite=m.nonfinite.astype(jnp.int32),
         window_skipped=(~m.added).astype(jnp.int32),
     )
-    return window, m
+
+
+#: Opens a window with its first microbatch: `add_microbatch` with ``first=True``.
+first_microbatch = functools.partial(add_microbatch, first=True)
 
 
 def _source(m: Microbatch, grads: Any) -> Any:

@@ -93,11 +93,10 @@ def has_updated(state: Any) -> jax.Array:
     ``"skip_window"`` after a non-finite microbatch) reports False.
 
     Args:
-      state: an `AccumulationState`, or a state holding exactly one: an NNX optimizer's
-        ``opt_state``, an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
+      state: as `should_update` takes it.
 
     Returns:
-      A boolean scalar array.
+      A boolean scalar array, False between windows.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
@@ -117,8 +116,7 @@ def accumulated_gradients(state: Any) -> Any:
     `accumjax.window.DeviceWindow`, is summed over its shards).
 
     Args:
-      state: an `AccumulationState`, or a state holding exactly one: an NNX optimizer's
-        ``opt_state``, an optax combinator's state (``optax.chain``, ``optax.masked``, ...).
+      state: as `should_update` takes it.
 
     Returns:
       A pytree like the parameters, or ``None`` for a scan-mode state (which holds no open
