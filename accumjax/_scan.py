@@ -17,15 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import accumjax._loop as loop_lib
 import accumjax._window as window_lib
 from accumjax._agreement import MicrobatchDecision, weigh
 from accumjax._loop import (
     Carry,
     Context,
-    Counts,
-    Fields,
     Outcome,
-    Setup,
     Step,
     begin,
     close_fields,
@@ -283,7 +281,7 @@ def scan_finish(
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = Fields(state.params, opt, closing.model_state, ctx.loss_scale)
+    fields = loop_lib.Fields(state.params, opt, closing.model_state, ctx.loss_scale)
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
@@ -294,11 +292,11 @@ def scan_finish(
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
     outcome = Outcome(Carry(window, closing.model_state, zero, zero), closing.loss, closing.aux)
-    counts = Counts(closed.skipped_count, closed.nonfinite_count)
+    counts = loop_lib.Counts(closed.skipped_count, closed.nonfinite_count)
     return finish(ctx, state, fields, outcome, counts)
 
 
-def scan_step(setup: Setup) -> Step:
+def scan_step(setup: loop_lib.Setup) -> Step:
     """``step(state, batch, rng=None, num_real_microbatches=None)``: the whole batch per call,
     K strided microbatches (the first ``num_real_microbatches`` of them, when given)."""
 

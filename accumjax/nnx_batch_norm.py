@@ -112,17 +112,9 @@ class AccumBatchNorm(nnx.Module):
       use_running_average: if True, normalize with the stored ``mean``/``var`` and
         update nothing (``model.train()``/``model.eval()`` set it).
       axis: the feature axis or axes of the input.
-      momentum: decay rate of the running averages, in ``[0, 1]``.
-      epsilon: small float added to the variance to avoid dividing by zero; 1e-5 by
-        default, as Flax's ``BatchNorm``. Keras' ``BatchNormalization`` and
-        GradientAccumulator's ``AccumBatchNormalization`` default to 1e-3: pass
-        ``epsilon=1e-3`` to normalize as a model ported from them did.
-      dtype: the dtype of the result (default: inferred from input and params).
-      param_dtype: the dtype of ``scale`` and ``bias`` (default: float32).
-      use_bias: if True, add the learned ``bias``.
-      use_scale: if True, multiply by the learned ``scale``.
-      bias_init: initializer for ``bias`` (default zeros).
-      scale_init: initializer for ``scale`` (default ones).
+      momentum, epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init: as
+        in the linen `accumjax.AccumBatchNorm` (``epsilon`` is 1e-5 by default, as Flax's;
+        pass ``epsilon=1e-3`` for a model ported from Keras or GradientAccumulator).
       axis_name: the ``pmap``/``shard_map`` axis name over which to pool each call's
         statistics.
       axis_index_groups: groups of indices within ``axis_name`` to pool separately.
@@ -221,19 +213,15 @@ class AccumBatchNorm(nnx.Module):
         self.accum_steps = accum_steps
 
     def __call__(
-        self,
-        x: Array,
-        use_running_average: bool | None = None,
-        *,
-        mask: Array | None = None,
+        self, x: Array, use_running_average: bool | None = None, *, mask: Array | None = None
     ) -> Array:
-        """Normalizes ``x`` and, in training mode, accumulates its statistics.
+        """The linen layer's call (`accumjax.batch_norm.AccumBatchNorm.__call__`) on this
+        module's variables.
 
         Args:
           x: the input to normalize.
           use_running_average: if given, overrides the attribute of the same name.
-          mask: optional boolean array broadcastable to ``x``; only True positions count
-            towards the statistics.
+          mask: as in the linen layer: only True positions count towards the statistics.
 
         Returns:
           The normalized input, with the same shape as ``x``.
