@@ -52,8 +52,7 @@ def validate_scaling(scaling: str) -> Scaling:
 def compatible(stored: str, wanted: str) -> bool:
     """Whether a state made with scaling ``stored`` resumes under ``wanted``: the same
     strategy, or two of ``"mean"``, ``"count"`` and ``"sum_over_k"`` (one state, whose
-    windows differ only when a microbatch is skipped; 0.4's ``"mean"`` and ``"count"``
-    checkpoints resume under 0.5's ``"sum_over_k"`` and ``"mean"``).
+    windows differ only when a microbatch is skipped).
 
     Example:
       >>> import accumjax._scaling as scaling

@@ -309,8 +309,8 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         axis, policy = ctx.config.axis_name, ctx.config.policy
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)
-        # The state's K (traced): with a constant K, XLA:CPU moved the division by it into a
-        # gradient-sized buffer of its own (+0.4 MiB of temp on a 0.6M-parameter MLP).
+        # The state's K (traced): with a constant K, XLA:CPU moves the division by it into a
+        # gradient-sized buffer of its own (docs/limits.md).
         every_k = window_k(ctx, acc.every_k)
 
         def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:

@@ -557,9 +557,9 @@ def close_window(
         if not whole_counts:
             devices = jax.lax.axis_size(axis_name)
             # Every device decided the same about each microbatch (`agreed`), so each counted
-            # the same: the sum is the devices' number times the count. (Rounded up: a window
-            # opened by 0.3, whose devices counted their own rows, comes back the same on
-            # every device.)
+            # the same: the sum is the devices' number times the count (rounded up, so a
+            # window whose devices counted only their own rows comes back the same on every
+            # device).
             weight_sum = summed[0]
             nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
         if decisions is not None:
