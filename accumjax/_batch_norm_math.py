@@ -1,22 +1,14 @@
-"""The batch-normalization arithmetic shared by the linen and NNX ``AccumBatchNorm`` (internal).
+"""The BatchNorm arithmetic both ``AccumBatchNorm`` layers run (internal).
 
-Both layers, :class:`accumjax.batch_norm.AccumBatchNorm` (linen) and
-:class:`accumjax.nnx_batch_norm.AccumBatchNorm` (NNX), run one training or evaluation call
-through :func:`normalize_and_accumulate`; :func:`accumjax.close_batch_norm_windows` closes
-step-driven windows with :func:`pooled_windows` and :func:`close_stats_window`.
-
-The pieces:
-
-- the per-call statistics (:func:`compute_moments`: count, mean and population variance,
-  all-reduced once over a device axis) and the normalization itself (:func:`normalize`,
-  Ioffe & Szegedy 2015);
-- the window: one call's statistics are merged into the pooled count, mean and ``M2`` (sum
-  of squared deviations) with the parallel formula of Chan, Golub & LeVeque (1979)
-  (:func:`chan_merge`, :func:`add_moments`); a closed window moves the running averages once
-  (:func:`ema`, :func:`close_stats_window`); windows of several devices pool exactly in one
-  all-reduce (:func:`window_sums`, :func:`pooled_windows`);
-- the configuration and input checks, the canonical axes, the dtypes, and the names of the
-  statistics (:data:`ACCUMULATOR_NAMES`, :func:`is_step_driven`).
+- a call's moments (:func:`compute_moments`, all-reduced once over a device axis) and the
+  normalization (:func:`normalize`), both run by :func:`normalize_and_accumulate`;
+- a call's statistics merged into the window's count, mean and ``M2`` (sum of squared
+  deviations) with the parallel update of Chan, Golub & LeVeque (:func:`chan_merge`,
+  :func:`add_moments`); a closed window moves the running averages once (:func:`ema`,
+  :func:`close_stats_window`); windows of several devices pool in one all-reduce
+  (:func:`window_sums`, :func:`pooled_windows`);
+- the configuration checks, the canonical axes, the dtypes and the names of the statistics
+  (:data:`ACCUMULATOR_NAMES`).
 
 References:
   - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by

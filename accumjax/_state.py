@@ -52,9 +52,9 @@ class AccumulationState(NamedTuple):
       update_count: inner updates actually applied, int32; what a K schedule is evaluated at.
       inner_tx_state: the inner optimizer's state.
       max_grad_norm: largest global norm of an applied window gradient, float32.
-      grad_norm: global norm of the last applied window's gradient as the inner optimizer
-        saw it (after adaptive gradient clipping, when the train step does that), float32;
-        0 before the first update.
+      grad_norm: global norm of the last applied window's gradient, as handed to the inner
+        optimizer (before any clipping the inner optimizer does), float32; 0 before the
+        first update.
       nonfinite_count: microbatches with a NaN/Inf gradient or an invalid weight so far.
       skipped_microbatches: microbatches left out of their window so far (any reason).
       skipped_windows: windows closed without an update so far.
