@@ -70,7 +70,8 @@ def split(batch: Any, k: int, batch_axis: BatchAxis = 0) -> Callable[[jax.Array]
 
     Each batched leaf is reshaped ``(..., B, ...) -> (..., B // k, k, ...)`` (a bitcast:
     a Fortran-order reshape would pick the same rows but transpose every leaf whole, a copy
-    XLA keeps), and microbatch ``i`` is a dynamic index on the new ``k`` axis. Leaves whose ``batch_axis`` is None are passed whole.
+    XLA keeps), and microbatch ``i`` is a dynamic index on the new ``k`` axis. Leaves whose
+    ``batch_axis`` is None are passed whole.
 
     Args:
       batch: the batch (per device).
