@@ -141,9 +141,9 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
     Use it for a state built for the other mode (a stream-mode checkpoint, say): restore it
     as it was saved, then ``with_mode(state, "scan")``. A window left open cannot move to
     scan mode (its partial sum would be lost), so a state in the middle of a window is
-    refused (when its ``micro_step`` is concrete). Convert an unreplicated state (before `accumjax.replicate`).
-    A stream state for a step on a mesh (``step.init``) is best moved with
-    `accumjax.restore_checkpoint`, which keeps its layout.
+    refused (when its ``micro_step`` is concrete). Convert an unreplicated state (before
+    `accumjax.replicate`). A stream state for a step on a mesh (``step.init``) is best moved
+    with `accumjax.restore_checkpoint`, which keeps its layout.
 
     Args:
       state: an `accumjax.TrainState` (or `accumjax.NNXTrainState`).
