@@ -1,10 +1,9 @@
 """accumjax: exact, fast gradient accumulation for JAX.
 
-Gradient accumulation as pure ``optax`` transformations with pytree state, Flax
-``AccumBatchNorm`` layers (linen and NNX) whose running statistics see the whole
-accumulated batch, and a jitted ``make_train_step`` factory (stream or scan, mixed
-precision, data parallel with one all-reduce per window). Every entry point runs the
-same accumulation window, `accumjax.window`.
+Gradient accumulation as ``optax`` transformations (`accumulate`), Flax ``AccumBatchNorm``
+layers whose statistics see the whole accumulated batch, and a jitted `make_train_step`.
+The names whose modules need flax load on first use, so the optax transformation alone
+(``import accumjax.accumulation``) does not import flax.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""The accumulation window: the one core behind every entry point of accumjax.
+"""The accumulation window (internal): the add, close and decide steps every entry point runs.
 
-A *window* collects the gradients of K microbatches and closes into one gradient. The
-optax wrapper `accumjax.accumulate`, both modes of `accumjax.make_train_step` and a user's own
-loop around ``accumulate`` follow the same steps, defined once here (BatchNorm statistics
-keep windows of their own, `accumjax.batch_norm`, closed with this window's decision):
-
-1. ``init_window``: an empty accumulator created like the parameters (same sharding).
-2. ``add_microbatch`` (or ``first_microbatch``): add ``w_i * c_i * T(g_i)`` (``T`` the
-   policy's ``microbatch_transform``, the identity without one). A policy that reads the
-   gradient (``max_norm``, ``skip_fn``, ``microbatch_transform``) or skips one microbatch
-   decides first (``inspect_microbatch``); the others add each gradient as it comes and
-   count it.
-3. ``close_window``: at most one cross-device reduction (`accumjax._reduction`), then the
-   decision: a window is *usable* when its weight sum is > 0, its scaled sum is finite and
-   the policy allows it. Scan mode adds every microbatch as it comes and decides about them
-   all here, from their decisions (`accumjax._agreement`).
-4. the caller applies the update (and closes model-state windows) only when usable.
-
-The shape follows optax's microbatching accumulators (init / add / finalize) and jmp's loss
-scales: the policy is a static value, never a chain of ``None`` checks in the callers.
+1. `init_window`: an empty accumulator created like the parameters (same sharding).
+2. `add_microbatch`: adds ``w_i * c_i * T(g_i)`` (``T`` the policy's
+   ``microbatch_transform``); a policy that reads the gradient or skips one microbatch
+   decides first (`inspect_microbatch`), the others add each gradient as it comes.
+3. `close_window`: at most one cross-device reduction, then the decision: a window is
+   usable when its weight sum is > 0, its scaled sum is finite and the policy allows it.
 """
 
 from __future__ import annotations
