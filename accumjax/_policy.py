@@ -1,8 +1,8 @@
 """The window's policy (internal): how a window treats its microbatches, and the
-per-microbatch transformation it may apply. `accumjax.window` re-exports `Policy`.
+per-microbatch transformation it may apply.
 
 A `Policy` is static: part of the program, never of the state. `accumjax.accumulate` builds
-it from its arguments; every entry point's window (`accumjax.window`) reads it.
+it from its arguments; every entry point's window (`accumjax._window`) reads it.
 """
 
 from __future__ import annotations
