@@ -92,7 +92,15 @@ def init_state(
     ``optax.MultiSteps`` or another `accumulate` state: either would accumulate a second time).
 
     ``accumulator=False`` leaves the window's sum out (``grad_sum=None``): the state of
-    `accumjax.make_train_step`'s scan mode, whose accumulator lives inside the step."""
+    `accumjax.make_train_step`'s scan mode, whose accumulator lives inside the step.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, accumjax
+      >>> from accumjax._state import config_of
+      >>> config = config_of(accumjax.accumulate(optax.sgd(0.1), 4))
+      >>> init_state(config, {"w": jnp.zeros(2)}, accumulator=False).window.grad_sum is None
+      True
+    """
     update_count = jnp.zeros((), jnp.int32)
     zero_f = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: donatable
     zero_i = lambda: jnp.zeros((), jnp.int32)
