@@ -17,12 +17,8 @@ Two ways to close a window:
 - **Self-closing** (``accum_steps=K``): the layer counts its calls and updates the
   running statistics itself on every ``K``-th one (standalone use, without a train step).
 
-This module holds the linen layer and :func:`close_batch_norm_windows` (which serves the
-linen and the NNX layer alike). The arithmetic (moments, merge, normalization, window
-updates) lives in :mod:`accumjax._batch_norm_math`, which the NNX layer of
-:mod:`accumjax.nnx_batch_norm` shares, so the two layers compute the same thing;
-:func:`convert_batch_norm_variables` lives in :mod:`accumjax.batch_norm_convert` and is
-re-exported here.
+This module holds the linen layer, :func:`close_batch_norm_windows` (for the linen and the
+NNX layer alike) and :func:`sync_batch_norm`.
 
 References:
   - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
