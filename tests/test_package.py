@@ -187,3 +187,36 @@ def test_moved_names_warn_at_the_top_level_naming_their_module(name, where):
         value = getattr(accumjax, name)
     assert value is getattr(importlib.import_module(where), name)
     assert name not in accumjax.__all__
+
+
+# Public names of public modules that are not top-level names: the state types, the
+# strategy names, BatchNorm's variable names, the collectives counted, and the names moved
+# out of the top level in 0.5.
+SUBMODULE_ONLY = {
+    "ACCUMULATOR_NAMES",
+    "COLLECTIVE_OPS",
+    "DeviceWindow",
+    "SCALINGS",
+    "Scaling",
+    "Window",
+    "compiled_memory_bytes",
+    "count_collectives",
+    "data_sharding",
+    "scan_step_for_k",
+}
+# sharded.py is the mesh layout, restructured on its own (issue 43's layout plan).
+NOT_YET = {"sharded"}
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in PACKAGE if not p.stem.startswith("_")], ids=lambda p: p.name
+)
+def test_public_modules_export_only_public_names(path):
+    import importlib
+
+    import accumjax
+
+    if path.stem in NOT_YET:
+        pytest.skip(f"{path.stem} is restructured separately")
+    exported = set(importlib.import_module(f"accumjax.{path.stem}").__all__)
+    assert exported <= set(accumjax.__all__) | SUBMODULE_ONLY
