@@ -141,7 +141,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from flax import linen as nn
 from . import sibling
-import accumjax._window as window
+from accumjax import window
 
 def f(x):
     import optax
