@@ -154,23 +154,7 @@ def api_page_source() -> str:
         parts.extend(f"   {documented_path(name).removeprefix('accumjax.')}\n" for name in names)
         for name in names:
             parts.append("\n" + _entry(name))
-    parts.append(SUBMODULES_SECTION)
     return "".join(parts)
-
-
-# Public names kept in their modules only (not top-level): a testing utility, a one-line
-# helper and the planner's building blocks.
-SUBMODULE_NAMES = (
-    "accumjax.collectives.count_collectives",
-    "accumjax.distributed.data_sharding",
-    "accumjax.planner.scan_step_for_k",
-    "accumjax.planner.compiled_memory_bytes",
-)
-SUBMODULES_SECTION = (
-    "\nIn submodules\n-------------\n\nImported from their modules "
-    "(``from accumjax.collectives import count_collectives``).\n\n"
-    + "".join(f".. autofunction:: {path}\n\n" for path in SUBMODULE_NAMES)
-)
 
 
 def write_api_page(_app=None) -> None:
