@@ -1,11 +1,17 @@
 """accumjax: exact, fast gradient accumulation for JAX.
 
-Gradient accumulation as pure ``optax`` transformations with pytree state, Flax
-``AccumBatchNorm`` layers (linen and NNX) whose running statistics see the whole
-accumulated batch, and a jitted ``make_train_step`` factory (stream or scan, mixed
-precision, data parallel with one all-reduce per window). Every entry point runs the
-same accumulation window, `accumjax.window`.
+Gradient accumulation as ``optax`` transformations (`accumulate`), Flax ``AccumBatchNorm``
+layers whose statistics see the whole accumulated batch, and a jitted `make_train_step`.
+The names whose modules need flax load on first use, so the optax transformation alone
+(``import accumjax.accumulation``) does not import flax.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from accumjax.accumulation import accumulate, with_every_k
 from accumjax.accumulation_state import (
@@ -17,12 +23,6 @@ from accumjax.accumulation_state import (
     should_update,
     stats,
 )
-from accumjax.batch_norm import (
-    AccumBatchNorm,
-    close_batch_norm_windows,
-    convert_batch_norm_variables,
-    sync_batch_norm,
-)
 from accumjax.checkpoint import restore_checkpoint
 from accumjax.clipping import (
     adaptive_clip,
@@ -31,7 +31,7 @@ from accumjax.clipping import (
     squared_norm,
     unitwise_norm,
 )
-from accumjax.distributed import count_collectives, data_sharding, replicate, unreplicate
+from accumjax.distributed import replicate, unreplicate
 from accumjax.loss_scale import (
     DynamicLossScale,
     adjust_loss_scale,
@@ -41,25 +41,85 @@ from accumjax.loss_scale import (
     unscale_grads,
     update_loss_scale,
 )
-from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
-from accumjax.nnx_train_step import (
-    NNXTrainState,
-    NNXTrainStep,
-    make_nnx_train_step,
-    nnx_train_state,
-    nnx_update,
-)
-from accumjax.planner import (
-    MicrobatchPlan,
-    compiled_memory_bytes,
-    plan_microbatches,
-    plan_microbatches_for,
-    scan_step_for_k,
-)
-from accumjax.train_state import TrainState, with_mode
-from accumjax.train_step import TrainStep, make_train_step
+
+if TYPE_CHECKING:
+    from accumjax.batch_norm import (
+        AccumBatchNorm,
+        close_batch_norm_windows,
+        convert_batch_norm_variables,
+        sync_batch_norm,
+    )
+    from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
+    from accumjax.nnx_train_step import (
+        NNXTrainState,
+        NNXTrainStep,
+        make_nnx_train_step,
+        nnx_train_state,
+        nnx_update,
+    )
+    from accumjax.planner import MicrobatchPlan, plan_microbatches, plan_microbatches_for
+    from accumjax.train_state import TrainState, with_mode
+    from accumjax.train_step import TrainStep, make_train_step
 
 __version__ = "0.5.0"
+
+# The names whose modules import flax, loaded on first access (PEP 562), so that the optax
+# transformation (`import accumjax.accumulation`) does not import flax: name -> (module,
+# attribute).
+_LAZY = {
+    "AccumBatchNorm": ("batch_norm", "AccumBatchNorm"),
+    "close_batch_norm_windows": ("batch_norm", "close_batch_norm_windows"),
+    "convert_batch_norm_variables": ("batch_norm", "convert_batch_norm_variables"),
+    "sync_batch_norm": ("batch_norm", "sync_batch_norm"),
+    "NNXAccumBatchNorm": ("nnx_batch_norm", "AccumBatchNorm"),
+    "NNXTrainState": ("nnx_train_step", "NNXTrainState"),
+    "NNXTrainStep": ("nnx_train_step", "NNXTrainStep"),
+    "make_nnx_train_step": ("nnx_train_step", "make_nnx_train_step"),
+    "nnx_train_state": ("nnx_train_step", "nnx_train_state"),
+    "nnx_update": ("nnx_train_step", "nnx_update"),
+    "MicrobatchPlan": ("planner", "MicrobatchPlan"),
+    "plan_microbatches": ("planner", "plan_microbatches"),
+    "plan_microbatches_for": ("planner", "plan_microbatches_for"),
+    "TrainState": ("train_state", "TrainState"),
+    "with_mode": ("train_state", "with_mode"),
+    "TrainStep": ("train_step", "TrainStep"),
+    "make_train_step": ("train_step", "make_train_step"),
+}
+
+# Top-level names deprecated in 0.5, removed in 0.6: name -> the module that keeps it.
+_DEPRECATED = {
+    "count_collectives": "collectives",
+    "data_sharding": "distributed",
+    "compiled_memory_bytes": "planner",
+    "scan_step_for_k": "planner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Loads a flax-dependent public name or a submodule on first access; warns for a
+    deprecated name."""
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(f"accumjax.{module}"), attribute)
+        globals()[name] = value
+        return value
+    if name in _DEPRECATED:
+        path = f"accumjax.{_DEPRECATED[name]}.{name}"
+        warnings.warn(
+            f"accumjax.{name} is deprecated and will be removed in accumjax 0.6; use {path}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(f"accumjax.{_DEPRECATED[name]}"), name)
+    if not name.startswith("_") and importlib.util.find_spec(f"accumjax.{name}") is not None:
+        return importlib.import_module(f"accumjax.{name}")  # a submodule: accumjax.window
+    raise AttributeError(f"module 'accumjax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names (`__all__`) and the module's own attributes."""
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "AccumBatchNorm",
@@ -79,11 +139,8 @@ __all__ = [
     "adjust_loss_scale",
     "all_finite",
     "close_batch_norm_windows",
-    "compiled_memory_bytes",
     "compute_norm",
     "convert_batch_norm_variables",
-    "count_collectives",
-    "data_sharding",
     "dynamic_loss_scale",
     "has_updated",
     "make_nnx_train_step",
@@ -96,7 +153,6 @@ __all__ = [
     "reset",
     "restore_checkpoint",
     "scale_loss",
-    "scan_step_for_k",
     "should_update",
     "squared_norm",
     "stats",

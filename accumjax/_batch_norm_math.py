@@ -1,22 +1,14 @@
-"""The batch-normalization arithmetic shared by the linen and NNX ``AccumBatchNorm`` (internal).
+"""The BatchNorm arithmetic both ``AccumBatchNorm`` layers run (internal).
 
-Both layers, :class:`accumjax.batch_norm.AccumBatchNorm` (linen) and
-:class:`accumjax.nnx_batch_norm.AccumBatchNorm` (NNX), run one training or evaluation call
-through :func:`normalize_and_accumulate`; :func:`accumjax.close_batch_norm_windows` closes
-step-driven windows with :func:`pooled_windows` and :func:`close_window`.
-
-The pieces:
-
-- the per-call statistics (:func:`compute_moments`: count, mean and population variance,
-  all-reduced once over a device axis) and the normalization itself (:func:`normalize`,
-  Ioffe & Szegedy 2015);
-- the window: one call's statistics are merged into the pooled count, mean and ``M2`` (sum
-  of squared deviations) with the parallel formula of Chan, Golub & LeVeque (1979)
-  (:func:`chan_merge`, :func:`accumulate`); a closed window moves the running averages once
-  (:func:`ema`, :func:`close_window`); windows of several devices pool exactly in one
-  all-reduce (:func:`window_sums`, :func:`pooled_windows`);
-- the configuration and input checks, the canonical axes, the dtypes, and the names of the
-  statistics (:data:`ACCUMULATOR_NAMES`, :func:`is_step_driven`).
+- a call's moments (:func:`compute_moments`, all-reduced once over a device axis) and the
+  normalization (:func:`normalize`), both run by :func:`normalize_and_accumulate`;
+- a call's statistics merged into the window's count, mean and ``M2`` (sum of squared
+  deviations) with the parallel update of Chan, Golub & LeVeque (:func:`chan_merge`,
+  :func:`add_moments`); a closed window moves the running averages once (:func:`ema`,
+  :func:`close_stats_window`); windows of several devices pool in one all-reduce
+  (:func:`window_sums`, :func:`pooled_windows`);
+- the configuration checks, the canonical axes, the dtypes and the names of the statistics
+  (:data:`ACCUMULATOR_NAMES`).
 
 References:
   - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
@@ -28,7 +20,7 @@ Example:
   >>> import jax.numpy as jnp
   >>> from accumjax import _batch_norm_math as bnm
   >>> x = jnp.array([[1.0], [3.0]])
-  >>> running, window = bnm.Running(jnp.zeros(1), jnp.ones(1)), bnm.empty_window((1,))
+  >>> running, window = bnm.Running(jnp.zeros(1), jnp.ones(1)), bnm.empty_stats_window((1,))
   >>> options = bnm.BatchNormOptions(accum_steps=1, momentum=0.5)
   >>> y, running, window = bnm.normalize_and_accumulate(
   ...     x, None, (1,), options, running, window, None, None, use_running_average=False)
@@ -48,7 +40,8 @@ from flax.typing import Array, Axes, Dtype
 from jax import lax
 
 from accumjax._checks import INT32_MAX, check_axis_bound, check_int, check_real
-from accumjax.window import sum_dtype
+from accumjax._norms import abs_squared
+from accumjax._window import sum_dtype
 
 __all__ = [
     "ACCUMULATOR_NAMES",
@@ -57,19 +50,18 @@ __all__ = [
     "BatchNormOptions",
     "Moments",
     "Running",
-    "Window",
-    "abs_sq",
-    "accumulate",
+    "StatsWindow",
+    "add_moments",
     "accumulator_dtype",
     "canonical_axes",
     "chan_merge",
     "check_config",
     "check_input",
-    "close_window",
+    "close_stats_window",
     "complex_like",
     "compute_moments",
     "ema",
-    "empty_window",
+    "empty_stats_window",
     "normalize",
     "normalize_and_accumulate",
     "pooled_windows",
@@ -102,7 +94,7 @@ class Running(NamedTuple):
     var: Any
 
 
-class Window(NamedTuple):
+class StatsWindow(NamedTuple):
     """The open window's pooled count, mean, ``M2`` and number of calls."""
 
     count: Any
@@ -174,18 +166,6 @@ def complex_like(dtype: Any, other: Any) -> jnp.dtype:
     return jnp.promote_types(dtype, other) if complex_other else jnp.dtype(dtype)
 
 
-def abs_sq(x: Array) -> Array:
-    """``|x|**2`` elementwise, real: ``re**2 + im**2`` for a complex ``x`` (as Flax computes it).
-
-    Example:
-      >>> abs_sq(jnp.array([3 + 4j], jnp.complex64))
-      Array([25.], dtype=float32)
-    """
-    if jnp.iscomplexobj(x):
-        return lax.square(lax.real(x)) + lax.square(lax.imag(x))
-    return lax.square(x)
-
-
 def check_config(accum_steps: Any, momentum: Any, epsilon: Any = 0.0) -> None:
     """Validates a layer's ``accum_steps``, ``momentum`` and ``epsilon``.
 
@@ -252,7 +232,9 @@ def check_input(x: Array, mask: Array | None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def empty_window(shape: tuple[int, ...], dtype: Any = None, mean_dtype: Any = None) -> Window:
+def empty_stats_window(
+    shape: tuple[int, ...], dtype: Any = None, mean_dtype: Any = None
+) -> StatsWindow:
     """Zero accumulators (constants, so they are replicated under ``shard_map``).
 
     Args:
@@ -261,12 +243,12 @@ def empty_window(shape: tuple[int, ...], dtype: Any = None, mean_dtype: Any = No
       mean_dtype: the mean's dtype (default ``dtype``; complex for a complex input).
 
     Returns:
-      A :class:`Window` of zeros, with an int32 scalar ``step``.
+      A :class:`StatsWindow` of zeros, with an int32 scalar ``step``.
     """
     dtype = accumulator_dtype() if dtype is None else dtype
     mean_dtype = dtype if mean_dtype is None else mean_dtype
     count, mean, m2 = (jnp.zeros(shape, d) for d in (dtype, mean_dtype, dtype))  # distinct
-    return Window(count, mean, m2, jnp.zeros((), jnp.int32))
+    return StatsWindow(count, mean, m2, jnp.zeros((), jnp.int32))
 
 
 def compute_moments(
@@ -323,13 +305,13 @@ def compute_moments(
     def local_sum(values: Array) -> Array:
         return jnp.sum(values, reduction_axes, where=where)
 
-    sums = (local_sum(x), local_sum(abs_sq(x))) if use_fast_variance else (local_sum(x),)
+    sums = (local_sum(x), local_sum(abs_squared(x))) if use_fast_variance else (local_sum(x),)
     count, *sums = all_sum((count, *sums))
     denom = jnp.maximum(count, 1).astype(jnp.finfo(x.dtype).dtype)  # real for a complex x
     mean = sums[0] / denom
     if use_fast_variance:
-        return Moments(count, mean, jnp.maximum(0.0, sums[1] / denom - abs_sq(mean)))
-    centred = abs_sq(x - jnp.expand_dims(mean, reduction_axes))
+        return Moments(count, mean, jnp.maximum(0.0, sums[1] / denom - abs_squared(mean)))
+    centred = abs_squared(x - jnp.expand_dims(mean, reduction_axes))
     return Moments(count, mean, all_sum(local_sum(centred)) / denom)
 
 
@@ -342,9 +324,9 @@ def _local_mean_var(
     """
     mean = jnp.mean(x, reduction_axes)
     if use_fast_variance:
-        var = jnp.maximum(0.0, jnp.mean(abs_sq(x), reduction_axes) - abs_sq(mean))
+        var = jnp.maximum(0.0, jnp.mean(abs_squared(x), reduction_axes) - abs_squared(mean))
     else:
-        var = jnp.mean(abs_sq(x - jnp.expand_dims(mean, reduction_axes)), reduction_axes)
+        var = jnp.mean(abs_squared(x - jnp.expand_dims(mean, reduction_axes)), reduction_axes)
     return mean, var
 
 
@@ -413,7 +395,7 @@ def chan_merge(
     n = n_a + n_b
     w_b = n_b / jnp.maximum(n, 1)  # n_b / n, and 0 when both are empty
     delta = mean_b - mean_a
-    return n, mean_a + delta * w_b, m2_a + m2_b + abs_sq(delta) * n_a * w_b
+    return n, mean_a + delta * w_b, m2_a + m2_b + abs_squared(delta) * n_a * w_b
 
 
 def ema(old: Array, new: Array, momentum: Any, update: Array) -> Array:
@@ -430,19 +412,19 @@ def ema(old: Array, new: Array, momentum: Any, update: Array) -> Array:
     return (keep * old.astype(dtype) + take * new).astype(dtype)
 
 
-def accumulate(
+def add_moments(
     running: Running,
-    window: Window,
+    window: StatsWindow,
     moments: Moments,
     momentum: Any,
     accum_steps: int | None,
-) -> tuple[Running, Window]:
+) -> tuple[Running, StatsWindow]:
     """Merges one call's ``moments`` into the window.
 
     With an int ``accum_steps`` the window closes on its ``accum_steps``-th call: the
     running averages move towards the pooled (population) statistics, where the window
     holds any element, and the accumulators are reset. With ``None`` only the window
-    changes; :func:`close_window` (via ``close_batch_norm_windows``) closes it. The running
+    changes; :func:`close_stats_window` (via ``close_batch_norm_windows``) closes it. The running
     mean of a complex input is complex from this call on (:func:`complex_like`).
 
     Returns:
@@ -460,14 +442,14 @@ def accumulate(
     n, mean, m2 = chan_merge(window.count, window.mean, window.m2, n_b, mean_b, var_b * n_b)
     step = window.step + 1
     if accum_steps is None:
-        return running, Window(n, mean, m2, step.astype(jnp.int32))
+        return running, StatsWindow(n, mean, m2, step.astype(jnp.int32))
     closes = step >= accum_steps
     update = jnp.logical_and(closes, n > 0)
     pooled_var = m2 / jnp.maximum(n, 1)
     new_running = Running(
         ema(running.mean, mean, momentum, update), ema(running.var, pooled_var, momentum, update)
     )
-    new_window = Window(
+    new_window = StatsWindow(
         jnp.where(closes, jnp.zeros_like(n), n),
         jnp.where(closes, jnp.zeros_like(mean), mean),
         jnp.where(closes, jnp.zeros_like(m2), m2),
@@ -477,8 +459,8 @@ def accumulate(
 
 
 def _close_one(
-    running: Running, window: Window, moments: Moments, momentum: Any
-) -> tuple[Running, Window]:
+    running: Running, window: StatsWindow, moments: Moments, momentum: Any
+) -> tuple[Running, StatsWindow]:
     """``accum_steps=1``: the running averages move towards the call's own statistics, and
     the window, pooling nothing, stays empty. Skipping the merge, XLA sees ``BatchNorm``'s
     ``momentum * old + (1 - momentum) * mean`` and simplifies it alike (it folds
@@ -486,13 +468,13 @@ def _close_one(
     """
     update = moments.count > 0
     mean, var = (ema(r, new, momentum, update) for r, new in zip(running, moments[1:], strict=True))
-    empty = empty_window(window.count.shape, window.count.dtype, moments.mean.dtype)
+    empty = empty_stats_window(window.count.shape, window.count.dtype, moments.mean.dtype)
     return Running(mean, var), empty
 
 
-def close_window(
-    running: Running, window: Window, momentum: Array, apply: Array
-) -> tuple[Running, Window]:
+def close_stats_window(
+    running: Running, window: StatsWindow, momentum: Array, apply: Array
+) -> tuple[Running, StatsWindow]:
     """Closes a step-driven window: EMA update where ``apply`` and non-empty; reset.
 
     Returns:
@@ -505,10 +487,12 @@ def close_window(
     new_running = Running(
         ema(running.mean, window.mean, momentum, update), ema(running.var, var, momentum, update)
     )
-    return new_running, empty_window(window.count.shape, window.count.dtype, window.mean.dtype)
+    return new_running, empty_stats_window(
+        window.count.shape, window.count.dtype, window.mean.dtype
+    )
 
 
-def window_sums(shifts: list[Array], windows: list[Window]) -> Array:
+def window_sums(shifts: list[Array], windows: list[StatsWindow]) -> Array:
     """Every layer's window as shifted sums ``(n, n * (mean - s), M2 + n * |mean - s|^2)`` in
     one flat array (complex if any mean is), with a shift ``s`` equal on every device (the
     running mean): what adds exactly across devices in one ``psum`` before `pooled_windows`.
@@ -520,12 +504,14 @@ def window_sums(shifts: list[Array], windows: list[Window]) -> Array:
     parts: list[Array] = []
     for shift, window in zip(shifts, windows, strict=True):
         delta = window.mean - shift.astype(window.mean.dtype)
-        parts += [window.count, window.count * delta, window.m2 + window.count * abs_sq(delta)]
+        parts += [window.count, window.count * delta, window.m2 + window.count * abs_squared(delta)]
     dtype = jnp.result_type(*parts) if parts else jnp.float32
     return jnp.concatenate([p.astype(dtype).ravel() for p in parts] or [jnp.zeros(0, dtype)])
 
 
-def pooled_windows(flat: Array, shifts: list[Array], windows: list[Window]) -> list[Window]:
+def pooled_windows(
+    flat: Array, shifts: list[Array], windows: list[StatsWindow]
+) -> list[StatsWindow]:
     """The windows whose `window_sums` summed across devices are ``flat``, in the order of
     ``windows`` (each keeps its own ``step``)."""
     sums, offset = [], 0
@@ -540,7 +526,7 @@ def pooled_windows(flat: Array, shifts: list[Array], windows: list[Window]) -> l
         offset_mean = s1 / jnp.maximum(count, 1)
         mean = shift.astype(offset_mean.dtype) + offset_mean
         m2 = jnp.maximum(s2 - jnp.real(s1 * jnp.conj(offset_mean)), 0)
-        pooled.append(Window(count, mean, m2, window.step))
+        pooled.append(StatsWindow(count, mean, m2, window.step))
     return pooled
 
 
@@ -555,13 +541,13 @@ def normalize_and_accumulate(
     feature_axes: tuple[int, ...],
     options: BatchNormOptions,
     running: Running,
-    window: Window | None,
+    window: StatsWindow | None,
     scale: Array | None,
     bias: Array | None,
     *,
     use_running_average: bool,
     initializing: bool = False,
-) -> tuple[Array, Running, Window | None]:
+) -> tuple[Array, Running, StatsWindow | None]:
     """One call of an ``AccumBatchNorm`` layer (linen or NNX), as pure arrays.
 
     In evaluation mode (``use_running_average``) ``x`` is normalized with ``running`` and
@@ -613,7 +599,7 @@ def normalize_and_accumulate(
         if not initializing:
             if window is None:
                 raise ValueError("a training-mode call needs the window accumulators.")
-            running, window = accumulate(
+            running, window = add_moments(
                 running, window, moments, options.momentum, options.accum_steps
             )
     y = normalize(x, mean, var, scale, bias, reduction_axes, options.epsilon, options.dtype)

@@ -26,9 +26,9 @@ from accumjax._batch_norm_math import (
     MOMENTUM_NAME,
     STEP_DRIVEN_NAMES,
     Running,
-    Window,
+    StatsWindow,
     chan_merge,
-    close_window,
+    close_stats_window,
     pooled_windows,
     window_sums,
 )
@@ -231,8 +231,8 @@ def _nodes(tree: Any) -> tuple[list[Any], Any, list[int]]:
     return nodes, treedef, [i for i, node in enumerate(nodes) if is_step_driven(node)]
 
 
-def _window(node: Any) -> Window:
-    return Window(*(array_of(node[k]) for k in ACCUMULATOR_NAMES))
+def _window(node: Any) -> StatsWindow:
+    return StatsWindow(*(array_of(node[k]) for k in ACCUMULATOR_NAMES))
 
 
 def emptied(tree: Any) -> Any:
@@ -247,7 +247,7 @@ def emptied(tree: Any) -> Any:
     nodes, treedef, where = _nodes(tree)
     for i in where:
         w = _window(nodes[i])
-        empty = Window(
+        empty = StatsWindow(
             jnp.zeros_like(w.count), jnp.zeros_like(w.mean), jnp.zeros_like(w.m2), w.step * 0
         )
         nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, empty, strict=True)))
@@ -277,7 +277,7 @@ def merge_pooled(before: Any, flat: Array) -> Any:
     for j, (i, old, new) in enumerate(zip(where, windows, pooled, strict=True)):
         count, mean, m2 = chan_merge(old.count, old.mean, old.m2, new.count, new.mean, new.m2)
         step = old.step + (jnp.real(called[j]) > 0).astype(old.step.dtype)
-        merged = Window(count.astype(old.count.dtype), mean, m2.astype(old.m2.dtype), step)
+        merged = StatsWindow(count.astype(old.count.dtype), mean, m2.astype(old.m2.dtype), step)
         nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, merged, strict=True)))
     return jax.tree.unflatten(treedef, nodes)
 
@@ -294,7 +294,7 @@ def close_windows(stats_tree: Any, apply: Array, axis_name: str | None) -> Any:
         windows = pooled_windows(summed, shifts, windows)
     for i, old, window in zip(where, running, windows, strict=True):
         momentum = array_of(nodes[i][MOMENTUM_NAME])
-        new_running, new_window = close_window(old, window, momentum, apply)
+        new_running, new_window = close_stats_window(old, window, momentum, apply)
         names = ("mean", "var", *ACCUMULATOR_NAMES)
         values = dict(zip(names, (*new_running, *new_window), strict=True))
         nodes[i] = replace_leaves(nodes[i], values)

@@ -22,6 +22,7 @@ __all__ = [
     "check_callable",
     "check_choice",
     "check_int",
+    "check_mesh_axis",
     "check_real",
     "refuse_unknown",
 ]
@@ -101,6 +102,20 @@ def check_callable(name: str, value: Any, optional: bool = True) -> Callable[...
         return value
     kind = "callable or None" if optional else "callable"
     raise TypeError(f"{name} must be {kind}, got {type(value).__name__}.")
+
+
+def check_mesh_axis(axis_name: Any, mesh: Any) -> None:
+    """``ValueError`` unless ``axis_name`` is one of ``mesh.axis_names``.
+
+    Example:
+      >>> import jax
+      >>> check_mesh_axis("data", jax.make_mesh((1,), ("data",)))
+      >>> check_mesh_axis("model", jax.make_mesh((1,), ("data",)))
+      Traceback (most recent call last):
+      ValueError: axis_name 'model' is not an axis of the mesh ('data',).
+    """
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
 
 
 def refuse_unknown(function: str, given: Mapping[str, Any], known: Mapping[str, str]) -> None:

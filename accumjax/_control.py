@@ -3,7 +3,7 @@
 `run_once`: a loop of at most one trip on a CPU, a conditional on a CUDA GPU (whose predicate
 XLA:GPU reads on the host: one wait). `select_once`, for an end that runs on nearly every step
 (scan mode's update): on a CUDA GPU computed always and selected, no conditional. See the
-design notes. `accumjax.window` re-exports `run_once`.
+design notes.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def run_once(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from accumjax import window
-      >>> int(window.run_once(jnp.array(True), lambda x: x + 1, jnp.array(1)))
+      >>> int(run_once(jnp.array(True), lambda x: x + 1, jnp.array(1)))
       2
     """
     converted, consts = jax.closure_convert(fn, operand)  # closed-over tracers become inputs

@@ -28,19 +28,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax import window as window_lib
 from accumjax._checks import check_alive
 from accumjax._loop import Setup, stream_step
+from accumjax._opt_state import opt_state_for, unalias
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
 from accumjax._split import split
+from accumjax._state import config_of
 from accumjax._step_checks import check_init_inputs, init_call
+from accumjax._window_end import check_state
 from accumjax._zero import as_placed, placed_zero
-from accumjax.accumulation import check_state, config_of
 from accumjax.distributed import replicate
 from accumjax.loss_scale import DynamicLossScale, dynamic_loss_scale
-from accumjax.train_state import TrainState, opt_state_for, unalias
+from accumjax.train_state import TrainState
 
 __all__ = ["TrainStep", "wrap"]
 
@@ -253,7 +255,7 @@ class TrainStep:
 
     ``step(state, batch, rng=None)`` (scan mode: ``num_real_microbatches=None`` too) runs
     one call; ``step.init(params, tx, ...)`` builds the state it takes; ``step.lower(...)``
-    lowers it (e.g. for `accumjax.count_collectives`).
+    lowers it (e.g. for `accumjax.collectives.count_collectives`).
     """
 
     def __init__(self, setup: Setup, jitted: Any, *, pmapped: bool) -> None:
@@ -515,7 +517,7 @@ OptSpecs = tuple[Mesh, tuple[PartitionSpec | None, ...]]
 
 def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
     """On an ``Auto`` mesh: the mesh and each optimizer state leaf's partition spec, as
-    sharding in types derives it from the parameters' (traced on an ``Explicit`` twin of the
+    sharding in types derives it from the parameters' (traced on an ``Explicit`` copy of the
     mesh): Adam's moments sharded like their parameters, as the step returns them. None
     elsewhere: an ``Explicit`` mesh's types carry the layout into ``tx.init`` themselves, and
     a ``jit`` would leave an ``Auto`` one's parameter-shaped zeros replicated.
@@ -529,13 +531,13 @@ def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
     if not isinstance(mesh, Mesh) or any(t != AxisType.Auto for t in mesh.axis_types):
         return None
     explicit = (AxisType.Explicit,) * len(mesh.axis_names)
-    twin = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
+    explicit_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
 
     def typed(x: Any) -> jax.ShapeDtypeStruct:
         spec = getattr(sharded.sharding_of(x), "spec", PartitionSpec())
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(twin, spec))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(explicit_mesh, spec))
 
-    with jax.set_mesh(twin):  # the twin, whatever mesh the caller set
+    with jax.set_mesh(explicit_mesh):  # this mesh, whatever mesh the caller set
         init = partial(opt_state_for, tx, mode="scan")
         shapes = jax.eval_shape(init, jax.tree.map(typed, params))
     return mesh, tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
@@ -576,14 +578,16 @@ def _build(
     if mode == "stream" and config is not None:
         window = sharded.device_window(params, config.policy.accumulator_dtype, *where)
         opt_state = opt_state._replace(window=window)
-    strong = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.result_type(x)), tree)
+    without_weak_types = lambda tree: jax.tree.map(
+        lambda x: jnp.asarray(x, jnp.result_type(x)), tree
+    )
     return TrainState(  # strongly typed, as the step returns them: one program per step
         step=jnp.zeros((), jnp.int32),
         apply_fn=None,  # pyright: ignore[reportArgumentType]
-        params=strong(params),
+        params=without_weak_types(params),
         tx=tx,
         opt_state=opt_state,
-        model_state=strong(model_state),
+        model_state=without_weak_types(model_state),
         loss_scale=loss_scale,
     )
 

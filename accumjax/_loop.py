@@ -5,7 +5,7 @@ needs into one `Context` (as optax's microbatching ``Accumulator`` bundles init,
 finalize); every function below takes that one value. One microbatch (`microbatch`) computes
 its gradient with the loss adapter, adds it to the window (`accumjax.window`) and keeps its
 model state only when it was added. `close_fields` closes a window: one reduction, the
-decision, the update (`accumjax.accumulation.close_and_apply`), BatchNorm windows and the loss
+decision, the update (`accumjax._window_end.close_and_apply`), BatchNorm windows and the loss
 scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
 call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
 parallel wrappers (`accumjax._sharded_steps`, `accumjax._host`) run both under ``jit``, ``pmap``
@@ -21,22 +21,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accumjax import window as window_lib
-from accumjax._agreement import Verdict, verdict, weigh
+import accumjax._window as window_lib
+from accumjax._agreement import MicrobatchDecision, device_decision, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._loss_adapter import GradFn
+from accumjax._opt_state import count_update
+from accumjax._state import config_of
 from accumjax._step_checks import check_step_inputs
-from accumjax.accumulation import (
-    Config,
-    check_state,
-    close_and_apply,
-    config_of,
-    init_state,
-    window_closes,
-)
+from accumjax._window_end import Config, check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
-from accumjax.train_state import TrainState, count_update
+from accumjax.train_state import TrainState
 
 __all__ = [
     "Carry",
@@ -88,7 +83,7 @@ class Setup(NamedTuple):
       optimizer_sharding: where a parameter replicated over the data axis keeps its
         optimizer state and accumulator (`accumjax._layout.OPTIMIZER_SHARDINGS`).
       reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
-        before it is added (`accumjax.window.add_microbatch`), or None.
+        before it is added (`accumjax._window.add_microbatch`), or None.
       dims: inside ``shard_map``, the dimension each parameter is split on over the data
         axis (a pytree like the parameters), for a policy that reduces each microbatch's
         whole gradient; None for none.
@@ -123,21 +118,21 @@ class Context(NamedTuple):
 
     Attributes:
       setup: the `Setup`.
-      config: the optimizer's `accumjax.accumulation.Config` (K, policy, axis).
-      owned: whether the optimizer is an ``accumulate`` (else a plain optimizer, run as a
+      config: the optimizer's `accumjax._window_end.Config` (K, policy, axis).
+      accumulating: whether the optimizer is an ``accumulate`` (else a plain optimizer, run as a
         window of one microbatch whose counters are not kept).
       loss_scale: the dynamic loss scale (float16), or None.
       rng: the step's PRNG key, or None.
       step_count: ``state.step``, folded into every microbatch key.
       axis_name: the mapped or sharded batch axis: its index is folded into keys, and the
-        devices along it agree about each microbatch (`accumjax.window.inspect_microbatch`).
+        devices along it agree about each microbatch (`accumjax._window.inspect_microbatch`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
     """
 
     setup: Setup
     config: Config
-    owned: bool
+    accumulating: bool
     loss_scale: DynamicLossScale | None
     rng: Any
     step_count: Any
@@ -159,9 +154,9 @@ class Context(NamedTuple):
         return cast(int, self.config.static_k)
 
     @property
-    def blind(self) -> bool:
+    def adds_before_deciding(self) -> bool:
         """Whether scan mode adds each microbatch as it comes and decides about them all at the
-        window's end (`accumjax.window.close_window`'s verdicts): every policy that does not
+        window's end (`accumjax._window.close_window`'s decisions): every policy that does not
         read the gradient's values, in a window of more than one microbatch (one microbatch's
         gradient is the window's sum: it is decided about as it comes)."""
         return self.setup.mode == "scan" and not self.config.policy.reads and self.k > 1
@@ -179,13 +174,13 @@ class Carry(NamedTuple):
 class Outcome(NamedTuple):
     """What a window's microbatches produced: the carry, the loss metric and the aux; for one
     microbatch, also whether it was added to the window, added as it came this device's
-    `accumjax._agreement.Verdict` about it, and whether it was found non-finite."""
+    `accumjax._agreement.MicrobatchDecision` about it, and whether it was found non-finite."""
 
     carry: Carry
     loss: Any
     aux: Any
     added: Any = None
-    verdict: Verdict | None = None
+    decision: MicrobatchDecision | None = None
     nonfinite: Any = None
 
 
@@ -213,7 +208,7 @@ class Fields(NamedTuple):
 def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     """The optimizer's config, or a one-microbatch window around a plain optimizer."""
     config = config_of(state.tx)  # a TrainState: `accumjax._host` refused anything else
-    owned = config is not None
+    accumulating = config is not None
     if config is None:
         config = Config(optax.with_extra_args_support(state.tx), 1, window_lib.Policy(), None)
     stated = setup.axis_name if setup.mesh is None else setup.data_axis
@@ -234,7 +229,7 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
             "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
             "schedule."
         )
-    return config._replace(axis_name=setup.axis_name), owned
+    return config._replace(axis_name=setup.axis_name), accumulating
 
 
 def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
@@ -275,14 +270,14 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     Every mode's step starts here, at trace time: the state and optimizer (no
     ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once.
     """
-    config, owned = _config(setup, state)
+    config, accumulating = _config(setup, state)
     check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
-    if owned:
+    if accumulating:
         acc = _check_layout(setup, check_state(config, state.opt_state))
     else:
         acc = init_state(config, state.params, state.opt_state)
     loss_scale = state.loss_scale if setup.f16 else None
-    context = Context(setup, config, owned, loss_scale, rng, state.step, setup.axis_name)
+    context = Context(setup, config, accumulating, loss_scale, rng, state.step, setup.axis_name)
     return context, acc
 
 
@@ -345,11 +340,11 @@ def microbatch(
 ) -> Outcome:
     """One microbatch: gradient, add to the window, keep its model state only if added.
 
-    In scan mode (`Context.blind`) it is added as it comes where ``gate`` (a decision taken
-    before, True in a window's first pass) and decided about at the window's end from its
-    `Outcome.verdict`; otherwise decided first (`accumjax.window.inspect_microbatch`; on a
-    mesh about the whole microbatch). ``first`` opens the window with it
-    (`accumjax.window.first_microbatch`).
+    In scan mode (`Context.adds_before_deciding`) it is added as it comes where ``gate`` (a
+    decision taken before, True in a window's first pass) and decided about at the window's
+    end from its `Outcome.decision`; otherwise decided first
+    (`accumjax._window.inspect_microbatch`; on a mesh about the whole microbatch). ``first``
+    opens the window with it (`accumjax._window.first_microbatch`).
     """
     loss, new_model_state, aux, grads, weight = gradient(
         ctx, params, carry.model_state, batch, index
@@ -358,10 +353,12 @@ def microbatch(
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
     more: dict[str, Any] = {} if first else {"reduce": ctx.setup.reduce}
     mine = None
-    if ctx.blind:  # this device's verdict on its rows; the devices decide at the window's end
+    if (
+        ctx.adds_before_deciding
+    ):  # this device's decision about its rows; the devices decide at the window's end
         m = window_lib.inspect_microbatch(policy, grads, weight, params)
         w = jnp.ones((), jnp.float32) if weight is None else weight
-        mine = verdict(policy.scaling, m.nonfinite, w)
+        mine = device_decision(policy.scaling, m.nonfinite, w)
         gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
         m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
     else:
@@ -445,7 +442,7 @@ def finish(
     new = state.replace(
         step=count_update(jnp.asarray(state.step), updated),
         params=fields.params,
-        opt_state=fields.opt if ctx.owned else fields.opt.inner_tx_state,
+        opt_state=fields.opt if ctx.accumulating else fields.opt.inner_tx_state,
         model_state=fields.model_state,
         loss_scale=fields.loss_scale if fields.loss_scale is not None else state.loss_scale,
     )
@@ -473,7 +470,7 @@ def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
     """The loop carry a step starts from: the state's window and model state, no loss yet.
 
     A scan-mode state holds no accumulator; the loop's own is made here, inside the step
-    (`accumjax.train_state.opt_state_for`)."""
+    (`accumjax._opt_state.opt_state_for`)."""
     zero = jnp.zeros((), jnp.float32)
     window = acc.window
     if window.grad_sum is None:
@@ -490,14 +487,19 @@ def stream_step(setup: Setup) -> Step:
         ctx, acc = begin(setup, state, rng)
         params = pvary(state.params, setup.axis_name)
         outcome = microbatch(
-            ctx, start_carry(state, acc), params, batch, acc.window.micro_step, first=not ctx.owned
+            ctx,
+            start_carry(state, acc),
+            params,
+            batch,
+            acc.window.micro_step,
+            first=not ctx.accumulating,
         )
         opt = acc._replace(
             window=outcome.carry.window, updated=jnp.zeros((), bool), added=outcome.added
         )
         fields = Fields(state.params, opt, outcome.carry.model_state, ctx.loss_scale)
         close = lambda f: close_fields(ctx, f)
-        if ctx.owned:
+        if ctx.accumulating:
             fields = window_lib.run_once(window_closes(opt), close, fields)
         else:
             fields = close(fields)

@@ -14,7 +14,7 @@ from typing import Any
 
 import optax
 
-from accumjax.accumulation_state import MULTISTEPS_NOTE, locate
+from accumjax._state import MULTISTEPS_NOTE, locate
 
 __all__ = [
     "MULTISTEPS_ARGS",

@@ -1,8 +1,8 @@
 """The window's policy (internal): how a window treats its microbatches, and the
-per-microbatch transformation it may apply. `accumjax.window` re-exports `Policy`.
+per-microbatch transformation it may apply.
 
 A `Policy` is static: part of the program, never of the state. `accumjax.accumulate` builds
-it from its arguments; every entry point's window (`accumjax.window`) reads it.
+it from its arguments; every entry point's window (`accumjax._window`) reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accumjax import scaling as scaling_lib
+import accumjax._scaling as scaling_lib
 
 __all__ = [
     "ON_NONFINITE",
@@ -71,7 +71,7 @@ class Policy(NamedTuple):
         """Whether a gradient waits for the decision about it before it is added (a policy
         that detects or skips): its window stays clean of what it leaves out. Scan mode adds
         each gradient as it comes instead and decides at the window's end (`close_window`'s
-        verdicts)."""
+        decisions)."""
         return self.detects or self.skip_fn is not None
 
 

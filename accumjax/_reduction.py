@@ -1,37 +1,45 @@
-"""The window's cross-device reductions (internal): where each leaf of a sum stands, its one
-reduction and its global norm. `accumjax.window` re-exports the markers and `global_norm`.
+"""The window's cross-device reductions (internal): what the reduction does to each leaf of
+a sum (`LeafReduction`), the one reduction (`cross_device_reduce`), the norm of a sum whose
+leaves are shards, and the gathers between shards and whole leaves.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
-from accumjax.clipping import squared_norm
+from accumjax._norms import global_norm
 
 __all__ = [
     "REDUCED",
     "WHOLE",
+    "LeafReduction",
+    "Reduced",
     "gathered",
     "global_norm",
     "own_shard",
-    "reduce_window",
+    "cross_device_reduce",
     "reduced_scatter",
     "sharded_norm",
 ]
 
 
-def global_norm(tree: Any) -> jax.Array:
-    r"""Global L2 norm of a pytree: the leaves' `accumjax.clipping.squared_norm`\s (float32 or
-    wider whatever the leaf dtype), summed, float32."""
-    squares = [squared_norm(x) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))).astype(jnp.float32)
+class Reduced(enum.Enum):
+    """A leaf of a window's sum that is reduced already when the window closes."""
+
+    SHARD = "shard"  # a reduced shard (reduce-scattered microbatch by microbatch)
+    WHOLE = "whole"  # reduced and whole
 
 
-REDUCED = -1  # a `close_window` scatter entry: this leaf's sum is a reduced shard already
-WHOLE = -2  # a `close_window` scatter entry: this leaf's sum is reduced and whole already
+REDUCED = Reduced.SHARD
+WHOLE = Reduced.WHOLE
+
+#: What `cross_device_reduce` does to one leaf of a sum: None, a ``psum``; a dimension, a
+#: ``psum_scatter`` along it (each device keeps its shard); a `Reduced`, nothing.
+LeafReduction = int | Reduced | None
 
 
 def reduced_scatter(dims: Any, like: Any) -> Any:
@@ -44,14 +52,14 @@ def reduced_scatter(dims: Any, like: Any) -> Any:
       >>> from accumjax._reduction import reduced_scatter
       >>> like = {"b": jnp.zeros(2), "w": jnp.zeros((4, 2))}
       >>> reduced_scatter({"b": None, "w": 0}, like)
-      {'b': -2, 'w': -1}
+      {'b': <Reduced.WHOLE: 'whole'>, 'w': <Reduced.SHARD: 'shard'>}
     """
     leaves, treedef = jax.tree.flatten(like)
     split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
     return jax.tree.unflatten(treedef, [WHOLE if d is None else REDUCED for d in split])
 
 
-def reduce_window(
+def cross_device_reduce(
     grad_sum: Any, scalars: list[jax.Array], axis_name: str, scatter: Any
 ) -> tuple[Any, list[jax.Array]]:
     """The window's one reduction: a grouped ``psum`` of the leaves still partial on each
@@ -61,7 +69,7 @@ def reduce_window(
     leaves, treedef = jax.tree.flatten(grad_sum)
     dims = [None] * len(leaves) if scatter is None else treedef.flatten_up_to(scatter)
     summed = [i for i, d in enumerate(dims) if d is None]
-    scattered = [i for i, d in enumerate(dims) if d is not None and d >= 0]
+    scattered = [i for i, d in enumerate(dims) if d is not None and not isinstance(d, Reduced)]
     dtypes = {jnp.dtype(leaves[i].dtype) for i in summed}
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
@@ -85,12 +93,12 @@ def reduce_window(
 
 def sharded_norm(grad_sum: Any, axis_name: str | None, scatter: Any) -> jax.Array:
     """Global norm of a reduced sum whose leaves marked in ``scatter`` (a dimension or
-    `REDUCED`) are this device's shards of the whole."""
+    `Reduced.SHARD`) are this device's shards of the whole."""
     if axis_name is None or scatter is None:
         return global_norm(grad_sum)
     leaves, treedef = jax.tree.flatten(grad_sum)
     dims = treedef.flatten_up_to(scatter)
-    shard = lambda d: d is not None and d != WHOLE
+    shard = lambda d: d is not None and d is not Reduced.WHOLE
     whole = global_norm([x for x, d in zip(leaves, dims, strict=True) if not shard(d)])
     shards = global_norm([x for x, d in zip(leaves, dims, strict=True) if shard(d)])
     return jnp.sqrt(jnp.square(whole) + jax.lax.psum(jnp.square(shards), axis_name))

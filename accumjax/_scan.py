@@ -17,15 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from accumjax import window as window_lib
-from accumjax._agreement import Verdict, weigh
+import accumjax._loop as loop_lib
+import accumjax._window as window_lib
+from accumjax._agreement import MicrobatchDecision, weigh
 from accumjax._loop import (
     Carry,
     Context,
-    Counts,
-    Fields,
     Outcome,
-    Setup,
     Step,
     begin,
     close_fields,
@@ -49,7 +47,7 @@ __all__ = [
     "real_microbatches",
     "scan_finish",
     "scan_step",
-    "settle",
+    "decide_window",
     "window_k",
     "window_loop",
     "window_loss",
@@ -93,15 +91,15 @@ class Pass(NamedTuple):
     Attributes:
       carry: the loop carry after them.
       aux: the per-microbatch aux, stacked (rows in order with ``aux_rows``), or None.
-      verdicts: added as they came (`accumjax._loop.Context.blind`): this device's
-        `accumjax._agreement.Verdict` about each microbatch, stacked; else None.
-      losses: with ``verdicts``: each microbatch's weighted loss and weight on this device,
+      decisions: added as they came (`accumjax._loop.Context.adds_before_deciding`): this device's
+        `accumjax._agreement.MicrobatchDecision` about each microbatch, stacked; else None.
+      losses: with ``decisions``: each microbatch's weighted loss and weight on this device,
         float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
     """
 
     carry: Carry
     aux: Any
-    verdicts: Verdict | None = None
+    decisions: MicrobatchDecision | None = None
     losses: jax.Array | None = None
 
 
@@ -113,9 +111,10 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
     trips (a known trip count, unless ``num_real_microbatches`` bounds it).
 
     Each microbatch is added as it comes where ``gate`` (a bool vector decided before; None
-    for all) and decided about at the window's end from its verdict (`Context.blind`), or,
+    for all) and decided about at the window's end from its decision
+    (`Context.adds_before_deciding`), or,
     for a policy that reads the gradient's values, decided as it comes (on a mesh the
-    devices agree about each one: `accumjax.window.inspect_microbatch`). The loop body is
+    devices agree about each one: `accumjax._window.inspect_microbatch`). The loop body is
     traced once, however many times ``run`` is called.
     """
     take = _microbatches(ctx, params, batch)
@@ -160,14 +159,18 @@ def _loop_over(
         carry, ys = body(val[0], i)
         return carry, jax.tree.map(lambda buf, y: buf.at[i].set(y), val[1], ys)
 
-    first = jnp.zeros((), jnp.int32)  # a strong int32 index: the loop reuses the trace above
+    first = jnp.zeros(
+        (), jnp.int32
+    )  # an int32 index, not weakly typed: the loop reuses the trace above
     return jax.lax.fori_loop(first, ctx.n_real, step, (init, stacked))
 
 
-def _marks(ctx: Context, outcome: Outcome) -> tuple[Any, Verdict | None, jax.Array | None]:
-    """What a microbatch leaves in the loop's stacked outputs: its aux, and its verdict and
+def _marks(
+    ctx: Context, outcome: Outcome
+) -> tuple[Any, MicrobatchDecision | None, jax.Array | None]:
+    """What a microbatch leaves in the loop's stacked outputs: its aux, and its decision and
     loss parts (as `accumjax._loop.microbatch` adds them) when it was added as it came."""
-    v = outcome.verdict
+    v = outcome.decision
     if v is None:
         return outcome.aux, None, None
     loss = jnp.asarray(outcome.loss, jnp.float32)
@@ -194,7 +197,7 @@ def _microbatch_loop(
     gates = jnp.ones(ctx.k, bool) if gate is None else gate
 
     def body(carry: Carry, i: jax.Array) -> tuple[Carry, Any]:
-        return one(carry, i, gates[i] if ctx.blind else None)
+        return one(carry, i, gates[i] if ctx.adds_before_deciding else None)
 
     carry, marks = _loop_over(ctx, body, _empty(ctx, start))
     return Pass(carry, *marks)
@@ -217,15 +220,15 @@ def window_k(ctx: Context, every_k: Any) -> Any:
     return every_k if ctx.n_real is None else ctx.n_real
 
 
-#: ``close(carry, verdicts, losses) -> (closed, model state, extras)``: a pass's window reduced
+#: ``close(carry, decisions, losses) -> (closed, model state, extras)``: a pass's window reduced
 #: and decided, its model state closed with the decision (BatchNorm windows pooled in the same
 #: reduction), and the values the caller reduces with it (the loss metric first).
 Close = Callable[
-    [Carry, Verdict | None, jax.Array | None], tuple[window_lib.Closed, Any, list[Any]]
+    [Carry, MicrobatchDecision | None, jax.Array | None], tuple[window_lib.Closed, Any, list[Any]]
 ]
 
 
-def settle(
+def decide_window(
     ctx: Context, first: Pass, run: Run, close: Close
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
     """A window's decision after its ``first`` pass (``run(None)``): ``(closed, closed model
@@ -234,11 +237,11 @@ def settle(
     A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
     devices refused one (and accepted another), the window runs again, adding only the
     accepted ones, each as it comes: a second pass only for such a window, in
-    `accumjax.window.run_once` (no loop on the data; on a GPU one conditional).
+    `accumjax._window.run_once` (no loop on the data; on a GPU one conditional).
     """
-    closed, model_state, extras = close(first.carry, first.verdicts, first.losses)
+    closed, model_state, extras = close(first.carry, first.decisions, first.losses)
     policy = ctx.config.policy
-    if first.verdicts is None or policy.on_nonfinite != "skip_microbatch" or ctx.k == 1:
+    if first.decisions is None or policy.on_nonfinite != "skip_microbatch" or ctx.k == 1:
         return closed, model_state, extras
 
     def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
@@ -257,7 +260,7 @@ class Closing(NamedTuple):
     """A window's microbatches after its one reduction (what a scan step closes with).
 
     Attributes:
-      closed: the reduced and decided window (`accumjax.window.Closed`).
+      closed: the reduced and decided window (`accumjax._window.Closed`).
       model_state: the model state after its microbatches, its BatchNorm windows closed
         with the decision.
       loss: the window's loss metric.
@@ -279,7 +282,7 @@ def scan_finish(
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = Fields(state.params, opt, closing.model_state, ctx.loss_scale)
+    fields = loop_lib.Fields(state.params, opt, closing.model_state, ctx.loss_scale)
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
@@ -290,11 +293,11 @@ def scan_finish(
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
     outcome = Outcome(Carry(window, closing.model_state, zero, zero), closing.loss, closing.aux)
-    counts = Counts(closed.skipped_count, closed.nonfinite_count)
+    counts = loop_lib.Counts(closed.skipped_count, closed.nonfinite_count)
     return finish(ctx, state, fields, outcome, counts)
 
 
-def scan_step(setup: Setup) -> Step:
+def scan_step(setup: loop_lib.Setup) -> Step:
     """``step(state, batch, rng=None, num_real_microbatches=None)``: the whole batch per call,
     K strided microbatches (the first ``num_real_microbatches`` of them, when given)."""
 
@@ -307,18 +310,20 @@ def scan_step(setup: Setup) -> Step:
         axis, policy = ctx.config.axis_name, ctx.config.policy
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)
-        # The state's K (traced): with a constant K, XLA:CPU moved the division by it into a
-        # gradient-sized buffer of its own (+0.4 MiB of temp on a 0.6M-parameter MLP).
+        # The state's K (traced): with a constant K, XLA:CPU moves the division by it into a
+        # gradient-sized buffer of its own (docs/limits.md).
         every_k = window_k(ctx, acc.every_k)
 
-        def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
-            closed = window_lib.close_window(policy, carry.window, every_k, axis, verdicts=verdicts)
+        def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+            closed = window_lib.close_window(
+                policy, carry.window, every_k, axis, decisions=decisions
+            )
             loss = window_loss(carry)
             if losses is not None:
                 loss = accepted_loss(losses, cast(jax.Array, closed.accepted))
             return closed, close_model_state(carry.model_state, closed.apply, axis), [loss]
 
-        closed, model_state, (loss,) = settle(ctx, first, run, close)
+        closed, model_state, (loss,) = decide_window(ctx, first, run, close)
         return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, first.aux))
 
     return step

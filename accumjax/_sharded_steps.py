@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax import window as window_lib
-from accumjax._agreement import Verdict, accepted, verdict, weigh
+from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
 from accumjax._layout import Reduction
 from accumjax._loop import (
@@ -51,15 +51,15 @@ from accumjax._loop import (
 from accumjax._scan import (
     Closing,
     accepted_loss,
+    decide_window,
     real_microbatches,
     scan_finish,
     scan_step,
-    settle,
     window_k,
     window_loop,
 )
+from accumjax._window_end import window_closes
 from accumjax._zero import laid_back, optimizer_side, parameter_side, split_params, zero_close
-from accumjax.accumulation import window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
@@ -174,18 +174,18 @@ class _Aux(NamedTuple):
     means: list[Any]
 
 
-def _split_aux(aux: Any, row_axis: int, cell: list[Any]) -> _Aux:
-    """``aux`` as an `_Aux`; its structure goes into ``cell`` for `_join_aux`."""
+def _split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> _Aux:
+    """``aux`` as an `_Aux`; its structure goes into ``aux_tree`` for `_join_aux`."""
     leaves, treedef = jax.tree.flatten(aux)
     has_rows = [jnp.ndim(x) > row_axis for x in leaves]
-    cell[:] = [treedef, has_rows, [jnp.result_type(x) for x in leaves]]
+    aux_tree[:] = [treedef, has_rows, [jnp.result_type(x) for x in leaves]]
     rows = [x for x, r in zip(leaves, has_rows, strict=True) if r]
     return _Aux(rows, [x for x, r in zip(leaves, has_rows, strict=True) if not r])
 
 
-def _join_aux(split: _Aux, cell: list[Any], shards: int) -> Any:
+def _join_aux(split: _Aux, aux_tree: list[Any], shards: int) -> Any:
     """`_split_aux` undone, after ``shard_map``: the means divided by the number of shards."""
-    treedef, has_rows, dtypes = cell
+    treedef, has_rows, dtypes = aux_tree
     rows, means = iter(split.rows), iter(split.means)
     leaves = [
         next(rows) if r else (next(means) / shards).astype(d)
@@ -216,32 +216,32 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             )
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(n, ctx.k))
-        cell: list[Any] = []
+        aux_tree: list[Any] = []
         local = _Local(
             state.params, state.model_state, batch, rng, state.step, ctx.loss_scale, ctx.n_real
         )
         closed_specs = window_lib.Closed(layout.optimizer_specs(), *(WHOLE,) * 6)  # pyright: ignore[reportArgumentType]
         row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
         closed, model_state, loss, aux = _shard_map(
-            partial(_local_window, ctx, layout, cell),
+            partial(_local_window, ctx, layout, aux_tree),
             layout,
             in_specs=(_local_specs(layout, n_real=WHOLE),),
             out_specs=(closed_specs, WHOLE, WHOLE, _Aux(row_spec, WHOLE)),  # pyright: ignore[reportArgumentType]
         )(local)
-        aux = None if not cell else _join_aux(aux, cell, layout.shards)
+        aux = None if not aux_tree else _join_aux(aux, aux_tree, layout.shards)
         closing = Closing(closed, model_state, loss, aux)
         if not layout.zero:
             return scan_finish(ctx, state, acc, closing)
         _, acc = optimizer_side(layout, state.params, acc)
         ctx = ctx._replace(setup=ctx.setup._replace(split_params=split_params(layout)))
         new, metrics = scan_finish(ctx, state, acc, closing)
-        return parameter_side(layout, new, ctx.owned), metrics
+        return parameter_side(layout, new, ctx.accumulating), metrics
 
     return step
 
 
 def _local_window(
-    ctx: Context, layout: sharded.Layout, cell: list[Any], local: _Local
+    ctx: Context, layout: sharded.Layout, aux_tree: list[Any], local: _Local
 ) -> tuple[window_lib.Closed, Any, jax.Array, _Aux]:
     """One device's part of a window: its rows' gradients summed as they come (decided at
     the window's end, with the reduction) or decided by all devices together microbatch by
@@ -262,10 +262,11 @@ def _local_window(
     start = Carry(like, local.model_state, zero, zero)
     run = window_loop(ctx, params, start, local.batch)
     first = run(None)
-    split = _Aux([], []) if first.aux is None else _split_aux(first.aux, setup.aux_rows ^ 1, cell)
+    rows = setup.aux_rows ^ 1
+    split = _Aux([], []) if first.aux is None else _split_aux(first.aux, rows, aux_tree)
     every_k = window_k(ctx, ctx.k)
 
-    def close(carry: Carry, verdicts: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+    def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
         extras = [carry.loss_sum, carry.loss_weight, *split.means]
         extras += [] if losses is None else [losses]
         closed = window_lib.close_window(
@@ -276,7 +277,7 @@ def _local_window(
             scatter,
             extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
             whole_counts=whole_counts,
-            verdicts=verdicts,
+            decisions=decisions,
         )
         out = _unflatten(closed.extras, extras)
         if losses is None:
@@ -286,7 +287,7 @@ def _local_window(
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
         return closed._replace(extras=None), model_state, [loss, *out[2 : 2 + len(split.means)]]
 
-    closed, model_state, extras = settle(ctx, first, run, close)
+    closed, model_state, extras = decide_window(ctx, first, run, close)
     return closed._replace(accepted=None), model_state, extras[0], _Aux(split.rows, extras[1:])
 
 
@@ -295,7 +296,7 @@ def _sum_layout(
 ) -> tuple[Setup, Any, bool, tuple[int | None, ...]]:
     """Where a scan window's sum lives, from the layout plan: ``(setup, scatter,
     whole_counts, dims)``, ``scatter`` what the window's close does to each leaf
-    (`accumjax.window.close_window`), ``dims`` each sum's dimension split over the data axis.
+    (`accumjax._window.close_window`), ``dims`` each sum's dimension split over the data axis.
 
     A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
     whose optimizer state is split over the data axis reduce-scattered into shards): nothing
@@ -409,7 +410,7 @@ def _mesh_call(
     """One stream call on a mesh: the gradient added in a ``shard_map``, the counts, loss
     and model state pooled, and the window closed when it is full."""
     ctx, acc = begin(setup, state, rng)
-    cell: list[Any] = []
+    aux_tree: list[Any] = []
     window = acc.window
     per_shard = isinstance(window, window_lib.DeviceWindow)
     sum_specs = layout.window_specs().partial_sums if per_shard else layout.accumulator_specs()
@@ -424,7 +425,7 @@ def _mesh_call(
     )
     pooled_specs = _Pooled(WHOLE, WHOLE, WHOLE, WHOLE, _Aux(PartitionSpec(layout.axis), WHOLE))  # pyright: ignore[reportArgumentType]
     sums, pooled = _shard_map(
-        partial(_local_call, ctx, layout, cell, per_shard),
+        partial(_local_call, ctx, layout, aux_tree, per_shard),
         layout,
         in_specs=(_local_specs(layout, n_real=WHOLE, window=(sum_specs, WHOLE)),),
         out_specs=(sum_specs, pooled_specs),
@@ -444,19 +445,19 @@ def _mesh_call(
     else:  # the sum is reduced already: the window closes in the global view
         close = lambda f: close_fields(ctx, f)
     if layout.zero:
-        close = partial(zero_close, layout, ctx.owned, close)
+        close = partial(zero_close, layout, ctx.accumulating, close)
         fields = fields._replace(opt=optimizer_side(layout, fields.params, fields.opt)[1])
     fields = window_lib.run_once(window_closes(opt), close, fields)
     if layout.zero:  # GSPMD may lay the loop's outputs out otherwise (an Auto mesh)
         fields = laid_back(layout, fields)
-    aux = None if not cell else _join_aux(pooled.aux, cell, layout.shards)
+    aux = None if not aux_tree else _join_aux(pooled.aux, aux_tree, layout.shards)
     carry = Carry(window, fields.model_state, jnp.zeros(()), jnp.zeros(()))
     counts = Counts(inc[2].astype(jnp.int32), inc[1].astype(jnp.int32))
     return finish(ctx, state, fields, Outcome(carry, pooled.loss, aux), counts)
 
 
 def _local_call(
-    ctx: Context, layout: sharded.Layout, cell: list[Any], per_shard: bool, local: _Local
+    ctx: Context, layout: sharded.Layout, aux_tree: list[Any], per_shard: bool, local: _Local
 ) -> tuple[Any, _Pooled]:
     """One device's part of a stream call: its rows' gradient added to its own partial sum
     (``per_shard``), or reduced and added to the window's one sum; the rest pooled over the
@@ -472,7 +473,7 @@ def _local_call(
     )
     policy = ctx.config.policy
     # The decision is the whole microbatch's. A policy that reads the gradient sees the whole
-    # gradient (one gradient-sized all-reduce); otherwise each device's verdict on its rows
+    # gradient (one gradient-sized all-reduce); otherwise each device's decision about its rows
     # travels in the call's one small all-reduce below, and the gradient is added after it.
     reads = policy.reads
     axis = layout.axis if reads else None
@@ -480,26 +481,27 @@ def _local_call(
         policy, grads, weight, params, axis_name=axis, keep_whole=False
     )
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
-    mine = verdict(policy.scaling, ~m.added, weighs)
+    mine = device_decision(policy.scaling, ~m.added, weighs)
     m = _share(policy, m, layout)
-    split = _split_aux(aux, 0, cell) if aux is not None else _Aux([], [])
+    split = _split_aux(aux, 0, aux_tree) if aux is not None else _Aux([], [])
     floats = [] if new_state is None else _floats(new_state)[1]
     bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
-    ballot = jnp.stack([m.weight, *mine])
+    parts = jnp.stack([m.weight, *mine])
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
     weighted_loss = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
-    loss_parts, ballot, bn, *rest = psum_together(
-        [jnp.stack([weighted_loss, weighs * loss_share(ctx)]), ballot, bn, *floats, *split.means],
+    losses = jnp.stack([weighted_loss, weighs * loss_share(ctx)])
+    loss_parts, parts, bn, *rest = psum_together(
+        [losses, parts, bn, *floats, *split.means],
         layout.axis,
     )
-    added = accepted(policy.scaling, Verdict(*ballot[1:]))
+    added = accepted(policy.scaling, MicrobatchDecision(*parts[1:]))
     nonfinite = m.nonfinite if reads else ~added  # without skip_fn, only non-finite is refused
     m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, m.weight, 0.0))
     reduce = _reduce(layout, whole=not per_shard)
     window, _ = window_lib.add_microbatch(
         policy, window, grads, weight, params, inspected=m, reduce=reduce
     )
-    inc = jnp.stack([jnp.where(added, ballot[0], 0.0), nonfinite, ~added]).astype(jnp.float32)
+    inc = jnp.stack([jnp.where(added, parts[0], 0.0), nonfinite, ~added]).astype(jnp.float32)
     model_state = None
     if new_state is not None:
         bn = jnp.where(added, bn, jnp.zeros_like(bn))

@@ -24,24 +24,20 @@ import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
 from accumjax._multisteps import check_inner_state
-from accumjax.accumulation import config_of
-from accumjax.accumulation_state import (
-    APPLY_IF_FINITE_NOTE,
-    MULTISTEPS_NOTE,
-    AccumulationState,
-    Located,
-    locate,
-)
+from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Located, config_of, locate
+from accumjax._window import Policy
+from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
-from accumjax.window import Policy
 
 __all__ = [
+    "POSITIONAL",
     "check_composition",
     "check_init_inputs",
     "check_key_argument",
     "check_step_inputs",
     "init_call",
     "positional_limit",
+    "signature_parameters",
 ]
 
 
@@ -137,16 +133,16 @@ def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
         )
     config = config_of(tx)
     if config is None:  # an accumulate inside: tx.init's state tells (abstractly)
-        check_composition(jax.eval_shape(tx.init, params), owned=False)
+        check_composition(jax.eval_shape(tx.init, params), accumulating=False)
     if f16 and config is not None:
         _check_detects(config.policy)
 
 
-def check_composition(opt_state: Any, owned: bool) -> None:
+def check_composition(opt_state: Any, accumulating: bool) -> None:
     """Refuses an optimizer state that accumulates where the step cannot see it.
 
     The step reads K and the policies from an `accumjax.accumulate` at the top of ``tx``
-    (``owned``) and runs any other ``tx`` as a plain optimizer, an update on every call. So
+    (``accumulating``) and runs any other ``tx`` as a plain optimizer, an update on every call. So
     it refuses, naming the form that works: an ``optax.MultiSteps`` state anywhere; for a
     ``tx`` that is not an ``accumulate``, an `accumjax.AccumulationState` anywhere in its
     state (``optax.chain``, ``optax.masked``, ``optax.multi_transform``,
@@ -157,20 +153,20 @@ def check_composition(opt_state: Any, owned: bool) -> None:
 
     Args:
       opt_state: the optimizer state (arrays, or shapes from ``jax.eval_shape(tx.init, ...)``).
-      owned: whether ``tx`` is an ``accumulate``.
+      accumulating: whether ``tx`` is an ``accumulate``.
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
       >>> tx = optax.chain(optax.clip(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
       >>> try:
-      ...     check_composition(tx.init({"w": jnp.zeros(2)}), owned=False)
+      ...     check_composition(tx.init({"w": jnp.zeros(2)}), accumulating=False)
       ... except TypeError as err:
       ...     print(str(err).split("inside: ")[1].split(";")[0])  # the form that works
       tx = accumjax.accumulate(optax.chain(..., inner), K)
     """
     found = locate(opt_state)
     if locate(opt_state, optax.MultiStepsState):
-        also = f" {MULTISTEPS_NOTE}" if owned or found else ""  # with accumulate
+        also = f" {MULTISTEPS_NOTE}" if accumulating or found else ""  # with accumulate
         raise TypeError(
             "tx is or contains optax.MultiSteps (state.opt_state holds an "
             "optax.MultiStepsState): the train step accumulates by itself and would run it as "
@@ -178,7 +174,7 @@ def check_composition(opt_state: Any, owned: bool) -> None:
             "call while MultiSteps holds its updates back. Use tx=accumjax.accumulate(inner, K) "
             f"in place of optax.MultiSteps(inner, K).{also}"
         )
-    if owned:
+    if accumulating:
         if isinstance(opt_state, AccumulationState):
             check_inner_state(opt_state.inner_tx_state)
         return
@@ -286,6 +282,23 @@ def _check_rng(rng: Any) -> None:
     raise TypeError(f"{what}.{' For a seed, pass jax.random.key(seed).' if seed else ''}")
 
 
+#: The kinds of parameter a positional argument binds to.
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def signature_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters, or None when it has no signature (a builtin, say).
+
+    Example:
+      >>> [p.name for p in signature_parameters(lambda params, batch: 0)]
+      ['params', 'batch']
+    """
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def positional_limit(fn: Callable[..., Any]) -> int | None:
     """The most positional arguments ``fn`` takes, or None (``*args``, or no signature).
 
@@ -293,15 +306,10 @@ def positional_limit(fn: Callable[..., Any]) -> int | None:
       >>> positional_limit(lambda params, batch, key=None: 0), positional_limit(print)
       (3, None)
     """
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
+    parameters = signature_parameters(fn)
+    if parameters is None or any(p.kind is p.VAR_POSITIONAL for p in parameters):
         return None
-    kinds = [p.kind for p in parameters]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(kind in positional for kind in kinds)
+    return sum(p.kind in POSITIONAL for p in parameters)
 
 
 def check_key_argument(limit: int | None, n_args: int, rng: Any) -> None:

@@ -2,22 +2,24 @@
 
 Functions on accumjax states and statistics accept them as the user holds them: plain
 pytrees, or wrapped in ``nnx.Variable``s (an ``nnx.Optimizer``'s ``opt_state``, an
-``nnx.State`` of batch statistics). This module is the one place that unwraps them.
+``nnx.State`` of batch statistics). It does not import flax: a value can be an
+``nnx.Variable`` only once ``flax.nnx`` is imported, so that is when it checks the type.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
-from flax import nnx
 
 __all__ = ["is_variable", "unwrap_variables", "variable_value"]
 
 
 def is_variable(x: Any) -> bool:
     """Whether ``x`` is an ``nnx.Variable`` (a leaf that holds one value)."""
-    return isinstance(x, nnx.Variable)
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def variable_value(x: Any) -> Any:

@@ -78,19 +78,21 @@ def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable
     return to_shards, to_whole
 
 
-def parameter_side(layout: sharded.Layout, state: TrainState, owned: bool) -> TrainState:
+def parameter_side(layout: sharded.Layout, state: TrainState, accumulating: bool) -> TrainState:
     """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
     the optimizer state where it lies."""
     params = sharded.place(state.params, layout.mesh, layout.global_specs(layout.dims))
     opt: Any = state.opt_state
     if layout.opt_specs is not None:
-        inner = sharded.place(opt.inner_tx_state if owned else opt, layout.mesh, layout.opt_specs)
-        opt = opt._replace(inner_tx_state=inner) if owned else inner
+        inner = sharded.place(
+            opt.inner_tx_state if accumulating else opt, layout.mesh, layout.opt_specs
+        )
+        opt = opt._replace(inner_tx_state=inner) if accumulating else inner
     return state.replace(params=params, opt_state=opt)
 
 
 def zero_close(
-    layout: sharded.Layout, owned: bool, close: Callable[[Fields], Fields], fields: Fields
+    layout: sharded.Layout, accumulating: bool, close: Callable[[Fields], Fields], fields: Fields
 ) -> Fields:
     """``close`` with the update on the parameters split like their reduced gradient, and
     the parameters and optimizer state laid out back as they lie."""

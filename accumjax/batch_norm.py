@@ -17,12 +17,8 @@ Two ways to close a window:
 - **Self-closing** (``accum_steps=K``): the layer counts its calls and updates the
   running statistics itself on every ``K``-th one (standalone use, without a train step).
 
-This module holds the linen layer and :func:`close_batch_norm_windows` (which serves the
-linen and the NNX layer alike). The arithmetic (moments, merge, normalization, window
-updates) lives in :mod:`accumjax._batch_norm_math`, which the NNX layer of
-:mod:`accumjax.nnx_batch_norm` shares, so the two layers compute the same thing;
-:func:`convert_batch_norm_variables` lives in :mod:`accumjax.batch_norm_convert` and is
-re-exported here.
+This module holds the linen layer, :func:`close_batch_norm_windows` (for the linen and the
+NNX layer alike) and :func:`sync_batch_norm`.
 
 References:
   - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
@@ -50,7 +46,7 @@ from accumjax._batch_norm_math import (
     MOMENTUM_NAME,
     BatchNormOptions,
     Running,
-    Window,
+    StatsWindow,
     accumulator_dtype,
     canonical_axes,
     check_config,
@@ -67,8 +63,8 @@ from accumjax._batch_norm_windows import (
     warn_if_open,
     warn_plain_batch_norm,
 )
+from accumjax._state import unwrap
 from accumjax._variables import is_variable, unwrap_variables
-from accumjax.accumulation_state import unwrap
 from accumjax.batch_norm_convert import convert_batch_norm_variables
 
 __all__ = [
@@ -117,7 +113,7 @@ class AccumBatchNorm(nn.Module):
 
     ``batch_stats`` holds ``mean`` and ``var`` (as in ``BatchNorm``) plus the open window's
     accumulators (``acc_count``, ``acc_mean``, ``acc_m2``, ``acc_step``) and, step-driven,
-    ``momentum``. Window decisions use ``jnp.where``, so the layer works under ``jit``,
+    ``momentum``. StatsWindow decisions use ``jnp.where``, so the layer works under ``jit``,
     ``scan``, ``pmap`` and ``shard_map``. Complex inputs, masks, ``axis_name`` pooling and
     ``accum_steps=1`` against ``BatchNorm``: :doc:`/guides/batch_norm`.
 
@@ -249,7 +245,7 @@ class AccumBatchNorm(nn.Module):
             feature_axes,
             BatchNormOptions.of(self, self.momentum),
             Running(*(v.value for v in running)),
-            None if window is None else Window(*(v.value for v in window)),
+            None if window is None else StatsWindow(*(v.value for v in window)),
             scale,
             bias,
             use_running_average=bool(use_running_average),
@@ -275,7 +271,9 @@ class AccumBatchNorm(nn.Module):
         var = self.variable("batch_stats", "var", jnp.ones, feature_shape, dtype)
         return Running(mean, var)
 
-    def _window_stats(self, feature_shape: tuple[int, ...], statistics: Any) -> tuple[Window, Any]:
+    def _window_stats(
+        self, feature_shape: tuple[int, ...], statistics: Any
+    ) -> tuple[StatsWindow, Any]:
         """Declares the zero accumulators and, step-driven, the ``momentum`` scalar."""
         dtype = accumulator_dtype()
         dtypes = (dtype, complex_like(dtype, statistics), dtype)
@@ -289,7 +287,7 @@ class AccumBatchNorm(nn.Module):
             momentum = self.variable(
                 "batch_stats", MOMENTUM_NAME, lambda: jnp.asarray(self.momentum, jnp.float32)
             )
-        return Window(count, mean, m2, step), momentum
+        return StatsWindow(count, mean, m2, step), momentum
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,12 @@ from typing import Any
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from accumjax._batch_norm_math import ACCUMULATOR_NAMES, MOMENTUM_NAME, check_config, empty_window
+from accumjax._batch_norm_math import (
+    ACCUMULATOR_NAMES,
+    MOMENTUM_NAME,
+    check_config,
+    empty_stats_window,
+)
 
 __all__ = ["convert_batch_norm_variables"]
 
@@ -115,7 +120,9 @@ def _with_accumulators(
             raise ValueError(
                 f"{_where(path)}: mean {mean.shape} and var {var.shape} shapes differ."
             )
-        fresh: dict[str, Any] = dict(zip(ACCUMULATOR_NAMES, empty_window(mean.shape), strict=True))
+        fresh: dict[str, Any] = dict(
+            zip(ACCUMULATOR_NAMES, empty_stats_window(mean.shape), strict=True)
+        )
         if momentum is not None:
             fresh[MOMENTUM_NAME] = jnp.asarray(momentum, jnp.float32)
         return {**fresh, **node}

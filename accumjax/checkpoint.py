@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
 
-from accumjax import window as window_lib
-from accumjax.accumulation_state import k_changed, k_of_tag
+import accumjax._window as window_lib
+from accumjax._state import k_changed, k_of_tag
 
 __all__ = ["restore_checkpoint"]
 

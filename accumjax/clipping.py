@@ -13,47 +13,8 @@ Two public entry points do the same arithmetic:
 
 Both take ``axis=`` (the axes a unit spans, as in optax) for layouts the rank-based default
 does not know, and a clip factor that may be an array (a schedule's value, maybe traced).
-``docs/guides/clipping.md`` shows where each kind of clipping goes in gradient accumulation.
-
-Where to clip when accumulating gradients
-------------------------------------------
-**On the accumulated gradient** (the usual choice, and the one that reproduces large-batch
-training): put the transform in the inner optimizer,
-``optax.chain(accumjax.adaptive_clip(0.01), optax.adam(1e-3))``. For a mean loss and
-equal-sized microbatches the accumulated (mean) gradient equals the full-batch gradient, so
-this clips exactly what a single large batch would have clipped.
-
-**Per microbatch** (call :func:`adaptive_clip_grad` on each microbatch gradient before summing)
-is a different algorithm, for two reasons:
-
-- Clipping is nonlinear: ``sum_k clip(g_k) != clip(sum_k g_k)`` whenever any unit is clipped,
-  so per-microbatch clipping does not reproduce the large-batch update (small-batch gradients
-  are also noisier, hence larger, and get clipped more often).
-- Scale: if each microbatch computes the gradient of ``loss / K`` (so that the K gradients
-  *sum* to the full-batch gradient of a mean loss), each one is K times smaller than the
-  gradient of that microbatch's own mean loss. Since
-  ``clip(g / K, c) == clip(g, K * c) / K``, per-microbatch clipping at ``clip_factor=c`` is
-  then K times looser than it looks. Divide ``clip_factor`` by K to compensate for the scale
-  (the nonlinearity remains).
-
-Differences from other implementations
---------------------------------------
-- ``optax.adaptive_grad_clip(clipping, eps, axis)``: :func:`adaptive_clip` takes the same
-  arguments by name (``clipping`` is optax's name for ``clip_factor``; ``axis`` is keyword-only,
-  ``mask`` is our third positional argument), array and scheduled factors included
-  (``optax.inject_hyperparams``). Same arithmetic and the same units: for ranks 0 to 5 without
-  ``axis``, for any rank with it (tested: bit-exact op by op, within 2 ulp under ``jax.jit``,
-  where XLA may turn a division into a multiplication by a reciprocal in one graph and not the
-  other), except that: (a) our division guard is the smallest normal number of the compute
-  dtype, not ``1e-6``, so clipping stays exact when ``clip_factor * eps < 1e-6``; (b) norms of
-  ``float16``/``bfloat16`` arrays are computed and compared in ``float32``, and the factor and
-  ``eps`` are cast to that dtype. Without ``axis`` both reject rank > 5 (we name the leaf).
-- ``andreped/GradientAccumulator`` (TensorFlow, ``agc.py``): its ``unitwise_norm`` reduces axis
-  0 for rank 2 and 3, axes ``[0, 1, 2]`` for rank 4 and ``[0, 1, 2, 3]`` for rank 5 with
-  ``keepdims=True``, and returns a scalar (``keepdims=False``) for rank 0-1. Kernels there are
-  ``(in, out)`` like Flax, so ranks 2 to 5 agree with ours; a ``(1, n)`` kernel is ``n`` units
-  there and one unit here (as in optax), and our vector norms keep their (size-1) axes, so the
-  result always broadcasts.
+``docs/guides/clipping.md`` shows where each kind of clipping goes in gradient accumulation
+and how these functions differ from optax's and GradientAccumulator's.
 
 References:
   Brock et al., `High-Performance Large-Scale Image Recognition Without Normalization
@@ -72,6 +33,7 @@ import numpy as np
 import optax
 
 from accumjax._checks import check_real
+from accumjax._norms import squared_norm
 
 __all__ = [
     "adaptive_clip",
@@ -150,55 +112,6 @@ def _given_axes(axis: int | tuple[int, ...], shape: tuple[int, ...]) -> tuple[in
     if len(unique) < len(axes):
         raise ValueError(f"axis {axis!r} names an axis twice.")
     return tuple(sorted(unique))
-
-
-def _compute_dtype(dtype: Any) -> np.dtype:
-    """Real dtype in which norms of ``dtype`` arrays are accumulated (at least float32)."""
-    real = jnp.finfo(dtype).dtype  # complex64 -> float32, bfloat16 -> bfloat16, ...
-    return jnp.promote_types(real, jnp.float32)
-
-
-def squared_norm(
-    x: jax.typing.ArrayLike,
-    axis: int | tuple[int, ...] | None = None,
-    keepdims: bool = False,
-) -> jax.Array:
-    """Computes the sum of squares ``sum(|x|**2)`` over ``axis``, in at least float32.
-
-    The one norm implementation of the package: :func:`compute_norm` (and through it
-    :func:`unitwise_norm` and AGC) is its square root.
-
-    Args:
-      x: A floating point (or complex) array.
-      axis: Axis or axes to reduce; ``None`` reduces all of them.
-      keepdims: Whether to keep the reduced axes with size 1 (as ``jnp.sum`` does).
-
-    Returns:
-      ``sum(x * x)`` for real ``x`` and ``sum(real(conj(x) * x))`` for complex ``x``, with
-      ``x`` first cast to at least float32 (complex64 for complex ``x``). Its dtype is
-      ``float32`` for ``float16``, ``bfloat16`` (and other sub-32-bit) inputs, and the real
-      dtype of ``x`` otherwise (``float32``, ``float64``; ``complex64 -> float32``). Its
-      shape is that of ``jnp.sum``.
-
-    Raises:
-      TypeError: if ``x`` is not floating point or complex.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from accumjax.clipping import squared_norm
-      >>> squared_norm(jnp.array([3.0, 4.0], jnp.float16))
-      Array(25., dtype=float32)
-      >>> squared_norm(jnp.array([[3.0, 0.0], [4.0, 1.0]]), axis=0, keepdims=True)
-      Array([[25.,  1.]], dtype=float32)
-      >>> squared_norm(jnp.array([3 + 4j], jnp.complex64))
-      Array(25., dtype=float32)
-    """
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        raise TypeError(f"a norm needs a floating point array, got dtype {x.dtype}.")
-    x = x.astype(jnp.promote_types(x.dtype, _compute_dtype(x.dtype)))
-    squared = (jnp.conj(x) * x).real if jnp.iscomplexobj(x) else x * x
-    return jnp.sum(squared, axis=axis, keepdims=keepdims)
 
 
 def compute_norm(

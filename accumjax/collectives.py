@@ -234,7 +234,8 @@ def count_collectives(
     Example:
       >>> import jax, jax.numpy as jnp, accumjax
       >>> f = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
-      >>> counts = accumjax.count_collectives(f.lower(jnp.ones((jax.device_count(), 2))))
+      >>> from accumjax.collectives import count_collectives
+      >>> counts = count_collectives(f.lower(jnp.ones((jax.device_count(), 2))))
       >>> counts["all-reduce"] <= 1  # 0 on a single device: XLA removes it
       True
     """

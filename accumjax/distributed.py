@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from accumjax._checks import check_mesh_axis
 from accumjax.collectives import count_collectives
 
 __all__ = ["count_collectives", "data_sharding", "replicate", "unreplicate"]
@@ -44,8 +45,7 @@ def data_sharding(mesh: Mesh, axis_name: str) -> NamedSharding:
       >>> sharding.spec == jax.sharding.PartitionSpec("data")
       True
     """
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+    check_mesh_axis(axis_name, mesh)
     return NamedSharding(mesh, PartitionSpec(axis_name))
 
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from accumjax._checks import check_int, check_real
-from accumjax.accumulation_state import AccumulationState, unwrap
+from accumjax._state import unwrap
+from accumjax.accumulation_state import AccumulationState
 
 __all__ = [
     "DynamicLossScale",

@@ -1,6 +1,6 @@
 """Batch normalization for ``flax.nnx`` whose running statistics see the accumulated batch.
 
-The NNX twin of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: the same arithmetic
+The NNX version of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: the same arithmetic
 (each call runs :func:`accumjax._batch_norm_math.normalize_and_accumulate`, as the linen
 layer does), the same options (``axis`` an int or a tuple, ``force_float32_reductions``),
 the same ``nnx.BatchStat`` names as the linen layer's ``batch_stats`` entries, and the same
@@ -31,10 +31,10 @@ from jax.nn import initializers
 from accumjax._batch_norm_math import (
     BatchNormOptions,
     Running,
-    Window,
+    StatsWindow,
     canonical_axes,
     check_config,
-    empty_window,
+    empty_stats_window,
     normalize_and_accumulate,
     running_dtype,
 )
@@ -112,17 +112,9 @@ class AccumBatchNorm(nnx.Module):
       use_running_average: if True, normalize with the stored ``mean``/``var`` and
         update nothing (``model.train()``/``model.eval()`` set it).
       axis: the feature axis or axes of the input.
-      momentum: decay rate of the running averages, in ``[0, 1]``.
-      epsilon: small float added to the variance to avoid dividing by zero; 1e-5 by
-        default, as Flax's ``BatchNorm``. Keras' ``BatchNormalization`` and
-        GradientAccumulator's ``AccumBatchNormalization`` default to 1e-3: pass
-        ``epsilon=1e-3`` to normalize as a model ported from them did.
-      dtype: the dtype of the result (default: inferred from input and params).
-      param_dtype: the dtype of ``scale`` and ``bias`` (default: float32).
-      use_bias: if True, add the learned ``bias``.
-      use_scale: if True, multiply by the learned ``scale``.
-      bias_init: initializer for ``bias`` (default zeros).
-      scale_init: initializer for ``scale`` (default ones).
+      momentum, epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init: as
+        in the linen `accumjax.AccumBatchNorm` (``epsilon`` is 1e-5 by default, as Flax's;
+        pass ``epsilon=1e-3`` for a model ported from Keras or GradientAccumulator).
       axis_name: the ``pmap``/``shard_map`` axis name over which to pool each call's
         statistics.
       axis_index_groups: groups of indices within ``axis_name`` to pool separately.
@@ -185,7 +177,7 @@ class AccumBatchNorm(nnx.Module):
         stats_dtype = running_dtype(force_float32_reductions, param_dtype)
         self.mean = nnx.BatchStat(jnp.zeros(shape, stats_dtype))
         self.var = nnx.BatchStat(jnp.ones(shape, stats_dtype))
-        count, mean, m2, step = empty_window(shape)
+        count, mean, m2, step = empty_stats_window(shape)
         self.acc_count = nnx.BatchStat(count)
         self.acc_mean = nnx.BatchStat(mean)
         self.acc_m2 = nnx.BatchStat(m2)
@@ -221,19 +213,15 @@ class AccumBatchNorm(nnx.Module):
         self.accum_steps = accum_steps
 
     def __call__(
-        self,
-        x: Array,
-        use_running_average: bool | None = None,
-        *,
-        mask: Array | None = None,
+        self, x: Array, use_running_average: bool | None = None, *, mask: Array | None = None
     ) -> Array:
-        """Normalizes ``x`` and, in training mode, accumulates its statistics.
+        """The linen layer's call (`accumjax.batch_norm.AccumBatchNorm.__call__`) on this
+        module's variables.
 
         Args:
           x: the input to normalize.
           use_running_average: if given, overrides the attribute of the same name.
-          mask: optional boolean array broadcastable to ``x``; only True positions count
-            towards the statistics.
+          mask: as in the linen layer: only True positions count towards the statistics.
 
         Returns:
           The normalized input, with the same shape as ``x``.
@@ -276,7 +264,7 @@ class AccumBatchNorm(nnx.Module):
             feature_axes,
             BatchNormOptions.of(self, variable_value(self.momentum)),
             running,
-            Window(
+            StatsWindow(
                 view(self.acc_count), view(self.acc_mean), view(self.acc_m2), self.acc_step[...]
             ),
             scale,

@@ -14,33 +14,8 @@ model_state)``), calls ``loss_fn`` on it and takes the new model state back with
 ``nnx.split``, so the model's own mutations (BatchNorm statistics, RNG counts) follow the
 window's decisions exactly as ``model_state`` does in :func:`accumjax.make_train_step`.
 
-``nnx.Optimizer`` works with :func:`accumjax.accumulate` too (every ``update`` call is one
-microbatch; parameters change on every K-th call). ``opt.step`` counts calls; the number of
-real updates is ``accumjax.stats(opt.opt_state).total_cycles``, and
-:func:`accumjax.has_updated` and :func:`accumjax.should_update` accept ``opt.opt_state``:
-
->>> import jax.numpy as jnp, optax, accumjax
->>> from flax import nnx
->>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
->>> opt = nnx.Optimizer(model, accumjax.accumulate(optax.adam(1e-2), 4), wrt=nnx.Param)
->>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
->>> loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
->>> @nnx.jit
-... def train_step(model, opt, x, y):
-...     opt.update(model, nnx.grad(loss_fn)(model, x, y))
->>> for i in range(4):  # 4 microbatches of 1 row: one window
-...     train_step(model, opt, x[i : i + 1], y[i : i + 1])
->>> int(opt.step[...]), int(accumjax.stats(opt.opt_state).total_cycles)
-(4, 1)
->>> bool(accumjax.has_updated(opt.opt_state)), bool(accumjax.should_update(opt.opt_state))
-(True, False)
-
-With ``nnx.Optimizer``, step-driven :class:`accumjax.NNXAccumBatchNorm` windows follow the
-optimizer with :func:`accumjax.sync_batch_norm`: take ``before =
-nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))`` ahead of the forward pass, and after
-``opt.update`` call ``nnx.update(model, accumjax.sync_batch_norm(nnx.state(model,
-nnx.BatchStat), before, opt.opt_state))`` (a skipped microbatch's statistics are dropped, the
-windows close with the optimizer's). :func:`make_nnx_train_step` does this itself.
+``nnx.Optimizer`` with :func:`accumjax.accumulate` in a step of your own is the other way
+(``docs/guides/nnx.md``).
 """
 
 from __future__ import annotations
@@ -53,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from accumjax._checks import check_alive
+from accumjax._checks import check_alive, check_callable
 from accumjax._host import TrainStep
 from accumjax._step_checks import check_key_argument, positional_limit
 from accumjax.loss_scale import DynamicLossScale
@@ -222,7 +197,7 @@ class NNXTrainStep:
     def lower(
         self, state: NNXTrainState, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> Any:
-        """``jax.jit(...).lower`` of the step (e.g. for :func:`accumjax.count_collectives`)."""
+        """``jax.jit(...).lower`` of the step (for `accumjax.collectives.count_collectives`)."""
         return self._for(state, rng).lower(state, batch, rng, num_real_microbatches)
 
     def init(
@@ -320,7 +295,6 @@ def make_nnx_train_step(
       >>> int(model.norm.acc_step[...])  # the BatchNorm window was closed
       0
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    check_callable("loss_fn", loss_fn, optional=False)
     make_train_step(loss_fn, **options)  # checks the arguments now, once
     return NNXTrainStep(loss_fn, options)

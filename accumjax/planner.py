@@ -7,35 +7,11 @@ without running anything: it lowers and compiles the scan-mode step for each can
 (abstract ``jax.ShapeDtypeStruct`` arguments with the arrays' shardings; nothing is executed
 and nothing is allocated) and reads XLA's compile-time memory analysis.
 
-It plans the step you train: the same loss, options and state, laid out as ``step.init``
-lays it out, on the mesh the arrays lie on (``Explicit`` or ``Auto``; one device too). On a
-mesh XLA compiles one program per device: every figure here is **per device**, the
-predicted footprint is exactly ``compiled_memory_bytes`` of the step you will run
-(``step.lower(step.init(params, tx), batch).compile()``), and the budget is one device's.
-
-A loss that takes a key (dropout) is planned with one (``rng=``): its random masks are part
-of the footprint. With model state (``TrainState(model_state=...)``, e.g. BatchNorm
-statistics) and ``has_aux`` the step is the one :func:`accumjax.make_train_step` builds; an
-:class:`accumjax.NNXTrainState` gets :func:`accumjax.make_nnx_train_step`'s.
-
-The predicted footprint of a compiled step (:func:`compiled_memory_bytes`) is::
-
-    argument + output - alias + temp + generated_code     (device-side figures)
-
-* ``argument``: the input buffers (state and batch); ``output``: the results (new state,
-  metrics); ``alias``: outputs that reuse donated input buffers (``donate=True``, the
-  default of :func:`accumjax.make_train_step`), counted once; ``temp``: XLA's scratch
-  buffers (activations, gradients, the accumulator, the optimizer's temporaries);
-  ``generated_code``: the executable, where the backend reports it.
-
-Caveats: XLA's figure is the compiler's buffer assignment, not an allocator trace: the
-runtime adds fragmentation and allocator overhead (keep a few percent of headroom, e.g.
-``memory_budget=int(0.9 * limit)``); other live arrays in the process (a second copy of
-the state, prefetched batches) are not part of the step and must be subtracted from the
-budget by the caller; without donation (``donate=False``) ``alias`` is 0 and the input
-and output states are both counted, as they are both alive; host-side figures
-(``host_*`` fields, e.g. host-offloaded buffers) are not counted, since the budget is a
-device budget.
+It plans the step you train (the same loss, options and state, laid out as ``step.init``
+lays it out, on the arrays' mesh), and every figure is per device: the predicted footprint
+is :func:`compiled_memory_bytes` of that step, ``argument + output - alias + temp +
+generated_code``. ``docs/guides/planner.md`` says what the figure leaves out (the
+allocator's fragmentation, other live buffers).
 
 :func:`plan_microbatches_for` is the generic core: it takes any ``compile_for_k``
 callable, so it also plans custom steps.
@@ -43,7 +19,6 @@ callable, so it also plans custom steps.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -51,8 +26,10 @@ import jax
 import numpy as np
 
 from accumjax import sharded
-from accumjax._checks import check_int
-from accumjax.accumulation import accumulate, config_of, with_every_k
+from accumjax._checks import check_callable, check_int
+from accumjax._state import config_of
+from accumjax._step_checks import POSITIONAL, signature_parameters
+from accumjax.accumulation import accumulate, with_every_k
 from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
 from accumjax.train_state import TrainState
 from accumjax.train_step import make_train_step
@@ -281,12 +258,10 @@ def _check_state(state: Any) -> None:
 
 def _needs_key(loss_fn: Callable[..., Any], state: Any) -> bool:
     """Whether ``loss_fn`` has a required parameter after those of a key-free call."""
-    try:
-        parameters = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):
+    parameters = signature_parameters(loss_fn)
+    if parameters is None:
         return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p for p in parameters if p.kind in positional and p.default is p.empty]
+    required = [p for p in parameters if p.kind in POSITIONAL and p.default is p.empty]
     key_free = 2 if isinstance(state, NNXTrainState) or state.model_state is None else 3
     return len(required) > key_free
 
@@ -464,8 +439,7 @@ def plan_microbatches(
       >>> keyed.predicted_bytes > big.predicted_bytes
       True
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    check_callable("loss_fn", loss_fn, optional=False)
     _check_state(state)
     if rng is None and _needs_key(loss_fn, state):
         raise TypeError(

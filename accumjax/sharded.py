@@ -33,7 +33,8 @@ import jax.core
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from accumjax import window as window_lib
+import accumjax._window as window_lib
+from accumjax._checks import check_mesh_axis
 from accumjax._layout import LeafLayout, leaf_layout
 
 __all__ = [
@@ -213,8 +214,7 @@ def data_axis(mesh: AnyMesh, axis: str | None = None) -> str | None:
       'data'
     """
     if axis is not None:
-        if axis not in mesh.axis_names:
-            raise ValueError(f"axis_name {axis!r} is not an axis of the mesh {mesh.axis_names}.")
+        check_mesh_axis(axis, mesh)
         return axis
     big = [a for a in mesh.axis_names if mesh.shape[a] > 1]
     if len(big) > 1:
@@ -464,22 +464,24 @@ def optimizer_state_specs(
 ) -> tuple[PartitionSpec | None, ...] | None:
     """Per leaf of ``init(params)`` (an optimizer state), its partition spec when each
     parameter is laid out as its optimizer dimension of ``layout`` says (traced on an
-    ``Explicit`` twin of the mesh, so sharding in types derives it: Adam's moments split like
-    the gradient); None off a concrete mesh."""
+    ``Explicit`` copy of the mesh, so sharding in types derives it: Adam's moments split like the
+    gradient); None off a concrete mesh."""
     mesh = layout.mesh
     if not isinstance(mesh, Mesh):
         return None
     explicit = (jax.sharding.AxisType.Explicit,) * len(mesh.axis_names)
-    twin = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
+    explicit_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
     specs = jax.tree.leaves(
         layout.global_specs(layout.optimizer_dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
     )
     leaves = layout.treedef.flatten_up_to(params)
     typed = [
-        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=NamedSharding(twin, spec))
+        jax.ShapeDtypeStruct(
+            jnp.shape(x), jnp.result_type(x), sharding=NamedSharding(explicit_mesh, spec)
+        )
         for x, spec in zip(leaves, specs, strict=True)
     ]
-    with jax.set_mesh(twin):
+    with jax.set_mesh(explicit_mesh):
         shapes = jax.eval_shape(init, jax.tree.unflatten(layout.treedef, typed))
     return tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
 

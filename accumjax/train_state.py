@@ -17,15 +17,27 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from accumjax import window as window_lib
+import accumjax._opt_state as opt_state_lib
+import accumjax._window as window_lib
 from accumjax._checks import check_choice
-from accumjax.accumulation import config_of, init_state
+from accumjax._moved import forward_moved
+from accumjax._state import config_of
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
-__all__ = ["MODES", "TrainState", "count_update", "opt_state_for", "unalias", "with_mode"]
+__all__ = ["TrainState", "with_mode"]
 
-MODES = ("stream", "scan")
+
+# Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
+__getattr__ = forward_moved(
+    __name__,
+    {
+        "MODES": "_opt_state",
+        "count_update": "_opt_state",
+        "opt_state_for": "_opt_state",
+        "unalias": "_opt_state",
+    },
+)
 
 
 class TrainState(train_state.TrainState):
@@ -104,7 +116,7 @@ class TrainState(train_state.TrainState):
             loss_scale=loss_scale,
             **kwargs,
         )
-        return unalias(state)
+        return opt_state_lib.unalias(state)
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """One optimizer call, as flax's; ``step`` grows only when an update was applied.
@@ -129,49 +141,24 @@ class TrainState(train_state.TrainState):
         applied = opt_state.updated if isinstance(opt_state, AccumulationState) else True
         step = jnp.asarray(self.step)
         return self.replace(
-            step=optax.safe_increment(step) if applied is True else count_update(step, applied),
+            step=optax.safe_increment(step)
+            if applied is True
+            else opt_state_lib.count_update(step, applied),
             params=optax.apply_updates(self.params, updates),
             opt_state=opt_state,
             **kwargs,
         )
 
 
-def opt_state_for(tx: optax.GradientTransformation, params: Any, mode: str) -> Any:
-    """``tx.init(params)``, laid out for a mode: in scan mode an `accumjax.accumulate` state
-    holds no accumulator (its window opens and closes inside one call).
-
-    Args:
-      tx: the optimizer.
-      params: the parameters (arrays, or ``jax.ShapeDtypeStruct``s).
-      mode: ``"stream"`` or ``"scan"``.
-
-    Returns:
-      The optimizer state; a scan-mode `accumjax.AccumulationState` has
-      ``window.grad_sum=None``, and no parameter-sized buffer is allocated for it.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, accumjax
-      >>> tx = accumjax.accumulate(optax.sgd(0.1), 4)
-      >>> opt_state_for(tx, {"w": jnp.zeros(3)}, "scan").window.grad_sum is None
-      True
-    """
-    check_choice("mode", mode, MODES)
-    config = config_of(tx)
-    if config is None:
-        return tx.init(params)
-    return init_state(config, params, accumulator=mode == "stream")
-
-
 def with_mode(state: TrainState, mode: str) -> TrainState:
     """``state`` laid out for another mode: the accumulator added (zeros) or dropped.
 
-    Use it for a state built for the other mode, e.g. a checkpoint of accumjax 0.2, whose
-    scan-mode states still held the accumulator: restore it as it was saved, then
-    ``with_mode(state, "scan")``. A window left open cannot move to scan mode (its partial
-    sum would be lost), so a state in the middle of a window is refused (when its
-    ``micro_step`` is concrete). Convert an unreplicated state (before `accumjax.replicate`).
-    A stream state for a step on a mesh (``step.init``) is best moved with
-    `accumjax.restore_checkpoint`, which keeps its layout.
+    Use it for a state built for the other mode (a stream-mode checkpoint, say): restore it
+    as it was saved, then ``with_mode(state, "scan")``. A window left open cannot move to
+    scan mode (its partial sum would be lost), so a state in the middle of a window is
+    refused (when its ``micro_step`` is concrete). Convert an unreplicated state (before
+    `accumjax.replicate`). A stream state for a step on a mesh (``step.init``) is best moved
+    with `accumjax.restore_checkpoint`, which keeps its layout.
 
     Args:
       state: an `accumjax.TrainState` (or `accumjax.NNXTrainState`).
@@ -189,7 +176,7 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
       >>> accumjax.with_mode(state, "scan").opt_state.window.grad_sum is None
       True
     """
-    check_choice("mode", mode, MODES)
+    check_choice("mode", mode, opt_state_lib.MODES)
     config, opt = config_of(state.tx), cast(Any, state.opt_state)
     if config is None:
         return state
@@ -217,27 +204,3 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
         )
     window = window_lib.init_window(None, dtype)
     return state.replace(opt_state=opt._replace(window=window, added=jnp.zeros((), bool)))
-
-
-def count_update(counter: jax.Array, applied: Any) -> jax.Array:
-    """``counter + 1`` (saturating) where ``applied``, else ``counter``."""
-    return jnp.where(applied, optax.safe_increment(counter), counter)
-
-
-def unalias(tree: Any) -> Any:
-    """Copies leaves that are the same array object as an earlier leaf.
-
-    Optimizer ``init`` functions may reuse one zeros array for several fields; a donating
-    step cannot donate one buffer twice.
-    """
-    seen: set[int] = set()
-
-    def copy_repeat(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        if id(x) in seen:
-            return jnp.copy(x)
-        seen.add(id(x))
-        return x
-
-    return jax.tree.map(copy_repeat, tree)

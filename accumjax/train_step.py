@@ -27,17 +27,24 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from accumjax._checks import check_callable, check_choice, check_int, refuse_unknown
+from accumjax._checks import (
+    check_callable,
+    check_choice,
+    check_int,
+    check_mesh_axis,
+    refuse_unknown,
+)
 from accumjax._host import TrainStep, wrap
 from accumjax._layout import check_optimizer_sharding
 from accumjax._loop import Setup
 from accumjax._loss_adapter import make_grad_fn
+from accumjax._opt_state import MODES
 from accumjax._split import check_batch_axis
 from accumjax._step_checks import positional_limit
 
 __all__ = ["TrainStep", "make_train_step"]
 
-_MODES = ("stream", "scan")
+
 _PRECISIONS = {None: None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _GATHER = ("window", "microbatch")
 
@@ -215,7 +222,7 @@ def make_train_step(
     data_axis = _check_mesh(mesh, axis_name)
     setup = Setup(
         grad_fn=make_grad_fn(loss_fn, has_aux, compute_dtype),
-        mode=check_choice("mode", mode, _MODES),
+        mode=check_choice("mode", mode, MODES),
         axis_name=axis_name if mesh is None else None,
         weight_fn=check_callable("weight_fn", weight_fn),
         f16=mixed_precision == "float16",
@@ -261,6 +268,5 @@ def _check_mesh(mesh: Any, axis_name: str | None) -> str | None:
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis_name is None:
         raise ValueError("mesh needs axis_name: the mesh axis the batch is split over.")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+    check_mesh_axis(axis_name, mesh)
     return axis_name

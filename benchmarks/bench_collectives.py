@@ -11,7 +11,7 @@ backend (it must see exactly 8 devices)::
 
     ACCUMJAX_BENCH_DEVICES=native python -m benchmarks.bench_collectives   # 8 GPUs
 
-The collective counts come from the compiled HLO (``accumjax.count_collectives``):
+The collective counts come from the compiled HLO (``accumjax.collectives.count_collectives``):
 instructions in the program and instructions executed per step (loop bodies times their
 trip count).
 
@@ -138,7 +138,7 @@ def _call_counts(compiled: Any, min_bytes: int = 0) -> dict[str, dict[str, int]]
     those whose result holds at least ``min_bytes`` bytes."""
 
     def count(trips: int) -> dict[str, int]:
-        c = accumjax.count_collectives(
+        c = accumjax.collectives.count_collectives(
             compiled, per_execution=True, default_trip_count=trips, min_bytes=min_bytes
         )
         return {op: c[op] for op in OPS}
@@ -319,7 +319,9 @@ def sharded_table(kind: str = "explicit", rounds: int = TIMING_ROUNDS) -> dict[s
                         _call_counts(c, GRADIENT_BYTES), calls
                     ),
                     "per_call_executed": per_call,
-                    "per_call_in_program": {op: accumjax.count_collectives(c)[op] for op in OPS},
+                    "per_call_in_program": {
+                        op: accumjax.collectives.count_collectives(c)[op] for op in OPS
+                    },
                     "memory_per_device": _memory(c),
                     "time_per_window": times[name],
                 }
@@ -380,7 +382,7 @@ def run() -> dict[str, Any]:
     naive = _naive_step(mesh, tx)
     ours_hlo = ours.lower(state, batch).compile()
     naive_hlo = naive.lower(params, tx.init(params), batch).compile()
-    count = functools.partial(accumjax.count_collectives)
+    count = functools.partial(accumjax.collectives.count_collectives)
     return {
         "devices": jax.device_count(),
         "K": K,

@@ -11,7 +11,8 @@ microbatch (per device on a mesh), K=8, Adam.
    ``optax.clip_by_global_norm(1.0)`` or per-microbatch AGC) against ``optax.microbatch``'s.
 2. **FSDP on N = 2, 4, 8 host CPU devices**: the kernels sharded over the data axis on their
    first dimension (``P("data", None)``, as ``examples/fsdp_8_devices.py``), the batch
-   ``P("data")`` (``accumjax.data_sharding``), on an Explicit mesh (``jax.make_mesh``'s default).
+   ``P("data")`` (``accumjax.distributed.data_sharding``), on an Explicit mesh
+   (``jax.make_mesh``'s default).
    Per device, argument + temp bytes (and the output that does not alias an argument: the
    steps donate their state) of the scan step, default policy and ``propagate``, once per
    ``reduce_scatter=`` layout where ``make_train_step`` takes that argument (``"microbatch"``:
@@ -23,7 +24,8 @@ microbatch (per device on a mesh), K=8, Adam.
    places the accumulator: issue 37's reference) and, the same code, on an Explicit mesh.
    The default step also on an Auto mesh (a step that fails to build is reported, not
    fatal). Collectives executed per window, by op and result size
-   (``accumjax.count_collectives``): a clean window's, and where a loop of unknown trip count
+   (``accumjax.collectives.count_collectives``): a clean window's, and where a loop of
+   unknown trip count
    (a run-at-most-once re-run of a non-finite window) adds to them, with it run once.
 
 ``memory_analysis()`` of an SPMD-partitioned executable is per device: the argument figure is
@@ -134,7 +136,7 @@ def _collectives(compiled: Any, trips: int) -> dict[str, dict[int, int]]:
         found.setdefault(op, set()).add(_shape_bytes(shape))
 
     def count(op: str, min_bytes: int) -> int:
-        counts = accumjax.count_collectives(
+        counts = accumjax.collectives.count_collectives(
             compiled, per_execution=True, default_trip_count=trips, min_bytes=min_bytes
         )
         return counts.get(op, 0)
@@ -199,7 +201,8 @@ def _placed(mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
         for k, v in common.dense_params().items()
     }
     batch = jax.device_put(
-        common.dense_batch(n * K * common.DENSE_ROWS), accumjax.data_sharding(mesh, "data")
+        common.dense_batch(n * K * common.DENSE_ROWS),
+        accumjax.distributed.data_sharding(mesh, "data"),
     )
     return params, batch
 
@@ -262,7 +265,8 @@ def _replicated(mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
     per device per microbatch, on ``mesh``."""
     params = jax.device_put(common.dense_params(), NamedSharding(mesh, PartitionSpec()))
     batch = jax.device_put(
-        common.dense_batch(mesh.size * K * common.DENSE_ROWS), accumjax.data_sharding(mesh, "data")
+        common.dense_batch(mesh.size * K * common.DENSE_ROWS),
+        accumjax.distributed.data_sharding(mesh, "data"),
     )
     return params, batch
 

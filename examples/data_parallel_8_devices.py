@@ -130,7 +130,9 @@ naive_compiled = naive_step.lower(naive_params, naive_opt_state, batches[0]).com
 # (only when the devices refused a microbatch: a NaN on one device leaves the whole microbatch
 # out, as on one device) does not run. Each microbatch's verdict travels in the window's one
 # all-reduce, with the gradient: nothing is reduced per microbatch.
-count = lambda c, **kw: accumjax.count_collectives(c, per_execution=True, **kw)["all-reduce"]
+count = lambda c, **kw: accumjax.collectives.count_collectives(c, per_execution=True, **kw)[
+    "all-reduce"
+]
 ours = count(compiled, default_trip_count=0)
 naive = count(naive_compiled, min_bytes=64)
 print(f"gradient all-reduces per update: accumjax {ours}, naive per-microbatch pmean {naive}")

@@ -152,7 +152,7 @@ def temp_mib(run: Run, batch: Batch) -> float:
     """XLA's compile-time temporary memory of one step call, in MiB.
 
     Temporaries are what accumulation shrinks: activations and per-microbatch gradients.
-    ``accumjax.compiled_memory_bytes`` adds the arguments and outputs (state and batch).
+    ``accumjax.planner.compiled_memory_bytes`` adds the arguments and outputs (state and batch).
     """
     analysis = run.step.lower(run.state, batch).compile().memory_analysis()
     return analysis.temp_size_in_bytes / 2**20

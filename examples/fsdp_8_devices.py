@@ -139,7 +139,7 @@ assert state.opt_state.window.grad_sum is None  # scan mode: the state holds no 
 # run). Each microbatch's gradient of a sharded kernel is reduce-scattered into an accumulator
 # sharded like it (issue 37); each microbatch's verdict travels in the window's one small
 # all-reduce (biases and scalars).
-counts = accumjax.count_collectives(
+counts = accumjax.collectives.count_collectives(
     compiled, per_execution=True, default_trip_count=0, min_bytes=64
 )
 print(

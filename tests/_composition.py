@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 import accumjax
+from accumjax._state import config_of
 
 GUIDE = Path(__file__).parent.parent / "docs" / "guides" / "modes.md"
 HEADING = "## Optax combinators around `accumulate`"
@@ -44,14 +45,14 @@ def _labels(params: Any) -> Any:
 
 
 def _adam_in_inject(acc: Any) -> Any:
-    k = accumjax.accumulation.config_of(acc).every_k
+    k = config_of(acc).every_k
     return optax.inject_hyperparams(
         lambda learning_rate: accumjax.accumulate(optax.adam(learning_rate), k)
     )(learning_rate=0.1)
 
 
 def _multisteps_inside(acc: Any) -> Any:
-    k = accumjax.accumulation.config_of(acc).every_k
+    k = config_of(acc).every_k
     return accumjax.accumulate(optax.MultiSteps(optax.sgd(0.1), 2), k)
 
 

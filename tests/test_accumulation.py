@@ -685,8 +685,8 @@ def test_pmap_all_reduces_once_per_window_and_matches_full_batch():
     hlo = step.lower(params, state, xs[:, 0], ys[:, 0]).compile().as_text()
     # The window's sum once (in the window end); issue 32: each call's microbatch is decided by
     # every device together, in an all-reduce of two scalars.
-    assert accumjax.count_collectives(hlo, min_bytes=64)["all-reduce"] == 1
-    assert accumjax.count_collectives(hlo)["all-reduce"] == 2
+    assert accumjax.collectives.count_collectives(hlo, min_bytes=64)["all-reduce"] == 1
+    assert accumjax.collectives.count_collectives(hlo)["all-reduce"] == 2
 
 
 def test_orbax_checkpoint_mid_window_resumes_bit_identical(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from flax import linen as nn
 
 import accumjax
-from accumjax import window
+import accumjax._window as window
 from accumjax.clipping import (
     adaptive_clip,
     adaptive_clip_grad,

@@ -125,8 +125,10 @@ def test_count_collectives_no_collectives():
 
 
 def test_count_collectives_is_one_function_under_three_names():
-    # accumjax/__init__.py and users import it from accumjax.distributed.
-    assert accumjax.count_collectives is distributed.count_collectives is count_collectives
+    # accumjax.collectives keeps it, accumjax.distributed re-exports it; the top-level name
+    # is deprecated.
+    with pytest.warns(DeprecationWarning, match="accumjax.collectives.count_collectives"):
+        assert accumjax.count_collectives is distributed.count_collectives is count_collectives
     assert count_collectives.__module__ == "accumjax.collectives"
     assert "count_collectives" in distributed.__all__
     assert collectives.__all__ == ["COLLECTIVE_OPS", "count_collectives"]

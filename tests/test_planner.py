@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import accumjax
 from accumjax import planner
+from accumjax._state import config_of
 from accumjax.planner import (
     MicrobatchPlan,
     plan_microbatches,
@@ -166,9 +167,7 @@ def test_bad_core_arguments():
 def test_scan_step_for_k_is_the_step_the_planner_measures(setup):
     state, batch = setup
     step, state_4 = scan_step_for_k(_loss, state, 4)
-    assert (
-        accumjax.accumulation.config_of(state_4.tx).every_k == 4
-    )  # K in the optimizer, adam inside
+    assert config_of(state_4.tx).every_k == 4  # K in the optimizer, adam inside
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state_4.opt_state))
     b4 = _bytes_of_k(state, batch, 4)
     assert planner.compiled_memory_bytes(step.lower(state_4, batch).compile()) == b4
@@ -178,8 +177,8 @@ def test_scan_step_for_k_is_the_step_the_planner_measures(setup):
     # An accumulate transformation gets the new K and keeps its options.
     wrapped = state.replace(tx=accumjax.accumulate(optax.sgd(0.1), 2, scaling="sum"))
     _, state_8 = scan_step_for_k(_loss, wrapped, 8)
-    assert accumjax.accumulation.config_of(state_8.tx).every_k == 8
-    assert accumjax.accumulation.config_of(state_8.tx).policy.scaling == "sum"
+    assert config_of(state_8.tx).every_k == 8
+    assert config_of(state_8.tx).policy.scaling == "sum"
     # Initialised by the step, it runs: one window of 4 microbatches is one optimizer update.
     new_state, metrics = step(step.init(state.params, state_4.tx), batch)
     assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
@@ -373,7 +372,7 @@ def test_numpy_integers_are_ks(setup):
         plan = plan_microbatches(_loss, state, batch, memory_budget=b4, candidates=candidates)
         assert plan.accum_steps == 4 and type(plan.accum_steps) is int
     step, state_4 = scan_step_for_k(_loss, state, np.int64(4))
-    assert accumjax.accumulation.config_of(state_4.tx).every_k == 4
+    assert config_of(state_4.tx).every_k == 4
     assert planner.compiled_memory_bytes(step.lower(state_4, batch).compile()) == b4
     with pytest.raises(TypeError, match="candidates"):
         plan_microbatches(_loss, state, batch, memory_budget=b4, candidates=np.array([4.0]))

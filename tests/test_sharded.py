@@ -22,7 +22,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accumjax
-from accumjax import count_collectives, sharded
+from accumjax import sharded
+from accumjax.collectives import count_collectives
 
 K = 4
 N = 8

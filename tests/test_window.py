@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import accumjax
-from accumjax import TrainState, accumulate, make_train_step, window
+import accumjax._window as window
+from accumjax import TrainState, accumulate, make_train_step
 
 K = 4
 ROWS = 8  # per microbatch

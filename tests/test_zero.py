@@ -16,8 +16,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accumjax
-from accumjax import count_collectives
 from accumjax._layout import REPLICATED, LeafLayout, Reduction, leaf_layout
+from accumjax.collectives import count_collectives
 
 K = 4
 N = 8

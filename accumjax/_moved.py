@@ -1,0 +1,47 @@
+"""Names a public module exported in 0.4 and no longer does: each still resolves, with a
+``DeprecationWarning``, until 0.6 (a module ``__getattr__``, PEP 562)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["forward_moved"]
+
+
+def forward_moved(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that resolves each of ``moved``'s names from the internal
+    module it moved to, warning that ``module`` stops exporting it in 0.6.
+
+    Args:
+      module: the public module's name (``__name__``).
+      moved: name -> the internal module (``"_window"``) that holds it now.
+
+    Returns:
+      The function to assign to the module's ``__getattr__``.
+
+    Example:
+      >>> import warnings
+      >>> get = forward_moved("accumjax.window", {"run_once": "_window"})
+      >>> with warnings.catch_warnings(record=True) as seen:
+      ...     warnings.simplefilter("always")
+      ...     _ = get("run_once")
+      >>> seen[0].category.__name__
+      'DeprecationWarning'
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name not in moved:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{module}.{name} is internal since accumjax 0.5 (accumjax.{moved[name]}, not "
+            f"public API) and leaves {module} in 0.6: build on accumjax.accumulate and the "
+            "public state readers instead, or pin accumjax<0.6.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(f"accumjax.{moved[name]}"), name)
+
+    return __getattr__

@@ -1,0 +1,572 @@
+"""The accumulation window (internal): the add, close and decide steps every entry point runs.
+
+1. `init_window`: an empty accumulator created like the parameters (same sharding).
+2. `add_microbatch`: adds ``w_i * c_i * T(g_i)`` (``T`` the policy's
+   ``microbatch_transform``); a policy that reads the gradient or skips one microbatch
+   decides first (`inspect_microbatch`), the others add each gradient as it comes.
+3. `close_window`: at most one cross-device reduction, then the decision: a window is
+   usable when its weight sum is > 0, its scaled sum is finite and the policy allows it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import accumjax._scaling as scaling_lib
+from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh, whole_gradient
+from accumjax._control import run_once
+from accumjax._norms import global_norm
+from accumjax._policy import ON_NONFINITE, OnNonfinite, Policy, SkipFn, transformed_gradient
+from accumjax._reduction import (
+    REDUCED,
+    WHOLE,
+    cross_device_reduce,
+    gathered,
+    own_shard,
+    reduced_scatter,
+    sharded_norm,
+)
+
+__all__ = [
+    "ON_NONFINITE",
+    "REDUCED",
+    "WHOLE",
+    "Closed",
+    "DeviceWindow",
+    "Microbatch",
+    "OnNonfinite",
+    "Policy",
+    "SkipFn",
+    "Window",
+    "add_microbatch",
+    "agreed",
+    "close_window",
+    "denominator",
+    "empty_like",
+    "first_microbatch",
+    "global_norm",
+    "init_window",
+    "inspect_microbatch",
+    "local_window",
+    "reduced_scatter",
+    "run_once",
+    "saturating_add",
+    "scaled_gradient",
+    "sum_dtype",
+    "window_sum",
+]
+
+
+class Window(NamedTuple):
+    """The open window: a pytree of arrays.
+
+    Attributes:
+      grad_sum: ``sum_i w_i * c_i * g_i`` over the added microbatches (``c_i`` the clip
+        factor), in the accumulator dtype, shaped and sharded like the parameters; ``None``
+        in a scan-mode state, whose window opens and closes inside one call.
+      weight_sum: sum of the added microbatches' weights (their count unless weighted),
+        float32.
+      micro_step: microbatches seen in this window, skipped ones included, int32.
+      window_nonfinite: microbatches with a NaN/Inf gradient or an invalid weight, int32.
+      window_skipped: microbatches not added, whatever the reason, int32.
+    """
+
+    grad_sum: Any
+    weight_sum: jax.Array
+    micro_step: jax.Array
+    window_nonfinite: jax.Array
+    window_skipped: jax.Array
+
+
+class DeviceWindow(NamedTuple):
+    """The open window of a stream-mode train step, kept per data shard: a pytree of arrays.
+
+    A step on a mesh reduces a window's gradient once, when it closes, so between calls each
+    data shard keeps its own partial sum. ``step.init`` of a stream-mode step builds this
+    layout on every topology (one shard on one device); `accumjax.restore_checkpoint` moves it
+    to another number of devices, `accumjax.accumulated_gradients` reads its whole sum.
+
+    Attributes:
+      partial_sums: like the parameters, each leaf with a leading axis of partial sums whose
+        total is the window's ``sum_i w_i * c_i * g_i``: one entry per data shard, or one
+        for a parameter sharded over the data axis (FSDP: its gradient is reduce-scattered
+        into the shards on every call).
+      weight_sum, micro_step, window_nonfinite, window_skipped: as in `Window`, for the
+        whole batch (the step reduces them, with the metrics, on every call).
+    """
+
+    partial_sums: Any
+    weight_sum: jax.Array
+    micro_step: jax.Array
+    window_nonfinite: jax.Array
+    window_skipped: jax.Array
+
+
+class Microbatch(NamedTuple):
+    """What the policy decided about one microbatch (`inspect_microbatch`).
+
+    Attributes:
+      added: whether its gradient goes into the window; model state follows this.
+      nonfinite: whether its gradient (or weight) was not finite.
+      weight: what it adds to the window's weight sum (0 when not added), float32.
+      factor: what its gradient is multiplied by (weight times clip factor), or None for 1.
+      whole: the whole microbatch's gradient, reduced while deciding (a policy that reads it,
+        on a mesh; transformed by its ``microbatch_transform``), added instead of this
+        device's own and never reduced again; or None.
+      transformed: without ``whole``, the policy's ``microbatch_transform`` of the gradient
+        it read (on a mesh the whole microbatch's, full-size), added instead of ``grads``
+        (through ``add_microbatch``'s ``reduce``); or None.
+    """
+
+    added: jax.Array
+    nonfinite: jax.Array
+    weight: jax.Array
+    factor: jax.Array | None = None
+    whole: Any = None
+    transformed: Any = None
+
+
+class Closed(NamedTuple):
+    """A closed window (after the cross-device reduction).
+
+    Attributes:
+      grad_sum: the window's sum after the reduction, in the accumulator dtype.
+      denominator: what it is divided by (`scaled_gradient`), float32, > 0.
+      apply: whether the window is usable (its update may be applied).
+      nonfinite_count: the window's non-finite microbatches (each counted once, however many
+        devices its rows are split over).
+      skipped_count: the window's skipped microbatches (as ``nonfinite_count``).
+      norm: the global norm of the scaled gradient (float32).
+      extras: the caller's values that travelled in the window's reduction
+        (`close_window`'s ``extras``), summed over devices, or None.
+      accepted: with `close_window`'s ``decisions``, whether each microbatch is accepted.
+    """
+
+    grad_sum: Any
+    denominator: jax.Array
+    apply: jax.Array
+    nonfinite_count: jax.Array
+    skipped_count: jax.Array
+    norm: jax.Array
+    extras: jax.Array | None = None
+    accepted: jax.Array | None = None
+
+
+def sum_dtype(dtype: Any, minimum: Any = jnp.float32) -> Any:
+    """The dtype a ``dtype`` value accumulates in: at least ``minimum`` (None: ``dtype``).
+
+    Canonical for the current JAX configuration: float64 is float32 unless
+    ``jax_enable_x64`` is on. The gradient window and the BatchNorm windows both use it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import accumjax._window as window
+      >>> window.sum_dtype(jnp.bfloat16)
+      dtype('float32')
+    """
+    wide = dtype if minimum is None else jnp.promote_types(dtype, minimum)
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(wide))
+
+
+def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
+    """An empty window whose accumulator is created like ``params`` (same sharding).
+
+    Args:
+      params: the parameters (arrays, whose shardings the accumulator takes, or
+        ``jax.ShapeDtypeStruct``s).
+      accumulator_dtype: minimum precision; a leaf accumulates in
+        ``promote_types(leaf dtype, accumulator_dtype)``, ``None`` keeps the leaf's dtype.
+
+    Returns:
+      A `Window` with a zero ``grad_sum`` and zero counters.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import accumjax._window as window
+      >>> w = window.init_window({"w": jnp.zeros(2, jnp.bfloat16)})
+      >>> w.grad_sum["w"].dtype, int(w.micro_step)
+      (dtype('float32'), 0)
+    """
+    grad_sum = jax.tree.map(
+        lambda p: (
+            jnp.zeros_like(p, dtype=sum_dtype(p.dtype, accumulator_dtype))
+            if isinstance(p, jax.Array)
+            else jnp.zeros(p.shape, sum_dtype(p.dtype, accumulator_dtype))
+        ),
+        params,
+    )
+    count = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: donatable
+    return Window(grad_sum, jnp.zeros((), jnp.float32), count(), count(), count())
+
+
+def empty_like(window: Any) -> Any:
+    """``window`` (a `Window` or `DeviceWindow`) emptied: zero sums and counters, with the
+    same shapes, dtypes and shardings."""
+    return window._replace(
+        **{window._fields[0]: jax.tree.map(jnp.zeros_like, window[0])},
+        weight_sum=jnp.zeros_like(window.weight_sum, jnp.float32),
+        micro_step=jnp.zeros_like(window.micro_step, jnp.int32),
+        window_nonfinite=jnp.zeros_like(window.window_nonfinite, jnp.int32),
+        window_skipped=jnp.zeros_like(window.window_skipped, jnp.int32),
+    )
+
+
+def window_sum(window: Any) -> Any:
+    """The window's whole sum, shaped like the parameters: a `Window`'s ``grad_sum``, or the
+    total of a `DeviceWindow`'s partial sums (None for a scan-mode window, which has none).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import accumjax._window as window
+      >>> w = window.DeviceWindow({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}, *jnp.zeros(4))
+      >>> window.window_sum(w)["w"]
+      Array([4., 6.], dtype=float32)
+    """
+    if isinstance(window, DeviceWindow):
+        return jax.tree.map(lambda a: jnp.sum(a, axis=0), window.partial_sums)
+    return window.grad_sum
+
+
+def local_window(window: DeviceWindow) -> Window:
+    """Inside a ``shard_map`` over the data axis: this device's part of a `DeviceWindow`
+    (its partial sums, whose leading axis has one entry here) as a `Window`."""
+    grad_sum = jax.tree.map(lambda a: a[0], window.partial_sums)
+    return Window(grad_sum, *window[1:])
+
+
+def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
+    """``counter + amount`` for non-negative int32 values, held at the int32 maximum."""
+    top = jnp.iinfo(jnp.int32).max
+    amount = jnp.asarray(amount, jnp.int32)
+    return jnp.where(counter > top - amount, top, counter + amount).astype(jnp.int32)
+
+
+def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
+    """``window_count`` plus one where ``flag``, saturating."""
+    return saturating_add(window_count, flag.astype(jnp.int32))
+
+
+def inspect_microbatch(
+    policy: Policy,
+    grads: Any,
+    weight: Any = None,
+    params: Any = None,
+    axis_name: str | None = None,
+    dims: Any = None,
+    keep_whole: bool = True,
+) -> Microbatch:
+    """The policy's decision about one microbatch gradient, without adding it.
+
+    `add_microbatch` inspects and adds in one go. On a mesh (``axis_name``) a microbatch is one
+    thing: every device takes the decision one device holding all its rows would take
+    (`agreed`: a NaN in any device's rows leaves the whole microbatch out).
+
+    Args:
+      policy: the window's `Policy`.
+      grads: the microbatch gradient (on a mesh, of this device's rows).
+      weight: the microbatch weight (``scaling="weighted"`` only; on a mesh, this device's).
+      params: the parameters, passed to ``policy.skip_fn``.
+      axis_name: the mapped axis the microbatch's rows are split over, or None (one device).
+      dims: with ``axis_name``, for a policy that reads the gradient: None, or a pytree like
+        ``grads`` holding the dimension each parameter is split on over the axis (FSDP):
+        those leaves of the whole gradient are reduce-scattered into this device's shard.
+      keep_whole: with ``axis_name``, a policy that reads the gradient hands the whole
+        gradient it reduced to the window (`Microbatch.whole`); False keeps this device's
+        own gradient and weight (a window whose partial sums are reduced at its end).
+
+    Returns:
+      A `Microbatch`. Its ``weight`` and ``factor`` are this device's, or the whole
+      microbatch's when it carries the ``whole`` gradient.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import accumjax._window as window
+      >>> m = window.inspect_microbatch(window.Policy(), {"w": jnp.array([1.0, jnp.nan])})
+      >>> bool(m.added), bool(m.nonfinite), float(m.weight)
+      (False, True, 0.0)
+    """
+    w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
+    whole = None
+    if axis_name is None:
+        seen, norm, finite = grads, None, w_ok
+        if policy.detects or policy.max_norm is not None:
+            norm = global_norm(grads)
+            finite = finite & jnp.isfinite(norm) if policy.detects else finite
+    else:
+        seen, norm, finite, total, whole = agreed(policy, grads, w, w_ok, axis_name, dims)
+        if keep_whole and whole is not None:
+            w = total
+        else:
+            whole = None
+    added = finite
+    if policy.skip_fn is not None:
+        added = added & ~jnp.asarray(policy.skip_fn(seen, params), bool)
+    transformed = None
+    if policy.microbatch_transform is not None:
+        transformed = transformed_gradient(policy.microbatch_transform, seen, params)
+        if whole is not None:  # in the whole gradient's layout: this device's shards
+            whole, transformed = own_shard(transformed, axis_name, dims), None
+    factor = w if policy.scaling == "weighted" else None
+    if policy.max_norm is not None and norm is not None:
+        tiny = jnp.finfo(jnp.float32).tiny
+        clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
+        factor = clip if factor is None else factor * clip
+    weight_added = jnp.where(added, w, 0.0)
+    return Microbatch(jnp.asarray(added), ~finite, weight_added, factor, whole, transformed)
+
+
+def agreed(
+    policy: Policy,
+    grads: Any,
+    weight: jax.Array,
+    valid: jax.Array,
+    axis_name: str,
+    dims: Any = None,
+) -> tuple[Any, jax.Array | None, jax.Array, jax.Array, Any]:
+    """Inside a map over ``axis_name``: what one device holding all of a microbatch's rows
+    would see, the same on every device: ``(gradient the policy reads, its norm, whether the
+    microbatch is finite, the weight to add, the whole gradient or None)``.
+
+    The devices' decisions meet in one all-reduce; for a policy that reads the gradient it is
+    the reduction of the whole gradient (`accumjax._agreement.whole_gradient`), which the window
+    then adds and never reduces again. ``"propagate"`` without weights needs none.
+    """
+    weighted, reads = policy.scaling == "weighted", policy.reads
+    if not (policy.detects or weighted or reads):
+        return grads, None, valid, weight, None
+    own = valid
+    if policy.detects and (weighted or not reads):  # else the whole gradient's norm decides
+        own = own & jnp.isfinite(global_norm(grads))
+    mine = device_decision(policy.scaling, ~own, weight)
+    if not reads:
+        return grads, None, accepted(policy.scaling, jax.lax.psum(mine, axis_name)), weight, None
+    whole, summed = whole_gradient(policy.scaling, grads, weight, axis_name, mine, dims)
+    norm = sharded_norm(whole, axis_name, dims)
+    reader = policy.skip_fn is not None or policy.microbatch_transform is not None
+    seen = gathered(whole, axis_name, dims) if reader else whole
+    finite = accepted(policy.scaling, summed)
+    finite = finite & jnp.isfinite(norm) if policy.detects else finite
+    return seen, norm, finite, summed.weight if weighted else weight, whole
+
+
+def add_microbatch(
+    policy: Policy,
+    window: Window,
+    grads: Any,
+    weight: Any = None,
+    params: Any = None,
+    inspected: Microbatch | None = None,
+    reduce: Callable[[Any], Any] | None = None,
+    axis_name: str | None = None,
+    gate: jax.Array | None = None,
+    first: bool = False,
+) -> tuple[Window, Microbatch]:
+    """Adds one microbatch gradient to the window when it is usable.
+
+    A policy that waits for the decision (`Policy.waits`) selects between the sum with and
+    without the gradient; otherwise each leaf is added as soon as it exists, and counted.
+
+    Args:
+      policy: the window's `Policy`.
+      window: the open `Window`.
+      grads: the microbatch gradient, structured like the accumulator.
+      weight: the microbatch weight (``scaling="weighted"`` only).
+      params: the parameters, passed to ``policy.skip_fn``.
+      inspected: the decision already taken by `inspect_microbatch` on this gradient, or
+        None to inspect it here.
+      reduce: inside ``shard_map``, maps the microbatch's scaled gradient before it is added
+        (zero when not added): a per-microbatch reduce-scatter into the shards the window
+        keeps; None adds the gradient as it is. Unused when the decision carries the
+        ``whole`` gradient (reduced already).
+      axis_name: the mapped axis the microbatch's rows are split over: the decision is the
+        whole microbatch's (`inspect_microbatch`); None on one device.
+      gate: whether to add the gradient, decided before it exists (a scan window's passes,
+        decided at its end): it is added as it comes, without waiting for ``inspected``.
+      first: open a window with this microbatch (`first_microbatch`): ``window`` only gives
+        the accumulator dtypes, and the gradient becomes the accumulator, without the zeros
+        of ``add_microbatch(policy, empty_like(window), ...)`` (XLA can reuse the
+        gradient's buffer); ``reduce`` is not used.
+
+    Returns:
+      ``(window, microbatch)``: the new window and what was decided about the microbatch.
+    """
+    if inspected is None:
+        inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
+    m = inspected
+    if gate is None and policy.waits:
+        gate = m.added
+    source = _source(m, grads)
+    if first:
+        return _opened(policy, window, m, source, gate), m
+    part = lambda a, g: _scaled(policy, m, g.astype(a.dtype))
+    if reduce is None or m.whole is not None:
+        add = lambda a, g: a + part(a, g) if gate is None else jnp.where(gate, a + part(a, g), a)
+        grad_sum = jax.tree.map(add, window.grad_sum, source)
+    else:
+        # Selected after the reduction (every device reduces, whatever the decision), on the
+        # shard: a selection before it would be a full-size buffer of its own.
+        reduced = reduce(jax.tree.map(part, window.grad_sum, source))
+        add = lambda a, r: a + r if gate is None else jnp.where(gate, a + r, a)
+        grad_sum = jax.tree.map(add, window.grad_sum, reduced)
+    window = Window(
+        grad_sum=grad_sum,
+        weight_sum=window.weight_sum + m.weight,
+        micro_step=_count(window.micro_step, jnp.ones((), bool)),
+        window_nonfinite=_count(window.window_nonfinite, m.nonfinite),
+        window_skipped=_count(window.window_skipped, ~m.added),
+    )
+    return window, m
+
+
+def _opened(
+    policy: Policy, like: Window, m: Microbatch, source: Any, gate: jax.Array | None
+) -> Window:
+    """A window opened with one microbatch (`add_microbatch`'s ``first``)."""
+
+    def start(a: jax.Array, g: jax.Array) -> jax.Array:
+        g = _scaled(policy, m, g.astype(a.dtype))
+        return g if gate is None else jnp.where(gate, g, jnp.zeros_like(g))
+
+    return empty_like(like)._replace(
+        grad_sum=jax.tree.map(start, like.grad_sum, source),
+        weight_sum=m.weight,
+        micro_step=jnp.ones((), jnp.int32),
+        window_nonfinite=m.nonfinite.astype(jnp.int32),
+        window_skipped=(~m.added).astype(jnp.int32),
+    )
+
+
+#: Opens a window with its first microbatch: `add_microbatch` with ``first=True``.
+first_microbatch = functools.partial(add_microbatch, first=True)
+
+
+def _source(m: Microbatch, grads: Any) -> Any:
+    """The gradient the window adds for a microbatch: the whole one the decision reduced, the
+    transformed one, or ``grads`` as they came."""
+    if m.whole is not None:
+        return m.whole
+    return grads if m.transformed is None else m.transformed
+
+
+def _scaled(policy: Policy, m: Microbatch, g: jax.Array) -> jax.Array:
+    """A microbatch's gradient times its factor (a weight of 0 adds exactly 0)."""
+    if m.factor is None:
+        return g
+    if policy.scaling == "weighted":
+        return weigh(m.factor, g)
+    return m.factor.astype(g.dtype) * g
+
+
+def denominator(
+    scaling: scaling_lib.Scaling, every_k: Any, weight_sum: jax.Array, devices: Any = 1
+) -> jax.Array:
+    """What a window's sum is divided by, float32: its weight sum (``"mean"``: the number of
+    microbatches it used, each of weight 1; ``"weighted"``: their weights), 1 (``"sum"``) or
+    K times the devices (``"sum_over_k"``, skips or not).
+
+    ``weight_sum`` is the whole window's: on a mapped axis whose devices each counted the
+    window (``devices`` of them), their sum, so ``"mean"`` divides by the microbatches used
+    times the devices, as ``"sum_over_k"`` by K times the devices.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import accumjax._window as window
+      >>> float(window.denominator("mean", 4, jnp.float32(3.0)))  # 3 of 4 used
+      3.0
+      >>> float(window.denominator("sum_over_k", 4, jnp.float32(3.0), devices=2))
+      8.0
+    """
+    if scaling == "sum_over_k":
+        return jnp.asarray(every_k, jnp.float32) * devices
+    if scaling == "sum":
+        return jnp.ones((), jnp.float32)
+    return jnp.asarray(weight_sum, jnp.float32)
+
+
+def close_window(
+    policy: Policy,
+    window: Window,
+    every_k: Any,
+    axis_name: str | None = None,
+    scatter: Any = None,
+    *,
+    extras: jax.Array | None = None,
+    whole_counts: bool = False,
+    decisions: MicrobatchDecision | None = None,
+) -> Closed:
+    """Reduces the window once across devices, scales it and decides whether it is usable.
+
+    Args:
+      policy: the window's `Policy`.
+      window: the window to close.
+      every_k: K of this window (``"sum_over_k"`` divides by K times the number of devices).
+      axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
+        one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
+      scatter: with ``axis_name``, a pytree like the sum of each leaf's
+        `accumjax._reduction.LeafReduction`: the dimension its parameter is sharded on over
+        ``axis_name`` (reduce-scattered: each device keeps its shard), `Reduced.SHARD` (a
+        shard reduced already, microbatch by microbatch), `Reduced.WHOLE` (reduced
+        already, whole) or None (all-reduced); None for all (`Reduced.WHOLE` for all with a
+        policy that reads the gradient, whose microbatches `add_microbatch` added reduced).
+      extras: with ``axis_name``, a float vector of the caller's own per-device values
+        (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
+      whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
+        values already (the devices agreed about each microbatch, or the window is one
+        device's part of a `DeviceWindow`): they are not reduced, and ``"sum_over_k"``
+        divides by K.
+      decisions: the window's microbatches were added as they came (`Policy.waits` is False,
+        or a first pass of a policy that waits): each one's `accumjax._agreement.MicrobatchDecision`
+        from this device, stacked. They travel in the reduction and decide the counts;
+        `Closed.accepted` says which microbatches the devices accept.
+
+    Returns:
+      A `Closed`: ``apply`` is True when the weight sum is > 0, the scaled sum is finite
+      (when the policy detects non-finite values) and no microbatch was non-finite under
+      ``"skip_window"`` (or in a first pass that added every microbatch as it came).
+    """
+    if axis_name is not None and policy.reads and scatter is None:
+        # `add_microbatch` added each microbatch's whole gradient, its counts agreed on.
+        scatter, whole_counts = reduced_scatter(None, window.grad_sum), True
+    grad_sum, weight_sum = window.grad_sum, window.weight_sum
+    nonfinite, skipped = window.window_nonfinite, window.window_skipped
+    devices, ok = 1, None
+    if axis_name is not None:
+        counts = [] if whole_counts else [weight_sum, nonfinite, skipped]
+        own = [*counts, *([] if decisions is None else decisions)]
+        grad_sum, summed = cross_device_reduce(
+            grad_sum, [*own, *([] if extras is None else [extras])], axis_name, scatter
+        )
+        if not whole_counts:
+            devices = jax.lax.axis_size(axis_name)
+            # Every device decided the same about each microbatch (`agreed`), so each counted
+            # the same: the sum is the devices' number times the count (rounded up, so a
+            # window whose devices counted only their own rows comes back the same on every
+            # device).
+            weight_sum = summed[0]
+            nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
+        if decisions is not None:
+            decisions = MicrobatchDecision(*summed[len(counts) : len(own)])
+        extras = None if extras is None else summed[-1]
+    if decisions is not None:
+        ok = accepted(policy.scaling, decisions)
+        nonfinite = skipped = jnp.sum(~ok).astype(jnp.int32)
+    denom = denominator(policy.scaling, every_k, weight_sum, devices)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    # The scaled gradient's norm, without materializing the scaled gradient.
+    norm = sharded_norm(grad_sum, axis_name, scatter) / safe
+    apply = weight_sum > 0
+    if policy.detects:
+        apply = apply & jnp.isfinite(norm)
+    if policy.on_nonfinite == "skip_window" or (decisions is not None and policy.detects):
+        apply = apply & (nonfinite == 0)
+    return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras, ok)
+
+
+def scaled_gradient(closed: Closed) -> Any:
+    """The window gradient: the (reduced) sum divided by the strategy's denominator."""
+    return jax.tree.map(lambda a: a / closed.denominator.astype(a.dtype), closed.grad_sum)
