@@ -23,7 +23,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 import accumjax._window as window_lib
 from accumjax._state import k_changed, k_of_tag
@@ -255,7 +256,7 @@ def _as_stored(node: Any, stored: Any) -> Any:
         return {k: _as_stored((node or {}).get(k), v) for k, v in stored.items()}
     if stored is None or node is not None:
         return node
-    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    one = NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("one",)), PartitionSpec())
     return _like(tuple(stored.shape), stored.dtype, one)
 
 
