@@ -150,7 +150,8 @@ def make_train_step(
         1/N-size accumulator, K reduce-scatters a window). ``step.init`` lays the state out;
         a state the user split over the data axis himself runs as ``"zero1"`` with his
         layout. A leaf with no dimension that divides by the devices stays replicated.
-        ``pmap`` keeps its replicated layout. See :doc:`/guides/data_parallel`.
+        ``pmap`` keeps its replicated layout (a ZeRO choice with ``axis_name`` and no ``mesh``
+        is refused). See :doc:`/guides/data_parallel`.
       batch_axis: scan mode: the batch axis split into microbatches, an int or a pytree prefix
         of the batch (``None`` at a leaf leaves it whole); only 0 on a mesh.
       aux_rows: scan mode with ``has_aux``: aux in the batch's row order, shape ``(B, ...)``,
@@ -234,7 +235,7 @@ def make_train_step(
             _GATHER[1],
             mode,
         ),
-        optimizer_sharding=check_optimizer_sharding(optimizer_sharding),
+        optimizer_sharding=_check_zero_on_a_mesh(optimizer_sharding, axis_name, mesh),
         loss_positional=positional_limit(loss_fn),
         batch_axis=_check_scan_only("batch_axis", check_batch_axis(batch_axis), 0, mode),
         aux_rows=_check_scan_only("aux_rows", _check_bool("aux_rows", aux_rows), False, mode),
@@ -258,6 +259,21 @@ def _check_scan_only(name: str, value: Any, default: Any, mode: str) -> Any:
 
 def _check_unroll(unroll: Any) -> int | bool:
     return unroll if isinstance(unroll, bool) else check_int("unroll", unroll)
+
+
+def _check_zero_on_a_mesh(optimizer_sharding: Any, axis_name: Any, mesh: Any) -> str:
+    """``optimizer_sharding`` validated; a ZeRO layout is refused for ``pmap`` (``axis_name``
+    without ``mesh``), whose state is replicated per device."""
+    choice = check_optimizer_sharding(optimizer_sharding)
+    if choice != "replicated" and axis_name is not None and mesh is None:
+        raise ValueError(
+            f"optimizer_sharding={choice!r} splits the optimizer state over a mesh's data axis "
+            f"under jit; make_train_step(axis_name={axis_name!r}) without mesh= runs under "
+            "jax.pmap, which keeps a whole replica per device. Put the arrays on a mesh "
+            "(parameters replicated, the batch split over its data axis) and leave axis_name "
+            f"out, or pass mesh=...; or keep optimizer_sharding='replicated' under pmap."
+        )
+    return choice
 
 
 def _check_mesh(mesh: Any, axis_name: str | None) -> str | None:

@@ -262,3 +262,9 @@ def test_zero_memory_per_device_holds_no_copy_of_the_parameters_more():
     assert held["replicated"] > 5.0
     assert held["zero1"] < 3.35  # 3.31 measured
     assert held["zero2"] < 2.98  # 2.93 measured
+
+
+def test_a_zero_layout_under_pmap_is_refused_naming_the_mesh():
+    with pytest.raises(ValueError, match=r"optimizer_sharding='zero1'.*pmap.*mesh"):
+        accumjax.make_train_step(reference.loss, axis_name="data", optimizer_sharding="zero1")
+    accumjax.make_train_step(reference.loss, axis_name="data")  # replicated under pmap: fine
