@@ -175,8 +175,9 @@ def _first_fit(
         tried.append((key[0], predicted, *key[1:]))
         if predicted <= budget_bytes:
             micro = None if batch_size is None else batch_size // key[0]
+            layout = key[1] if key[1:] else None
             plan = MicrobatchPlan(key[0], micro, predicted, budget_bytes, tuple(tried))
-            return plan._replace(devices=_devices(compiled), optimizer_sharding=(*key, None)[1])
+            return plan._replace(devices=_devices(compiled), optimizer_sharding=layout)
     raise _no_fit(tried, budget_bytes)
 
 
