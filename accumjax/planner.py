@@ -11,7 +11,8 @@ It plans the step you train (the same loss, options and state, laid out as ``ste
 lays it out, on the arrays' mesh), and every figure is per device: the predicted footprint
 is :func:`compiled_memory_bytes` of that step, ``argument + output - alias + temp +
 generated_code``. ``docs/guides/planner.md`` says what the figure leaves out (the
-allocator's fragmentation, other live buffers).
+allocator's fragmentation, other live buffers). On a mesh it can also choose the optimizer
+state's layout (``optimizer_shardings=``): the one that lets the largest microbatch fit.
 
 :func:`plan_microbatches_for` is the generic core: it takes any ``compile_for_k``
 callable, so it also plans custom steps.
@@ -27,6 +28,7 @@ import numpy as np
 
 from accumjax import sharded
 from accumjax._checks import check_callable, check_int
+from accumjax._layout import check_optimizer_sharding
 from accumjax._state import config_of
 from accumjax._step_checks import POSITIONAL, signature_parameters
 from accumjax.accumulation import accumulate, with_every_k
@@ -43,6 +45,7 @@ __all__ = [
 ]
 
 CompileForK = Callable[[int], jax.stages.Compiled]
+Tried = tuple[int, int] | tuple[int, int, str]
 
 
 class MicrobatchPlan(NamedTuple):
@@ -55,17 +58,23 @@ class MicrobatchPlan(NamedTuple):
         given ``batch_size``).
       predicted_bytes: :func:`compiled_memory_bytes` of the chosen step, per device.
       budget_bytes: the budget it was planned against, per device.
-      tried: ``(k, predicted_bytes)`` for every candidate compiled, in increasing K.
+      tried: ``(k, predicted_bytes)`` for every candidate compiled, in increasing K;
+        planned over ``optimizer_shardings``, ``(k, predicted_bytes, optimizer_sharding)``
+        for every step compiled, in increasing K and each K's layouts in the order given.
       devices: how many devices the planned step runs on (1 off a mesh); each of them
         needs ``predicted_bytes``.
+      optimizer_sharding: the planned step's ``make_train_step(optimizer_sharding=...)``:
+        the layout chosen when planned over ``optimizer_shardings``, else the one given
+        (``"replicated"`` by default); ``None`` from :func:`plan_microbatches_for`.
     """
 
     accum_steps: int
     microbatch_size: int | None
     predicted_bytes: int
     budget_bytes: int
-    tried: tuple[tuple[int, int], ...]
+    tried: tuple[Tried, ...]
     devices: int = 1
+    optimizer_sharding: str | None = None
 
 
 def compiled_memory_bytes(compiled: jax.stages.Compiled) -> int:
@@ -117,13 +126,19 @@ def _check_candidates(candidates: Any) -> tuple[int, ...]:
     return tuple(sorted({check_int("candidates' K", k) for k in candidates}))
 
 
-def _no_fit(tried: Sequence[tuple[int, int]], budget_bytes: int) -> ValueError:
-    k, smallest = min(tried, key=lambda t: t[1])
+def _named(key: tuple[Any, ...]) -> str:
+    """A candidate ``(k,)`` or ``(k, optimizer_sharding)`` in words."""
+    return f"K={key[0]}" + (f" with optimizer_sharding={key[1]!r}" if key[1:] else "")
+
+
+def _no_fit(tried: Sequence[Tried], budget_bytes: int) -> ValueError:
+    best = min(tried, key=lambda t: t[1])
+    smallest, fields = best[1], "(K, bytes, optimizer_sharding)" if best[2:] else "(K, bytes)"
     return ValueError(
         f"no candidate K fits the budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB): "
         f"the smallest predicted footprint is {smallest} bytes ({smallest / 2**20:.1f} MiB) at "
-        f"K={k}; tried (K, bytes) = {list(tried)}. Raise the budget, shrink the batch or the "
-        "model, or add larger candidates (or rematerialisation)."
+        f"{_named((best[0], *best[2:]))}; tried {fields} = {list(tried)}. Raise the budget, "
+        "shrink the batch or the model, or add larger candidates (or rematerialisation)."
     )
 
 
@@ -134,13 +149,36 @@ def _devices(compiled: jax.stages.Compiled) -> int:
     return max((len(s.device_set) for s in shardings if is_sharding(s)), default=1)
 
 
-def _compile_noting_k(compile_for_k: CompileForK, k: int) -> jax.stages.Compiled:
-    """``compile_for_k(k)``; an exception keeps its type and gains a note naming K."""
+def _compile_noting(
+    compile_for: Callable[..., jax.stages.Compiled], key: tuple[Any, ...]
+) -> jax.stages.Compiled:
+    """``compile_for(*key)``; an exception keeps its type and gains a note naming the key."""
     try:
-        return compile_for_k(k)
+        return compile_for(*key)
     except Exception as err:
-        err.add_note(f"accumjax planner: raised while compiling the step for K={k}.")
+        err.add_note(f"accumjax planner: raised while compiling the step for {_named(key)}.")
         raise
+
+
+def _first_fit(
+    compile_for: Callable[..., jax.stages.Compiled],
+    keys: Sequence[tuple[Any, ...]],
+    budget_bytes: int,
+    batch_size: int | None,
+) -> MicrobatchPlan:
+    """The plan of the first ``(k,)`` or ``(k, optimizer_sharding)`` in ``keys`` whose
+    ``compile_for(*key)`` fits ``budget_bytes``; ``ValueError`` if none does."""
+    tried: list[Any] = []
+    for key in keys:
+        compiled = _compile_noting(compile_for, key)
+        predicted = compiled_memory_bytes(compiled)
+        tried.append((key[0], predicted, *key[1:]))
+        if predicted <= budget_bytes:
+            micro = None if batch_size is None else batch_size // key[0]
+            layout = key[1] if key[1:] else None
+            plan = MicrobatchPlan(key[0], micro, predicted, budget_bytes, tuple(tried))
+            return plan._replace(devices=_devices(compiled), optimizer_sharding=layout)
+    raise _no_fit(tried, budget_bytes)
 
 
 def plan_microbatches_for(
@@ -188,16 +226,7 @@ def plan_microbatches_for(
     budget_bytes = _check_budget(budget_bytes, "budget_bytes")
     if batch_size is not None:
         _check_budget(batch_size, "batch_size")
-    tried: list[tuple[int, int]] = []
-    for k in ks:
-        compiled = _compile_noting_k(compile_for_k, k)
-        predicted = compiled_memory_bytes(compiled)
-        tried.append((k, predicted))
-        if predicted <= budget_bytes:
-            micro = None if batch_size is None else batch_size // k
-            plan = MicrobatchPlan(k, micro, predicted, budget_bytes, tuple(tried))
-            return plan._replace(devices=_devices(compiled))
-    raise _no_fit(tried, budget_bytes)
+    return _first_fit(compile_for_k, [(k,) for k in ks], budget_bytes, batch_size)
 
 
 def _batch_size(batch: Any) -> int:
@@ -372,6 +401,7 @@ def plan_microbatches(
     memory_budget: int | None = None,
     candidates: Sequence[int] | None = None,
     rng: Any = None,
+    optimizer_shardings: Sequence[str] | None = None,
     **make_train_step_kwargs: Any,
 ) -> MicrobatchPlan:
     """The smallest K (largest microbatch) whose scan-mode train step fits in memory.
@@ -399,12 +429,24 @@ def plan_microbatches(
         ``jax.ShapeDtypeStruct((), jax.random.key(0).dtype)``). Required when ``loss_fn``
         has a required key parameter; a loss with an optional key (``key=None``) is
         planned without its random masks unless ``rng`` is given.
+      optimizer_shardings: plan the layout too: ``make_train_step``'s
+        ``optimizer_sharding`` values to choose from (``("replicated", "zero1",
+        "zero2")``), in order of preference. For each K in increasing order, the step is
+        built and compiled with each of them in the order given, and the first that fits is
+        the plan: the layout that lets the largest microbatch fit, the first given where
+        several do at that K. ``None`` (default): the step of ``make_train_step_kwargs``
+        only. Not with ``optimizer_sharding=``. The layouts differ only for parameters
+        replicated over a mesh's data axis (on one device or for FSDP leaves they compile
+        to the same bytes, and the first is chosen).
       **make_train_step_kwargs: further options of the step (``has_aux``,
-        ``mixed_precision``, ``donate``, ``unroll``, ...); not ``accum_steps`` or ``mode``.
+        ``mixed_precision``, ``donate``, ``unroll``, ``optimizer_sharding``, ...); not
+        ``accum_steps`` or ``mode``.
 
     Returns:
       A :class:`MicrobatchPlan`: ``accum_steps``, ``microbatch_size``, ``predicted_bytes``,
-      ``budget_bytes`` and the ``(k, bytes)`` pairs tried.
+      ``budget_bytes``, the candidates tried and the ``optimizer_sharding`` planned (run the
+      step built with it: ``make_train_step(loss_fn, mode="scan",
+      optimizer_sharding=plan.optimizer_sharding)``).
 
     Raises:
       ValueError / TypeError: for invalid arguments (the message names the argument: e.g.
@@ -438,6 +480,19 @@ def plan_microbatches(
       ...                           rng=jax.random.key(0))
       >>> keyed.predicted_bytes > big.predicted_bytes
       True
+
+      On a mesh, the layout that lets the largest microbatch fit (the guide shows one that
+      only ZeRO fits):
+
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> on_mesh = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
+      >>> state2 = state.replace(params=on_mesh(params, P()))
+      >>> layouts = ("replicated", "zero1", "zero2")
+      >>> plan = plan_microbatches(loss_fn, state2, on_mesh(batch, P("data")), candidates=[1],
+      ...                          memory_budget=2**40, optimizer_shardings=layouts)
+      >>> plan.optimizer_sharding, plan.tried[0][::2]  # the first fits: the first is chosen
+      ('replicated', (1, 'replicated'))
     """
     check_callable("loss_fn", loss_fn, optional=False)
     _check_state(state)
@@ -450,6 +505,7 @@ def plan_microbatches(
     for name in ("accum_steps", "mode"):
         if name in make_train_step_kwargs:
             raise TypeError(f"plan_microbatches chooses {name}; do not pass {name}=.")
+    layouts = _check_layouts(optimizer_shardings, make_train_step_kwargs)
     batch_size = _batch_size(batch)
     abstract_batch = _abstract(batch)
     shards = _data_shards(state, abstract_batch, make_train_step_kwargs)
@@ -473,13 +529,47 @@ def plan_microbatches(
     else:
         budget = _check_budget(memory_budget, "memory_budget")
     abstract_rng = None if rng is None else _abstract(rng)
-    # One step for every K (K lives in tx), and its state built once: only K differs.
-    step, laid_out = scan_step_for_k(loss_fn, state, ks[0], **make_train_step_kwargs)
+    steps: dict[str | None, tuple[Any, Any]] = {}
 
-    def compile_for_k(k: int) -> jax.stages.Compiled:
+    def compile_for(k: int, layout: str | None = None) -> jax.stages.Compiled:
+        # One step for every K (K lives in tx), and its state built once, per layout.
+        if layout not in steps:
+            kwargs = make_train_step_kwargs | ({} if layout is None else {_SHARDING: layout})
+            steps[layout] = scan_step_for_k(loss_fn, state, ks[0], **kwargs)
+        step, laid_out = steps[layout]
         opt, tag = laid_out.opt_state, laid_out.opt_state.every_k_tag  # K is in its shape
         tag = jax.ShapeDtypeStruct((k,), tag.dtype, sharding=tag.sharding)
         state_k = laid_out.replace(tx=_tx_for(state.tx, k), opt_state=opt._replace(every_k_tag=tag))
         return step.lower(state_k, abstract_batch, abstract_rng).compile()
 
-    return plan_microbatches_for(compile_for_k, ks, budget, batch_size=batch_size)
+    if layouts is None:
+        plan = _first_fit(compile_for, [(k,) for k in ks], budget, batch_size)
+        return plan._replace(optimizer_sharding=make_train_step_kwargs.get(_SHARDING, "replicated"))
+    return _first_fit(compile_for, [(k, lay) for k in ks for lay in layouts], budget, batch_size)
+
+
+_SHARDING = "optimizer_sharding"
+
+
+def _check_layouts(layouts: Any, kwargs: Any) -> tuple[str, ...] | None:
+    """``optimizer_shardings`` validated and de-duplicated, in the order given (or None).
+
+    Example:
+      >>> _check_layouts(["zero2", "zero1", "zero2"], {})
+      ('zero2', 'zero1')
+    """
+    if layouts is None:
+        return None
+    if _SHARDING in kwargs:
+        raise TypeError(
+            "pass optimizer_sharding= (plan that layout) or optimizer_shardings= (choose one "
+            "of them), not both."
+        )
+    if isinstance(layouts, str | bytes) or not isinstance(layouts, Sequence):
+        raise TypeError(
+            "optimizer_shardings must be a sequence of optimizer_sharding values, such as "
+            f"('replicated', 'zero1', 'zero2'), got {layouts!r}."
+        )
+    if not layouts:
+        raise ValueError("optimizer_shardings must not be empty.")
+    return tuple(dict.fromkeys(check_optimizer_sharding(x) for x in layouts))

@@ -458,3 +458,90 @@ def test_on_a_mesh_candidates_divide_the_rows_each_device_gets(setup):
     state = accumjax.make_train_step(_loss, mode="scan").init(params, optax.adam(1e-3))
     with pytest.raises(ValueError, match=r"\[256\].*1024 rows on 8 device.*divide the 128 rows"):
         plan_microbatches(_loss, state, batch, memory_budget=2**40, candidates=[4, 256])
+
+
+# ------------------------------------------------------------------- planning the layout
+
+WIDE = 256  # 4 dense 256 x 256 layers: 1 MiB of float32 parameters, Adam 2 MiB more
+LAYOUTS = ("replicated", "zero1", "zero2")
+
+
+def _wide_loss(params, batch):
+    h = batch["x"]
+    for i in range(4):
+        h = jnp.tanh(h @ params[f"w{i}"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _wide_on_mesh():
+    """A parameter-dominated model, its parameters replicated over 8 devices and 8 rows a
+    device: memory hardly falls with K here, but it falls with the optimizer's layout."""
+    mesh = jax.make_mesh((N,), ("data",))
+    params = {f"w{i}": jnp.zeros((WIDE, WIDE)) for i in range(4)}
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = {"x": jnp.ones((8 * N, WIDE)), "y": jnp.ones((8 * N, WIDE))}
+    state = accumjax.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    return state, jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+def _bytes_with_layout(state, batch, layout, k):
+    """Per-device bytes of the step a user builds with ``layout``, independently of the
+    planner."""
+    step = accumjax.make_train_step(_wide_loss, mode="scan", optimizer_sharding=layout)
+    state = step.init(state.params, accumjax.accumulate(optax.adam(1e-3), k))
+    return planner.compiled_memory_bytes(step.lower(state, batch).compile())
+
+
+def test_the_planner_chooses_the_layout_that_lets_the_largest_microbatch_fit():
+    """Issue 44, Must 9. Replicated does not fit the budget at the smallest K (K = 1), ZeRO-1
+    does: the plan is ZeRO-1 at K = 1, and its bytes are the step built with ZeRO-1's."""
+    state, batch = _wide_on_mesh()
+    replicated = _bytes_with_layout(state, batch, "replicated", 1)
+    zero1 = _bytes_with_layout(state, batch, "zero1", 1)
+    budget = (replicated + zero1) // 2  # 5.0 MiB and 2.3 MiB a device
+    plan = plan_microbatches(
+        _wide_loss, state, batch, memory_budget=budget, candidates=[1, 2],
+        optimizer_shardings=LAYOUTS,
+    )  # fmt: skip
+    assert (plan.accum_steps, plan.optimizer_sharding, plan.devices) == (1, "zero1", N)
+    assert plan.predicted_bytes == zero1 <= budget < replicated
+    assert plan.tried == ((1, replicated, "replicated"), (1, zero1, "zero1"))
+    zero2 = _bytes_with_layout(state, batch, "zero2", 1)  # 1.6 MiB: ZeRO-2 where ZeRO-1 is not
+    lean = plan_microbatches(
+        _wide_loss, state, batch, memory_budget=zero2, candidates=[1], optimizer_shardings=LAYOUTS
+    )
+    assert (lean.optimizer_sharding, lean.predicted_bytes) == ("zero2", zero2)
+    # Without the layouts, today's plan: replicated, which no candidate K lets fit.
+    with pytest.raises(ValueError, match=r"smallest predicted footprint .* at K="):
+        plan_microbatches(_wide_loss, state, batch, memory_budget=budget, candidates=[1, 2])
+
+
+def test_the_layouts_are_tried_in_the_order_given_and_named():
+    state, batch = _wide_on_mesh()
+    zero2 = _bytes_with_layout(state, batch, "zero2", 1)
+    plan = plan_microbatches(
+        _wide_loss, state, batch, memory_budget=2**40, candidates=[1],
+        optimizer_shardings=["zero2", "replicated", "zero2"],
+    )  # fmt: skip
+    assert plan.optimizer_sharding == "zero2" and plan.tried == ((1, zero2, "zero2"),)
+    plain = plan_microbatches(_wide_loss, state, batch, memory_budget=2**40, candidates=[1])
+    assert plain.optimizer_sharding == "replicated" and len(plain.tried[0]) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"optimizer_shardings": "zero1"}, TypeError, "sequence of optimizer_sharding"),
+        ({"optimizer_shardings": []}, ValueError, "must not be empty"),
+        ({"optimizer_shardings": ["zero3"]}, ValueError, "optimizer_sharding must be one of"),
+        (
+            {"optimizer_shardings": ["zero1"], "optimizer_sharding": "zero1"},
+            TypeError,
+            "not both",
+        ),
+    ],
+)
+def test_bad_optimizer_shardings(setup, kwargs, error, match):
+    state, batch = setup
+    with pytest.raises(error, match=match):
+        plan_microbatches(_loss, state, batch, memory_budget=2**40, **kwargs)
