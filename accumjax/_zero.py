@@ -39,12 +39,20 @@ __all__ = [
 def optimizer_side(layout: sharded.Layout, params: Any, acc: AccumulationState) -> tuple:
     """A ZeRO window's update inputs in the global view: the parameters split like their
     reduced gradient (a local slice) and the optimizer state laid out as planned."""
-    mesh = layout.mesh
-    params = sharded.place(params, mesh, layout.global_specs(layout.optimizer_dims))
-    inner = acc.inner_tx_state
-    if layout.opt_specs is not None:
-        inner = sharded.place(inner, mesh, layout.opt_specs)
-    return params, acc._replace(inner_tx_state=inner)
+    params = sharded.place(params, layout.mesh, layout.global_specs(layout.optimizer_dims))
+    return params, acc._replace(inner_tx_state=_planned(layout, acc.inner_tx_state))
+
+
+def _planned(layout: sharded.Layout, inner: Any) -> Any:
+    """The inner optimizer state laid out as the plan says (as it is without a plan)."""
+    if layout.opt_specs is None:
+        return inner
+    return sharded.place(inner, layout.mesh, layout.opt_specs)
+
+
+def _whole(layout: sharded.Layout, params: Any) -> Any:
+    """The parameters gathered back where they lie, pinned there."""
+    return pinned(layout, sharded.place(params, layout.mesh, layout.global_specs(layout.dims)))
 
 
 def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
@@ -74,8 +82,7 @@ def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable
     """
     mesh, split = layout.mesh, layout.global_specs(layout.optimizer_dims)
     to_shards = lambda p: sharded.place(pinned(layout, p), mesh, split)
-    to_whole = lambda p: pinned(layout, sharded.place(p, mesh, layout.global_specs(layout.dims)))
-    return to_shards, to_whole
+    return to_shards, partial(_whole, layout)
 
 
 def parameter_side(layout: sharded.Layout, state: TrainState, accumulating: bool) -> TrainState:
@@ -83,11 +90,10 @@ def parameter_side(layout: sharded.Layout, state: TrainState, accumulating: bool
     the optimizer state where it lies."""
     params = sharded.place(state.params, layout.mesh, layout.global_specs(layout.dims))
     opt: Any = state.opt_state
-    if layout.opt_specs is not None:
-        inner = sharded.place(
-            opt.inner_tx_state if accumulating else opt, layout.mesh, layout.opt_specs
-        )
-        opt = opt._replace(inner_tx_state=inner) if accumulating else inner
+    if accumulating:
+        opt = opt._replace(inner_tx_state=_planned(layout, opt.inner_tx_state))
+    else:
+        opt = _planned(layout, opt)
     return state.replace(params=params, opt_state=opt)
 
 
@@ -118,9 +124,8 @@ def pinned(layout: sharded.Layout, params: Any) -> Any:
 def laid_back(layout: sharded.Layout, fields: Fields) -> Fields:
     """``fields`` with the parameters where they lie (one all-gather of a ZeRO update) and
     the optimizer state as planned."""
-    params = sharded.place(fields.params, layout.mesh, layout.global_specs(layout.dims))
-    params = pinned(layout, params)
-    return fields._replace(params=params, opt=optimizer_side(layout, params, fields.opt)[1])
+    opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))
+    return fields._replace(params=_whole(layout, fields.params), opt=opt)
 
 
 def placed_zero(inner: Any, params: Any, layout: sharded.Layout) -> dict[Any, int | None]:
