@@ -530,17 +530,10 @@ def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
     mesh = sharded.mesh_of(params)
     if not isinstance(mesh, Mesh) or any(t != AxisType.Auto for t in mesh.axis_types):
         return None
-    explicit = (AxisType.Explicit,) * len(mesh.axis_names)
-    explicit_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
-
-    def typed(x: Any) -> jax.ShapeDtypeStruct:
-        spec = getattr(sharded.sharding_of(x), "spec", PartitionSpec())
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(explicit_mesh, spec))
-
-    with jax.set_mesh(explicit_mesh):  # this mesh, whatever mesh the caller set
-        init = partial(opt_state_for, tx, mode="scan")
-        shapes = jax.eval_shape(init, jax.tree.map(typed, params))
-    return mesh, tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
+    specs = [
+        getattr(sharded.sharding_of(x), "spec", PartitionSpec()) for x in jax.tree.leaves(params)
+    ]
+    return mesh, sharded.state_specs(partial(opt_state_for, tx, mode="scan"), mesh, params, specs)
 
 
 def _as_returned(state: Any, specs: OptSpecs | None) -> Any:

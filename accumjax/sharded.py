@@ -53,6 +53,7 @@ __all__ = [
     "sharding_of",
     "shards_of",
     "split_dims",
+    "state_specs",
 ]
 
 AnyMesh = Mesh | AbstractMesh
@@ -463,18 +464,25 @@ def optimizer_state_specs(
     init: Any, params: Any, layout: Layout
 ) -> tuple[PartitionSpec | None, ...] | None:
     """Per leaf of ``init(params)`` (an optimizer state), its partition spec when each
-    parameter is laid out as its optimizer dimension of ``layout`` says (traced on an
-    ``Explicit`` copy of the mesh, so sharding in types derives it: Adam's moments split like the
-    gradient); None off a concrete mesh."""
-    mesh = layout.mesh
-    if not isinstance(mesh, Mesh):
+    parameter is laid out as its optimizer dimension of ``layout`` says (`state_specs`: Adam's
+    moments split like the gradient); None off a concrete mesh."""
+    if not isinstance(layout.mesh, Mesh):
         return None
-    explicit = (jax.sharding.AxisType.Explicit,) * len(mesh.axis_names)
-    explicit_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
     specs = jax.tree.leaves(
         layout.global_specs(layout.optimizer_dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
     )
-    leaves = layout.treedef.flatten_up_to(params)
+    return state_specs(init, layout.mesh, params, specs)
+
+
+def state_specs(
+    init: Any, mesh: Mesh, params: Any, specs: list[PartitionSpec]
+) -> tuple[PartitionSpec | None, ...]:
+    """Per leaf of ``init(params)``, its partition spec when each parameter leaf lies as
+    ``specs`` says: traced on an ``Explicit`` copy of ``mesh`` (whatever mesh the caller set),
+    so that sharding in types derives it."""
+    explicit = (jax.sharding.AxisType.Explicit,) * len(mesh.axis_names)
+    explicit_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
+    leaves, treedef = jax.tree.flatten(params)
     typed = [
         jax.ShapeDtypeStruct(
             jnp.shape(x), jnp.result_type(x), sharding=NamedSharding(explicit_mesh, spec)
@@ -482,7 +490,7 @@ def optimizer_state_specs(
         for x, spec in zip(leaves, specs, strict=True)
     ]
     with jax.set_mesh(explicit_mesh):
-        shapes = jax.eval_shape(init, jax.tree.unflatten(layout.treedef, typed))
+        shapes = jax.eval_shape(init, jax.tree.unflatten(treedef, typed))
     return tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
 
 
