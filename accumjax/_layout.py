@@ -17,11 +17,18 @@ FSDP ``window``   d          whole        d          reduce-scatter per window
 
 ``d`` is the parameter's split dimension (FSDP) or, for ZeRO, its first dimension that divides
 by the number of devices and no other mesh axis splits; a leaf with none stays replicated.
+
+A window kept per data shard between calls (`accumjax.window.DeviceWindow`) holds, per leaf,
+the sums its row's accumulator says (`sums_held`: one per device for a whole accumulator, one
+split over the devices for a split one) on a leading axis (`held_sums` reads it back). What
+reads a window's sums reads them so: ``accumjax.stats`` (`accumulator_bytes`) and
+``accumjax.restore_checkpoint``.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, NamedTuple
 
 from accumjax._checks import check_choice
@@ -31,8 +38,11 @@ __all__ = [
     "REPLICATED",
     "LeafLayout",
     "Reduction",
+    "accumulator_bytes",
     "check_optimizer_sharding",
+    "held_sums",
     "leaf_layout",
+    "sums_held",
     "zero_dim",
 ]
 
@@ -124,3 +134,40 @@ def leaf_layout(
     if optimizer_sharding == "zero1":
         return LeafLayout(None, None, dim, Reduction.REDUCE_SCATTER_WINDOW)
     return LeafLayout(None, dim, dim, Reduction.REDUCE_SCATTER_MICROBATCH)
+
+
+def sums_held(accumulator: int | None, shards: int) -> int:
+    """How many parameter-sized sums of one leaf the ``shards`` devices along the data axis
+    hold together when its accumulator lies as ``accumulator`` (a `LeafLayout`'s): one per
+    device when it is whole on each, one split over them when it is split. A
+    `accumjax.window.DeviceWindow` holds them on its leading axis.
+
+    Example:
+      >>> sums_held(None, 8), sums_held(0, 8), sums_held(None, 1)
+      (8, 1, 1)
+    """
+    return shards if accumulator is None else 1
+
+
+def held_sums(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """A `accumjax.window.DeviceWindow` leaf's shape read as the plan laid it out: how many
+    sums it holds (`sums_held`) and the parameter's shape.
+
+    Example:
+      >>> held_sums((8, 4, 3))
+      (8, (4, 3))
+    """
+    return int(shape[0]), tuple(int(n) for n in shape[1:])
+
+
+def accumulator_bytes(shape: tuple[int, ...], itemsize: int, leaf: LeafLayout, shards: int) -> int:
+    """The bytes of one leaf's window accumulator over the ``shards`` devices of the data axis,
+    every device's together (`sums_held` sums of the parameter's ``shape``, ``itemsize``
+    bytes a scalar): each device holds ``1 / shards`` of it.
+
+    Example:
+      >>> accumulator_bytes((4, 4), 4, REPLICATED, 8), accumulator_bytes(
+      ...     (4, 4), 4, LeafLayout(None, 0, 0, Reduction.REDUCE_SCATTER_MICROBATCH), 8)
+      (512, 64)
+    """
+    return sums_held(leaf.accumulator, shards) * math.prod(shape) * itemsize

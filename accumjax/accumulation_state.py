@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import accumjax._scaling as scaling_lib
 import accumjax._state as state_lib
 import accumjax._window as window_lib
+from accumjax._layout import REPLICATED, accumulator_bytes, held_sums
 from accumjax._moved import forward_moved
 from accumjax._state import AccumulationState
 
@@ -57,11 +58,15 @@ class AccumulationStats(NamedTuple):
       skipped_windows: windows closed without an update.
       num_parameters: number of scalars the window sums, as many as the parameters (a
         Python int).
-      memory_bytes: bytes of the window's sum (a Python int): the accumulator the state
-        holds between calls (every data shard's partial sums together for a
-        `accumjax.window.DeviceWindow`), or, for a scan-mode train state, whose window
-        opens and closes inside one call, one parameter-shaped sum in the accumulator
-        dtype, as the step makes it.
+      memory_bytes: bytes of the window's sum (a Python int), every device's together, as
+        the layout plan lays it out (`accumjax.sharded.Layout`): the accumulator the state
+        holds between calls, or, for a scan-mode train state, whose window opens and closes
+        inside one call, the sums the step makes (`stats`' ``layout``; one parameter-shaped
+        sum in the accumulator dtype without). On N devices along the data axis an
+        accumulator whole on each device (replicated, ZeRO-1, FSDP with
+        ``reduce_scatter="window"``) counts N full-size sums, one split over them (ZeRO-2,
+        FSDP) one: each device holds ``memory_bytes / N`` (less where another mesh axis
+        splits it too).
 
     Both sizes are None for a scan-mode optimizer state on its own (it holds no sum to
     measure, nor the parameters): pass the train state, ``accumjax.stats(state)``.
@@ -181,13 +186,18 @@ def reset(state: Any) -> Any:
     return jax.tree.map(lambda x: empty(x) if is_acc(x) else x, state, is_leaf=is_acc)
 
 
-def stats(state: Any) -> AccumulationStats:
+def stats(state: Any, layout: Any = None) -> AccumulationStats:
     """Summarises an `AccumulationState` (steps, updates, norms, skips, accumulator size).
 
     Args:
       state: an `AccumulationState` (or a state holding exactly one, as for `has_updated`), or a
         train state (`accumjax.TrainState`, `accumjax.NNXTrainState`) whose optimizer is an
         `accumjax.accumulate`: its sizes are known for every layout, scan mode's included.
+      layout: for a scan-mode train state on a mesh, the layout plan its step runs it with
+        (an `accumjax.sharded.Layout`: ``sharded.layout_of(state.params, None,
+        optimizer_sharding=..., reduce_scatter=...)`` with the step's choices), which says
+        where the sums the step makes lie; None: one device's. A window the state holds
+        (stream mode) is measured as it lies: ``step.init`` laid it out by that plan.
 
     The counts (``num_nonfinite``, ``overflow_detected``, ``skipped_microbatches``) cover every
     microbatch seen so far, the open window's included, so a non-finite microbatch shows in
@@ -226,29 +236,33 @@ def stats(state: Any) -> AccumulationStats:
             state.skipped_microbatches, window.window_skipped
         ),
         skipped_windows=state.skipped_windows,
-        **_sizes(window, params, tx),
+        **_sizes(window, params, tx, layout),
     )
 
 
-def _sizes(window: Any, params: Any, tx: Any) -> dict[str, int | None]:
-    """``num_parameters`` and ``memory_bytes`` of a window: its sums', or for a scan-mode
-    window (none) the sum the step makes for ``params`` and ``tx`` (None, None without)."""
-    held = jax.tree.leaves(window[0])  # a window kept per data shard holds one sum a shard
+def _sizes(window: Any, params: Any, tx: Any, layout: Any) -> dict[str, int | None]:
+    """``num_parameters`` and ``memory_bytes`` of a window: its sums' as held, or for a
+    scan-mode window (none) the sums the step makes for ``params`` and ``tx`` as ``layout``
+    lays them out (one device's without; None, None without ``params`` and ``tx``)."""
     if window[0] is not None:
         per_shard = isinstance(window, window_lib.DeviceWindow)
+        held = jax.tree.leaves(window[0])
+        shapes = [held_sums(x.shape)[1] if per_shard else tuple(x.shape) for x in held]
         return {
-            "num_parameters": sum(math.prod(x.shape[1:] if per_shard else x.shape) for x in held),
+            "num_parameters": sum(math.prod(shape) for shape in shapes),
             "memory_bytes": sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in held),
         }
     config = state_lib.config_of(tx)
     if params is None or config is None:
         return {"num_parameters": None, "memory_bytes": None}
     leaves = jax.tree.leaves(params)
-    dtype = config.policy.accumulator_dtype
+    plan = (REPLICATED,) * len(leaves) if layout is None else tuple(layout.leaves)
+    shards = 1 if layout is None else int(layout.shards)
+    itemsize = lambda p: jnp.dtype(window_lib.sum_dtype(p.dtype, config.policy.accumulator_dtype))
     return {
         "num_parameters": sum(math.prod(p.shape) for p in leaves),
         "memory_bytes": sum(
-            math.prod(p.shape) * jnp.dtype(window_lib.sum_dtype(p.dtype, dtype)).itemsize
-            for p in leaves
+            accumulator_bytes(tuple(p.shape), itemsize(p).itemsize, leaf, shards)
+            for p, leaf in zip(leaves, plan, strict=True)
         ),
     }

@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax._checks import check_mesh_axis
-from accumjax._layout import LeafLayout, leaf_layout
+from accumjax._layout import LeafLayout, held_sums, leaf_layout, sums_held
 
 __all__ = [
     "Layout",
@@ -530,10 +530,10 @@ def device_window(
         spec = spec + (None,) * (len(p.shape) - len(spec))
         if dim is not None and axis is not None:
             spec = tuple(axis if i == dim else e for i, e in enumerate(spec))
-        lead = None if dim is not None or shards == 1 else axis
+        held = sums_held(dim, shards)  # the plan's sums of this leaf, on the leading axis
         dtype = window_lib.sum_dtype(p.dtype, accumulator_dtype)
-        shape = (1 if lead is None else shards, *p.shape)
-        return _zeros(shape, dtype, mesh, PartitionSpec(lead, *spec))
+        lead = axis if held > 1 else None
+        return _zeros((held, *p.shape), dtype, mesh, PartitionSpec(lead, *spec))
 
     whole = lambda dtype: _zeros((), dtype, mesh, PartitionSpec())  # distinct: donatable
     return window_lib.DeviceWindow(
@@ -548,4 +548,5 @@ def device_window(
 def shards_of(window: window_lib.DeviceWindow) -> int:
     """How many data shards a `accumjax.window.DeviceWindow` was laid out for (the largest
     leading axis of its partial sums; 1 when every parameter is split over the data axis)."""
-    return max((int(x.shape[0]) for x in jax.tree.leaves(window.partial_sums)), default=1)
+    sums = (held_sums(x.shape)[0] for x in jax.tree.leaves(window.partial_sums))
+    return max(sums, default=1)

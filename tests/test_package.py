@@ -129,8 +129,8 @@ CORE = (
     "accumulation_state",
 )
 # What the core may import besides itself: validators, optax's names, NNX values read lazily,
-# the forwarding of names 0.4 exported.
-CORE_HELPERS = ("_checks", "_moved", "_multisteps", "_variables")
+# the forwarding of names 0.4 exported, the layout plan's table (`stats` sizes a window by it).
+CORE_HELPERS = ("_checks", "_layout", "_moved", "_multisteps", "_variables")
 
 
 def _third_party_imports(path: Path) -> set[str]:
