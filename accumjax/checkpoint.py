@@ -8,9 +8,12 @@ number of devices, mid-window or at a window boundary, into the layout of ``targ
 ``step.init(...)`` on the new topology, or its abstract form). A window's partial sums add up
 to its sum, so moving them is exact up to the order of that addition: on 4 devices each
 shard takes the sum of two of 8; on 1 device the one shard takes all 8; from 1 to 8 the
-first shard takes the sum and the others start empty. It also moves a window between the
-layouts of ``TrainState.create`` (one parameter-shaped sum), ``step.init`` and scan mode
-(no window: only at a window boundary).
+first shard takes the sum and the others start empty. How many sums a leaf holds, stored and
+wanted, is read as the layout plan lays them out (`accumjax._layout.held_sums`: one per
+device for an accumulator whole on each, one split over the devices under ZeRO-2 and FSDP);
+the target's, and where they lie, are those its ``step.init`` laid out by that plan. It also
+moves a window between the layouts of ``TrainState.create`` (one parameter-shaped sum),
+``step.init`` and scan mode (no window: only at a window boundary).
 
 Orbax (``orbax-checkpoint``) is not a dependency of accumjax: it is imported here, when
 called.
@@ -27,6 +30,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 import accumjax._window as window_lib
+from accumjax._layout import held_sums
 from accumjax._state import k_changed, k_of_tag
 
 __all__ = ["restore_checkpoint"]
@@ -170,13 +174,12 @@ class _Plan:
         stored = _stored_at(self.stored, full)
         stored_shape = tuple(stored.shape)
         stored_shards = name == "partial_sums"
-        whole = stored_shape[1:] if stored_shards else stored_shape
-        if whole != (shape[1:] if per_shard else shape):
+        old, whole = _held(stored_shape, stored_shards)
+        new, target_whole = _held(shape, per_shard)
+        if whole != target_whole:
             raise ValueError(_mismatch(full, stored, target))
         spec = _spec_of(sharding, len(shape))
         rest = spec[1:] if per_shard else spec
-        new = shape[0] if per_shard else 1
-        old = stored_shape[0] if stored_shards else 1
         lead = spec[0] if per_shard and old % new == 0 and new > 1 else None
         read_spec = (lead, *rest) if stored_shards else rest
         mesh = getattr(sharding, "mesh", None)
@@ -198,6 +201,12 @@ class _Plan:
 
 
 _COUNTS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
+
+
+def _held(shape: tuple[int, ...], per_shard: bool) -> tuple[int, tuple[int, ...]]:
+    """How many sums a window's sum leaf holds and the parameter's shape: a per-shard
+    window's as the layout plan laid them out (`accumjax._layout.held_sums`), one otherwise."""
+    return held_sums(shape) if per_shard else (1, shape)
 
 
 class _Attr:
