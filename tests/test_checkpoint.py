@@ -155,6 +155,38 @@ def test_a_zero1_stream_checkpoint_restores_mid_window_across_devices_and_layout
         np.testing.assert_allclose(restored.params[key], want, rtol=1e-6, atol=1e-7)
 
 
+def test_a_zero2_stream_checkpoint_restores_mid_window_on_8_then_4_then_1_devices(
+    uninterrupted, tmp_path
+):
+    # ZeRO-2 keeps one window sum split over the devices (its row of the layout plan): saved
+    # mid-window on 8 devices (after 1 of K calls), restored on 4, saved mid-window again
+    # (after 3), restored on 1, finished there.
+    params, batch = _problem()
+    step, state, done = _step("stream", "zero2"), None, 0
+    full_bytes = 4 * sum(x.size for x in params.values())  # one float32 sum of each leaf
+    for devices, calls in ((8, 1), (4, 2), (1, 5)):
+        mesh = _mesh(devices)
+        target = step.init(_place(params, mesh, {}), ADAM)
+        if state is None:
+            state = target
+        else:
+            path = tmp_path / f"zero2-{devices}"
+            with ocp.StandardCheckpointer() as checkpointer:
+                checkpointer.save(path, state)
+            state = accumjax.restore_checkpoint(path, target)
+            for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+                assert got.shape == want.shape and got.sharding == want.sharding
+        sums = state.opt_state.window.partial_sums
+        assert sums["w1"].shape == (1, 8, 16)  # one sum, split over the devices
+        assert accumjax.stats(state).memory_bytes == full_bytes
+        for b in _batches(batch, "stream", mesh)[done : done + calls]:
+            state, _ = step(state, b)
+        done += calls
+    assert state is not None and int(state.step) == 2
+    for key, want in uninterrupted["stream"].items():
+        np.testing.assert_allclose(state.params[key], want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("save_on,load_on", [(8, 4), (1, 8)])
 def test_a_scan_checkpoint_restores_on_another_number_of_devices(
     uninterrupted, tmp_path, save_on, load_on
