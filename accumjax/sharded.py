@@ -510,10 +510,12 @@ def device_window(
     axis: str | None,
     dims: tuple[int | None, ...] | None = None,
 ) -> window_lib.DeviceWindow:
-    """An empty `accumjax.window.DeviceWindow` for ``params``: one partial sum per data shard
-    (the devices along ``axis`` of ``mesh``; one without a mesh), each split like its
-    parameter; a parameter split over the data axis (``dims``, `split_dims` of ``params``
-    by default) keeps one (its reduced sum's shards).
+    """An empty `accumjax.window.DeviceWindow` for ``params``, laid out by the layout plan:
+    per leaf, on a leading axis, the sums its accumulator's row holds
+    (`accumjax._layout.sums_held`): one per data shard (the devices along ``axis`` of
+    ``mesh``; one without a mesh), each split like its parameter, or, for an accumulator
+    split over the data axis (``dims``: the plan's `Layout.accumulator_dims`; by default
+    `layout_of`'s without other choices: a parameter split over that axis), one split there.
 
     Example:
       >>> import jax.numpy as jnp
@@ -523,7 +525,10 @@ def device_window(
     """
     shards = 1 if mesh is None or axis is None else int(mesh.shape[axis])
     leaves, treedef = jax.tree.flatten(params)
-    dims = split_dims(params, axis) if dims is None else dims
+    if dims is None:
+        on_mesh = mesh is not None and axis is not None
+        plan = layout_of(params, None, mesh=mesh, axis=axis) if on_mesh else None
+        dims = (None,) * len(leaves) if plan is None else plan.accumulator_dims
 
     def sums(p: Any, dim: int | None) -> jax.Array:
         spec = tuple(getattr(sharding_of(p), "spec", ()) or ())
