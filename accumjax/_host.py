@@ -255,7 +255,8 @@ class TrainStep:
 
     ``step(state, batch, rng=None)`` (scan mode: ``num_real_microbatches=None`` too) runs
     one call; ``step.init(params, tx, ...)`` builds the state it takes; ``step.lower(...)``
-    lowers it (e.g. for `accumjax.collectives.count_collectives`).
+    lowers it (e.g. for `accumjax.collectives.count_collectives`); ``step.layout(state)`` is
+    its layout plan.
     """
 
     def __init__(self, setup: Setup, jitted: Any, *, pmapped: bool) -> None:
@@ -280,15 +281,7 @@ class TrainStep:
         if setup.mesh is not None:  # asked for: the step's mesh takes what is off it
             state = _on_mesh(state, setup.mesh, PartitionSpec(), "state")
         sharded.check_one_mesh(state.params, batch)
-        layout = sharded.layout_of(
-            state.params,
-            batch,
-            mesh=setup.mesh,
-            axis=setup.data_axis,
-            reduce_scatter=setup.reduce_scatter,
-        )
-        if layout is not None:
-            layout = self._optimizer_plan(layout, state)
+        layout = self.layout(state, batch)
         if layout is not None:
             config = config_of(state.tx)
             scan = self._scan and setup.batch_axis == 0  # else refused in the step
@@ -300,6 +293,19 @@ class TrainStep:
             rng = _on_mesh(rng, layout.mesh, PartitionSpec(), "rng")
             batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis), "batch")
         return (state, batch, rng, layout, n) if self._scan else (state, batch, rng, layout)
+
+    def layout(self, state: Any, batch: Any = None) -> sharded.Layout | None:
+        """The layout plan the step runs ``state`` (and ``batch``) with: per parameter leaf,
+        where it, its window accumulator and its optimizer state lie along the data axis
+        (`accumjax.sharded.Layout`; ``accumjax.stats(state, step.layout(state))`` sizes a
+        scan-mode window by it), or None off a mesh and under ``pmap``."""
+        if self._pmapped:
+            return None
+        s = self._setup
+        layout = sharded.layout_of(
+            state.params, batch, mesh=s.mesh, axis=s.data_axis, reduce_scatter=s.reduce_scatter
+        )
+        return None if layout is None else self._optimizer_plan(layout, state)
 
     def _optimizer_plan(self, layout: sharded.Layout, state: Any) -> sharded.Layout:
         """``layout`` with its optimizer plan: ZeRO where ``optimizer_sharding`` says so, or

@@ -193,11 +193,10 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
       state: an `AccumulationState` (or a state holding exactly one, as for `has_updated`), or a
         train state (`accumjax.TrainState`, `accumjax.NNXTrainState`) whose optimizer is an
         `accumjax.accumulate`: its sizes are known for every layout, scan mode's included.
-      layout: for a scan-mode train state on a mesh, the layout plan its step runs it with
-        (an `accumjax.sharded.Layout`: ``sharded.layout_of(state.params, None,
-        optimizer_sharding=..., reduce_scatter=...)`` with the step's choices), which says
-        where the sums the step makes lie; None: one device's. A window the state holds
-        (stream mode) is measured as it lies: ``step.init`` laid it out by that plan.
+      layout: for a scan-mode train state on a mesh, the layout plan its step runs it with,
+        ``step.layout(state)`` (an `accumjax.sharded.Layout`): where the sums the step
+        makes lie; None: one device's. A window the state holds (stream mode) is measured
+        as it lies: ``step.init`` laid it out by that plan.
 
     The counts (``num_nonfinite``, ``overflow_detected``, ``skipped_microbatches``) cover every
     microbatch seen so far, the open window's included, so a non-finite microbatch shows in

@@ -200,6 +200,10 @@ class NNXTrainStep:
         """``jax.jit(...).lower`` of the step (for `accumjax.collectives.count_collectives`)."""
         return self._for(state, rng).lower(state, batch, rng, num_real_microbatches)
 
+    def layout(self, state: NNXTrainState, batch: Any = None) -> Any:
+        """The layout plan the step runs ``state`` with, as `accumjax.TrainStep.layout`."""
+        return self._for(state, None).layout(state, batch)
+
     def init(
         self,
         model: nnx.Module,

@@ -5,7 +5,8 @@ On 8 host devices each layout of one problem keeps its window where its row of t
 (`accumjax._layout`) says: a full-size partial sum per device where the accumulator is whole
 (replicated, ZeRO-1), one sum split over the devices where it is split (ZeRO-2, FSDP).
 ``memory_bytes`` counts every device's together, and each device holds 1/8 of it; a
-scan-mode train state, which holds no window, is sized by the plan it is given.
+scan-mode train state, which holds no window, is sized by the plan it is given
+(``step.layout(state)``).
 """
 
 import math
@@ -63,10 +64,12 @@ def _state(name, mode):
         lambda p, b: jnp.sum(p["w"]) * jnp.mean(b), mode=mode, optimizer_sharding=choice, **scan
     )
     state = step.init(_params(fsdp), TX)
-    plan = sharded.layout_of(
+    plan = step.layout(state)
+    # The step's plan: the one `sharded.layout_of` builds for its choices.
+    built = sharded.layout_of(
         state.params, None, optimizer_sharding=choice, reduce_scatter=reduce_scatter
     )
-    assert plan is not None
+    assert plan is not None and built is not None and plan.leaves == built.leaves
     return state, plan
 
 
