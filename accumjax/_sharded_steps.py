@@ -32,7 +32,7 @@ import accumjax._window as window_lib
 from accumjax import sharded
 from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
-from accumjax._layout import Reduction
+from accumjax._layout import Reduction, held_sums, sums_held
 from accumjax._loop import (
     Carry,
     Context,
@@ -371,11 +371,11 @@ def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None
     dims = (None,) * len(jax.tree.leaves(window.partial_sums))
     dims = dims if layout is None else layout.accumulator_dims
     for leaf, dim in zip(jax.tree.leaves(window.partial_sums), dims, strict=True):
-        expected = 1 if dim is not None else want
-        if leaf.shape[0] != expected:
+        held = held_sums(leaf.shape)[0]
+        if held != sums_held(dim, want):  # the sums the plan lays out for this leaf
             where = "one device" if layout is None else f"{want} data shards ({layout.axis!r})"
             raise ValueError(
-                f"the state's stream window keeps {leaf.shape[0]} partial sums per parameter, "
+                f"the state's stream window keeps {held} partial sums per parameter, "
                 f"but this call runs on {where}: build the state with step.init on the mesh "
                 "the step runs on, or move a checkpoint there with "
                 "accumjax.restore_checkpoint(path, step.init(...))."
