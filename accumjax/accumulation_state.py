@@ -58,15 +58,16 @@ class AccumulationStats(NamedTuple):
       skipped_windows: windows closed without an update.
       num_parameters: number of scalars the window sums, as many as the parameters (a
         Python int).
-      memory_bytes: bytes of the window's sum (a Python int), every device's together, as
-        the layout plan lays it out (`accumjax.sharded.Layout`): the accumulator the state
-        holds between calls, or, for a scan-mode train state, whose window opens and closes
-        inside one call, the sums the step makes (`stats`' ``layout``; one parameter-shaped
-        sum in the accumulator dtype without). On N devices along the data axis an
-        accumulator whole on each device (replicated, ZeRO-1, FSDP with
-        ``reduce_scatter="window"``) counts N full-size sums, one split over them (ZeRO-2,
-        FSDP) one: each device holds ``memory_bytes / N`` (less where another mesh axis
-        splits it too).
+      memory_bytes: bytes of the window's sums (a Python int), every device's together
+        (their global size): the accumulator the state holds between calls, or, for a
+        scan-mode train state, whose window opens and closes inside one call, the sums the
+        step makes as its layout plan lays them out (`stats`' ``layout``; one
+        parameter-shaped sum in the accumulator dtype without). Laid out by a train step on
+        N devices along the data axis, an accumulator whole on each device (replicated,
+        ZeRO-1, FSDP with ``reduce_scatter="window"``) counts N full-size partial sums, one
+        split over them (ZeRO-2, FSDP) one: each device holds ``memory_bytes / N`` (less
+        where another mesh axis splits it too). A parameter-shaped window
+        (``TrainState.create``'s, ``tx.init``'s) counts its one sum, however it is placed.
 
     Both sizes are None for a scan-mode optimizer state on its own (it holds no sum to
     measure, nor the parameters): pass the train state, ``accumjax.stats(state)``.
@@ -218,6 +219,8 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
       >>> s = accumjax.stats(train_state)  # no accumulator in the state: sized from params
       >>> s.num_parameters, s.memory_bytes
       (16, 64)
+      >>> accumjax.stats(train_state, scan.layout(train_state)).memory_bytes  # one device
+      64
     """
     params, tx = getattr(state, "params", None), getattr(state, "tx", None)
     state = state_lib.unwrap(getattr(state, "opt_state", state))

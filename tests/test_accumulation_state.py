@@ -107,3 +107,10 @@ def test_stats_of_a_scan_state_on_8_devices_sizes_the_sums_its_plan_makes(name):
     # Without the plan: one device's sums (no layout read from the state on its own).
     one = accumjax.stats(state)
     assert (one.num_parameters, one.memory_bytes) == (PARAMETERS, W_BYTES + B_BYTES)
+
+
+def test_stats_of_a_parameter_shaped_window_on_8_devices_counts_its_one_sum():
+    # TrainState.create's window (tx.init's) is one parameter-shaped sum, however placed.
+    state = accumjax.TrainState.create(apply_fn=None, params=_params(False), tx=TX)
+    s = accumjax.stats(state)
+    assert (s.num_parameters, s.memory_bytes) == (PARAMETERS, W_BYTES + B_BYTES)
