@@ -473,3 +473,19 @@ def test_a_plain_nnx_batch_norm_under_accumulation_warns():
     state = step.init(Plain(nnx.Rngs(0)), _acc())
     with pytest.warns(UserWarning, match=r"\['norm'\].*NNXAccumBatchNorm.*convert_batch_norm"):
         step(state, _windows()[0])
+
+
+def test_the_layout_plan_of_an_nnx_step_is_its_train_steps_and_sizes_stats():
+    # step.layout: None on one device; on a mesh, the plan the step runs. ZeRO-2 on 2
+    # devices splits the sums of every leaf with a dimension of even size, not the 3-wide
+    # output bias, and stats sizes the window by it: every device's sums together.
+    one = _step(mse, mode="scan")
+    assert one.layout(one.init(MLP(nnx.Rngs(0)), _acc())) is None
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    step = _step(mse, mode="scan", mesh=mesh, axis_name="data", optimizer_sharding="zero2")
+    state = step.init(MLP(nnx.Rngs(0)), _acc())
+    layout = step.layout(state)
+    assert sorted(leaf.accumulator is not None for leaf in layout.leaves) == [False] + [True] * 3
+    full, bias = 4 * sum(x.size for x in jax.tree.leaves(state.params)), 4 * OUT
+    assert accumjax.stats(state, layout).memory_bytes == full - bias + 2 * bias
+    assert accumjax.stats(state).memory_bytes == full  # without the plan: one device's
