@@ -20,7 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.core
@@ -454,8 +454,9 @@ class TrainStep:
             state = _build(setup.mode, tx, where, None, params, model_state, loss_scale)
             state = state.replace(opt_state=opt_state_for(tx, params, setup.mode))
             return replicate(state).replace(apply_fn=apply_fn)
-        specs = self._zero_specs(tx, params) or _opt_specs(tx, params)
-        build, jitted = self._builder(tx, self._mesh_and_axis(params), specs)
+        plan = self._init_plan(params)
+        specs = self._zero_specs(tx, params, plan) or _opt_specs(tx, params)
+        build, jitted = self._builder(tx, self._window_where(plan), specs)
         args = (params, model_state, loss_scale)
         if _abstract(params):
             shapes = jax.eval_shape(build, *args)
@@ -479,33 +480,19 @@ class TrainStep:
             found = self._builders[key] = (tx, build, jax.jit(build))
         return found[1], found[2]
 
-    def _mesh_and_axis(self, params: Any) -> tuple[Any, str | None, Any]:
-        """Where a stream window's partial sums are laid out: the step's mesh and data
-        axis, or the parameters' mesh and its data axis (None, None: one device), and which
-        dimension of each parameter is split over that axis (read here, before tracing)."""
+    def _init_plan(self, params: Any) -> sharded.Layout | None:
+        """The layout plan ``init`` lays the state out by, where it lays out one by a plan (a
+        stream window's partial sums, a ZeRO optimizer state): on the step's mesh and data
+        axis, or the parameters' mesh and its data axis, read here, before tracing (None:
+        one device, or nothing laid out by a plan)."""
         setup = self._setup
-        if self._pmapped or self._scan:
-            return None, None, None
-        mesh = setup.mesh if setup.mesh is not None else sharded.mesh_of(params)
-        axis = None if mesh is None else sharded.data_axis(mesh, setup.data_axis)
-        if axis is None:
-            return None, None, None
-        plan = sharded.layout_of(
-            params, None, mesh=mesh, axis=axis, optimizer_sharding=setup.optimizer_sharding
-        )
-        return mesh, axis, None if plan is None else plan.accumulator_dims
-
-    def _zero_specs(self, tx: Any, params: Any) -> OptSpecs | None:
-        """With ``optimizer_sharding`` ZeRO on a concrete mesh: the mesh and each optimizer
-        state leaf's partition spec of the layout plan (None otherwise)."""
-        setup = self._setup
-        if setup.optimizer_sharding == "replicated":
+        if self._scan and setup.optimizer_sharding == "replicated":
             return None
         mesh = setup.mesh if setup.mesh is not None else sharded.mesh_of(params)
         axis = None if mesh is None else sharded.data_axis(mesh, setup.data_axis)
-        if not isinstance(mesh, Mesh) or axis is None:
+        if mesh is None or axis is None:
             return None
-        plan = sharded.layout_of(
+        return sharded.layout_of(
             params,
             None,
             mesh=mesh,
@@ -513,9 +500,22 @@ class TrainStep:
             optimizer_sharding=setup.optimizer_sharding,
             reduce_scatter=setup.reduce_scatter,
         )
+
+    def _window_where(self, plan: sharded.Layout | None) -> tuple[Any, str | None, Any]:
+        """Where a stream window's partial sums are laid out: the plan's mesh, data axis and
+        accumulator dimensions (None, None, None: one device, or scan mode's no window)."""
+        if plan is None or self._scan:
+            return None, None, None
+        return plan.mesh, plan.axis, plan.accumulator_dims
+
+    def _zero_specs(self, tx: Any, params: Any, plan: sharded.Layout | None) -> OptSpecs | None:
+        """With ``optimizer_sharding`` ZeRO on a concrete mesh: the mesh and each optimizer
+        state leaf's partition spec of the layout plan (None otherwise)."""
+        if self._setup.optimizer_sharding == "replicated" or plan is None:
+            return None
         init = partial(opt_state_for, tx, mode="scan")
-        specs = None if plan is None else sharded.optimizer_state_specs(init, params, plan)
-        return None if specs is None else (mesh, specs)
+        specs = sharded.optimizer_state_specs(init, params, plan)
+        return None if specs is None else (cast(Mesh, plan.mesh), specs)
 
 
 OptSpecs = tuple[Mesh, tuple[PartitionSpec | None, ...]]
@@ -570,7 +570,7 @@ def _build(
     loss_scale: Any,
 ) -> TrainState:
     """A train state with ``step == 0`` for ``mode`` (traceable); ``where`` lays out a
-    stream window (`TrainStep._mesh_and_axis`), ``specs`` the optimizer state (ZeRO's split
+    stream window (`TrainStep._window_where`), ``specs`` the optimizer state (ZeRO's split
     over the data axis, `TrainStep._zero_specs`; on an ``Auto`` mesh, `_opt_specs`)."""
     config = config_of(tx)
     opt_state = _laid_out(opt_state_for(tx, params, "scan"), specs)  # no accumulator
