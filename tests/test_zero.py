@@ -6,6 +6,8 @@ scan and stream mode. References: the float64 window of tests/_reference.py, the
 layout's parameters, and the collectives of one window in the compiled HLO.
 """
 
+from typing import Any
+
 import _reference as reference
 import jax
 import jax.numpy as jnp
@@ -94,7 +96,7 @@ def _nan_problem():
     return params, batch
 
 
-def _zero_window(devices, kind, mode, layout):
+def _zero_window(devices, kind, mode, layout) -> Any:
     """The state after one window of ``_nan_problem`` in ``layout``, every output laid out as
     it came in."""
     params, batch = _nan_problem()
