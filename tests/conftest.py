@@ -9,8 +9,8 @@ import os
 # XLA:CPU's classic kernel emitter, not its MLIR fusion emitters, compiles each program
 # faster still (docs/limits.md). The optimized HLO the tests read is the same but for the
 # single instructions those emitters wrap in a fusion of their own: the fusions, collectives,
-# loops and conditionals are the default's, and a temporary buffer may differ by a few
-# hundred bytes (the memory figures of docs/limits.md are measured with the default).
+# loops and conditionals are the default's, and the temp memory may differ by up to a
+# kilobyte (the memory figures of docs/limits.md are measured with the default).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
