@@ -89,8 +89,9 @@ def _loss(params, batch):
     return jnp.mean((jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
 
 
+# K=4 (and every policy) is read from the step lowered for CUDA below.
 @pytest.mark.parametrize("where", ["one device", "mesh"])
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", [2, 8])
 def test_the_microbatches_run_in_a_loop_of_known_trip_count_k(k, where):
     params, batch = _problem(k)
     if where == "mesh":
