@@ -8,8 +8,8 @@ model state only when it was added. `close_fields` closes a window: one reductio
 decision, the update (`accumjax._window_end.close_and_apply`), BatchNorm windows and the loss
 scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
 call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
-parallel wrappers (`accumjax._sharded_steps`, `accumjax._host`) run both under ``jit``, ``pmap``
-and ``shard_map``.
+parallel wrappers (`accumjax._sharded_steps`, `accumjax._mesh_stream`, `accumjax._host`) run
+both under ``jit``, ``pmap`` and ``shard_map``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "Counts",
     "Fields",
     "Outcome",
+    "Pool",
     "Setup",
     "Step",
     "begin",
@@ -328,6 +329,14 @@ def _share_of_scale(ctx: Context) -> DynamicLossScale | None:
     return ls._replace(loss_scale=ls.loss_scale / jax.lax.axis_size(ctx.axis_name))
 
 
+#: A stream call's pooling on a mesh (`accumjax._mesh_stream`): ``pool(microbatch, weight,
+#: (loss, model state, aux))`` takes this device's `accumjax._window.Microbatch` about its rows,
+#: its weight (or None) and what its rows produced, and returns the whole microbatch's decision
+#: (its ``weight`` the whole microbatch's) with the loss metric, the model state (following
+#: the decision) and the aux made global, all in one all-reduce.
+Pool = Callable[[window_lib.Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
+
+
 def microbatch(
     ctx: Context,
     carry: Carry,
@@ -337,6 +346,7 @@ def microbatch(
     *,
     first: bool = False,
     gate: jax.Array | None = None,
+    pool: Pool | None = None,
 ) -> Outcome:
     """One microbatch: gradient, add to the window, keep its model state only if added.
 
@@ -344,7 +354,10 @@ def microbatch(
     decision taken before, True in a window's first pass) and decided about at the window's
     end from its `Outcome.decision`; otherwise decided first
     (`accumjax._window.inspect_microbatch`; on a mesh about the whole microbatch). ``first``
-    opens the window with it (`accumjax._window.first_microbatch`).
+    opens the window with it (`accumjax._window.first_microbatch`). With ``pool`` (a stream
+    call on a mesh) this device decides about its rows and ``pool`` makes the decision, the
+    loss metric, the model state and the aux the whole microbatch's; ``carry.model_state`` is
+    then the state its gradient starts from.
     """
     loss, new_model_state, aux, grads, weight = gradient(
         ctx, params, carry.model_state, batch, index
@@ -353,7 +366,13 @@ def microbatch(
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
     more: dict[str, Any] = {} if first else {"reduce": ctx.setup.reduce}
     mine = None
-    if (
+    if pool is not None:  # a policy that reads the gradient reads the whole one
+        axis = ctx.axis_name if policy.reads else None
+        m = window_lib.inspect_microbatch(
+            policy, grads, weight, params, axis, ctx.setup.dims, keep_whole=False
+        )
+        m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
+    elif (
         ctx.adds_before_deciding
     ):  # this device's decision about its rows; the devices decide at the window's end
         m = window_lib.inspect_microbatch(policy, grads, weight, params)
@@ -366,8 +385,8 @@ def microbatch(
             policy, grads, weight, params, ctx.axis_name, ctx.setup.dims
         )
     window, micro = add(policy, carry.window, grads, weight, params, m, gate=gate, **more)
-    model_state = carry.model_state
-    if model_state is not None:
+    model_state = new_model_state if pool is not None else carry.model_state
+    if model_state is not None and pool is None:
         model_state = optax.tree.where(micro.added, new_model_state, model_state)
     w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
