@@ -211,7 +211,8 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     config = config_of(state.tx)  # a TrainState: `accumjax._host` refused anything else
     accumulating = config is not None
     if config is None:
-        config = Config(optax.with_extra_args_support(state.tx), 1, window_lib.Policy(), None)
+        inner = optax.with_extra_args_support(state.tx)
+        config = Config(inner=inner, every_k=1, policy=window_lib.Policy(), axis_name=None)
     stated = setup.axis_name if setup.mesh is None else setup.data_axis
     if config.axis_name not in (None, stated):
         raise ValueError(

@@ -212,7 +212,7 @@ def _pool(
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
     mine = device_decision(policy.scaling, ~m.added, weighs)
     m = _share(policy, m, layout)
-    split = split_aux(aux, 0, aux_tree) if aux is not None else Aux([], [])
+    split = split_aux(aux, 0, aux_tree) if aux is not None else Aux(rows=[], means=[])
     floats = [] if new_state is None else _floats(new_state)[1]
     bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
     parts = jnp.stack([m.weight, *mine])

@@ -243,7 +243,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             out_specs=(closed_specs, WHOLE, WHOLE, Aux(rows=row_spec, means=WHOLE)),
         )(local)
         aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-        closing = Closing(closed, model_state, loss, aux)
+        closing = Closing(closed=closed, model_state=model_state, loss=loss, aux=aux)
         if not layout.zero:
             return scan_finish(ctx, state, acc, closing)
         _, acc = optimizer_side(layout, state.params, acc)
@@ -273,7 +273,7 @@ def _local_window(
     shapes = layout.local_sums(local.params, sum_dims)
     like = window_lib.init_window(shapes, policy.accumulator_dtype)
     ctx = local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
-    start = Carry(like, local.model_state, zero, zero)
+    start = Carry(window=like, model_state=local.model_state, loss_sum=zero, loss_weight=zero)
     run = window_loop(ctx, params, start, local.batch)
     first = run(None)
     rows = setup.aux_rows ^ 1

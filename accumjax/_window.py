@@ -550,7 +550,9 @@ def close_window(
             weight_sum = summed[0]
             nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
         if decisions is not None:
-            decisions = MicrobatchDecision(*summed[len(counts) : len(own)])
+            decisions = jax.tree.unflatten(
+                jax.tree.structure(decisions), summed[len(counts) : len(own)]
+            )
         extras = None if extras is None else summed[-1]
     if decisions is not None:
         ok = accepted(policy.scaling, decisions)
