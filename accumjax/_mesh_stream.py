@@ -292,17 +292,12 @@ def _pooled_model_state(
 def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -> Fields:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
-    kinds = [
-        window_lib.REDUCED if leaf.accumulator is not None else leaf.optimizer
-        for leaf in layout.leaves
-    ]
-    scatter = jax.tree.unflatten(layout.treedef, kinds)
     policy = ctx.config.policy
 
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
         part = window_lib.local_window(window)
         return window_lib.close_window(
-            policy, part, every_k, layout.axis, scatter, whole_counts=True
+            policy, part, every_k, layout.axis, layout.leaves, whole_counts=True
         )
 
     closed = data_shard_map(

@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax._layout import Reduction
+from accumjax._layout import LeafLayout
 from accumjax._loop import Carry, Context, Setup, begin, close_model_state
+from accumjax._reduction import reduced_per_microbatch
 from accumjax._scan import (
     Closing,
     accepted_loss,
@@ -269,7 +270,7 @@ def _local_window(
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         setup = setup._replace(materialize=gather)
-    setup, scatter, whole_counts, sum_dims = _sum_layout(setup, layout, policy)
+    setup, layouts, whole_counts, sum_dims = _sum_layout(setup, layout, policy)
     shapes = layout.local_sums(local.params, sum_dims)
     like = window_lib.init_window(shapes, policy.accumulator_dtype)
     ctx = local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
@@ -288,7 +289,7 @@ def _local_window(
             carry.window,
             every_k,
             layout.axis,
-            scatter,
+            layouts,
             extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
             whole_counts=whole_counts,
             decisions=decisions,
@@ -307,10 +308,11 @@ def _local_window(
 
 def _sum_layout(
     setup: Setup, layout: sharded.Layout, policy: window_lib.Policy
-) -> tuple[Setup, Any, bool, tuple[int | None, ...]]:
-    """Where a scan window's sum lives, from the layout plan: ``(setup, scatter,
-    whole_counts, dims)``, ``scatter`` what the window's close does to each leaf
-    (`accumjax._window.close_window`), ``dims`` each sum's dimension split over the data axis.
+) -> tuple[Setup, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
+    """Where a scan window's sum lives, from the layout plan: ``(setup, layouts,
+    whole_counts, dims)``, ``layouts`` each leaf's `LeafLayout` as the window's close reads
+    it (`accumjax._window.close_window`), ``dims`` each sum's dimension split over the data
+    axis.
 
     A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
     whose optimizer state is split over the data axis reduce-scattered into shards): nothing
@@ -320,23 +322,13 @@ def _sum_layout(
     """
     opt_dims = layout.optimizer_dims
     if policy.reads:
-        whole = [window_lib.WHOLE if d is None else window_lib.REDUCED for d in opt_dims]
+        layouts = tuple(reduced_per_microbatch(leaf) for leaf in layout.leaves)
         dims = jax.tree.unflatten(layout.treedef, list(opt_dims))
-        scatter = jax.tree.unflatten(layout.treedef, whole)
-        return setup._replace(dims=dims), scatter, True, opt_dims
-    kinds = []
-    for leaf in layout.leaves:
-        if leaf.reduction == Reduction.REDUCE_SCATTER_MICROBATCH:
-            kinds.append(window_lib.REDUCED)
-        elif leaf.reduction == Reduction.REDUCE_SCATTER_WINDOW:
-            kinds.append(leaf.optimizer)
-        else:
-            kinds.append(None)
-    scatter = jax.tree.unflatten(layout.treedef, kinds)
+        return setup._replace(dims=dims), layouts, True, opt_dims
     acc_dims = layout.accumulator_dims
     if any(d is not None for d in acc_dims):
         setup = setup._replace(reduce=reduce_gradient(layout, whole=False))
-    return setup, scatter, False, acc_dims
+    return setup, layout.leaves, False, acc_dims
 
 
 def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:
