@@ -68,8 +68,6 @@ class Setup(NamedTuple):
       f16: float16 with dynamic loss scaling.
       unroll: scan mode's ``lax.scan`` unroll.
       gather_params: FSDP: gather parameters once a ``"window"`` or every ``"microbatch"``.
-      materialize: ``(params, microbatch index) -> params`` a microbatch computes with
-        (the per-microbatch FSDP gather), or None for the parameters as they are.
       loss_positional: the most positional arguments ``loss_fn`` takes
         (`positional_limit`), or None when unknown; refuses ``rng`` for a loss without a key.
       batch_axis: scan mode: each batch leaf's batch axis, or None for a leaf every
@@ -83,14 +81,6 @@ class Setup(NamedTuple):
         once a ``"window"`` (a full-size accumulator on every device).
       optimizer_sharding: where a parameter replicated over the data axis keeps its
         optimizer state and accumulator (`accumjax._layout.OPTIMIZER_SHARDINGS`).
-      reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
-        before it is added (`accumjax._window.add_microbatch`), or None.
-      dims: inside ``shard_map``, the dimension each parameter is split on over the data
-        axis (a pytree like the parameters), for a policy that reduces each microbatch's
-        whole gradient; None for none.
-      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
-        inner optimizer updates them (split like their reduced gradient) and back (one
-        all-gather), inside the update's loop; None for the parameters as they are.
     """
 
     grad_fn: GradFn
@@ -100,7 +90,6 @@ class Setup(NamedTuple):
     f16: bool
     unroll: int | bool
     gather_params: str = "window"
-    materialize: Callable[[Any, Any], Any] | None = None
     loss_positional: int | None = None
     batch_axis: Any = 0
     aux_rows: bool = False
@@ -108,14 +97,11 @@ class Setup(NamedTuple):
     data_axis: str | None = None
     reduce_scatter: str = "microbatch"
     optimizer_sharding: str = "replicated"
-    reduce: Callable[[Any], Any] | None = None
-    dims: Any = None
-    split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
 
 
 class Context(NamedTuple):
-    """One step's window: the static setup and optimizer config, and the traced values that
-    every microbatch needs.
+    """One step's window: the static setup and optimizer config, the traced values that
+    every microbatch needs, and what the call's layout on a mesh does to them.
 
     Attributes:
       setup: the `Setup`.
@@ -129,6 +115,16 @@ class Context(NamedTuple):
         devices along it agree about each microbatch (`accumjax._window.inspect_microbatch`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
+      materialize: ``(params, microbatch index) -> params`` a microbatch computes with
+        (the per-microbatch FSDP gather), or None for the parameters as they are.
+      reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
+        before it is added (`accumjax._window.add_microbatch`), or None.
+      dims: inside ``shard_map``, the dimension each parameter is split on over the data
+        axis (a pytree like the parameters), for a policy that reduces each microbatch's
+        whole gradient; None for none.
+      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
+        inner optimizer updates them (split like their reduced gradient) and back (one
+        all-gather), inside the update's loop; None for the parameters as they are.
     """
 
     setup: Setup
@@ -139,6 +135,10 @@ class Context(NamedTuple):
     step_count: Any
     axis_name: str | None
     n_real: Any = None
+    materialize: Callable[[Any, Any], Any] | None = None
+    reduce: Callable[[Any], Any] | None = None
+    dims: Any = None
+    split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
 
     def key(self, index: Any) -> Any:
         """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
@@ -365,12 +365,12 @@ def microbatch(
     )
     policy = ctx.config.policy
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
-    more: dict[str, Any] = {} if first else {"reduce": ctx.setup.reduce}
+    more: dict[str, Any] = {} if first else {"reduce": ctx.reduce}
     mine = None
     if pool is not None:  # a policy that reads the gradient reads the whole one
         axis = ctx.axis_name if policy.reads else None
         m = window_lib.inspect_microbatch(
-            policy, grads, weight, params, axis, ctx.setup.dims, keep_whole=False
+            policy, grads, weight, params, axis, ctx.dims, keep_whole=False
         )
         m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
     elif (
@@ -382,9 +382,7 @@ def microbatch(
         gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
         m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
     else:
-        m = window_lib.inspect_microbatch(
-            policy, grads, weight, params, ctx.axis_name, ctx.setup.dims
-        )
+        m = window_lib.inspect_microbatch(policy, grads, weight, params, ctx.axis_name, ctx.dims)
     window, micro = add(policy, carry.window, grads, weight, params, m, gate=gate, **more)
     model_state = new_model_state if pool is not None else carry.model_state
     if model_state is not None and pool is None:
@@ -418,7 +416,7 @@ def close_fields(
         fields.params,
         closed=closed,
         every_step=every_step,
-        split=ctx.setup.split_params,
+        split=ctx.split_params,
     )
     model_state = fields.model_state
     if closed is None:

@@ -180,7 +180,7 @@ def _local_call(
     added and whether it was non-finite."""
     ctx = local_context(ctx, layout, local)
     reduce = reduce_gradient(layout, whole=not per_shard)
-    ctx = ctx._replace(setup=ctx.setup._replace(reduce=reduce))
+    ctx = ctx._replace(reduce=reduce)
     params = sharded.gather(local.params, layout)
     window = _retyped(local.window, window_lib.Window)
     start = None if local.model_state is None else emptied(local.model_state)

@@ -81,7 +81,7 @@ def real_microbatches(n: Any, k: int) -> jax.Array | None:
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
     rows = split(batch, ctx.k, ctx.setup.batch_axis)
-    whole = ctx.setup.materialize or (lambda p, i: p)
+    whole = ctx.materialize or (lambda p, i: p)
     return lambda i: (whole(params, i), rows(i))
 
 
@@ -190,7 +190,7 @@ def _microbatch_loop(
     """
     if ctx.k == 1 and ctx.n_real is None:
         p, mb = take(jnp.zeros((), jnp.int32))
-        first = ctx.setup.reduce is None  # a reduced accumulator is not shaped like a gradient
+        first = ctx.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
         outcome = microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))

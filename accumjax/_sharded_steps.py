@@ -248,7 +248,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         if not layout.zero:
             return scan_finish(ctx, state, acc, closing)
         _, acc = optimizer_side(layout, state.params, acc)
-        ctx = ctx._replace(setup=ctx.setup._replace(split_params=split_params(layout)))
+        ctx = ctx._replace(split_params=split_params(layout))
         new, metrics = scan_finish(ctx, state, acc, closing)
         return parameter_side(layout, new, ctx.accumulating), metrics
 
@@ -264,20 +264,20 @@ def _local_window(
     also carries the loss and the aux means)."""
     zero = jnp.zeros((), jnp.float32)
     policy = ctx.config.policy
-    setup, params = ctx.setup, local.params
-    if setup.gather_params == "window":  # once, before the loop (more memory, one gather)
+    params = local.params
+    ctx = local_context(ctx, layout, local)._replace(n_real=local.n_real)
+    if ctx.setup.gather_params == "window":  # once, before the loop (more memory, one gather)
         params = sharded.gather(params, layout)
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
-        setup = setup._replace(materialize=gather)
-    setup, layouts, whole_counts, sum_dims = _sum_layout(setup, layout, policy)
+        ctx = ctx._replace(materialize=gather)
+    ctx, layouts, whole_counts, sum_dims = _sum_layout(ctx, layout, policy)
     shapes = layout.local_sums(local.params, sum_dims)
     like = window_lib.init_window(shapes, policy.accumulator_dtype)
-    ctx = local_context(ctx, layout, local)._replace(setup=setup, n_real=local.n_real)
     start = Carry(window=like, model_state=local.model_state, loss_sum=zero, loss_weight=zero)
     run = window_loop(ctx, params, start, local.batch)
     first = run(None)
-    rows = setup.aux_rows ^ 1
+    rows = ctx.setup.aux_rows ^ 1
     split = Aux([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
     every_k = window_k(ctx, ctx.k)
 
@@ -307,12 +307,12 @@ def _local_window(
 
 
 def _sum_layout(
-    setup: Setup, layout: sharded.Layout, policy: window_lib.Policy
-) -> tuple[Setup, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
-    """Where a scan window's sum lives, from the layout plan: ``(setup, layouts,
-    whole_counts, dims)``, ``layouts`` each leaf's `LeafLayout` as the window's close reads
-    it (`accumjax._window.close_window`), ``dims`` each sum's dimension split over the data
-    axis.
+    ctx: Context, layout: sharded.Layout, policy: window_lib.Policy
+) -> tuple[Context, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
+    """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, whole_counts,
+    dims)``, ``ctx`` with the per-microbatch reduction it runs, ``layouts`` each leaf's
+    `LeafLayout` as the window's close reads it (`accumjax._window.close_window`), ``dims``
+    each sum's dimension split over the data axis.
 
     A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
     whose optimizer state is split over the data axis reduce-scattered into shards): nothing
@@ -324,11 +324,11 @@ def _sum_layout(
     if policy.reads:
         layouts = tuple(reduced_per_microbatch(leaf) for leaf in layout.leaves)
         dims = jax.tree.unflatten(layout.treedef, list(opt_dims))
-        return setup._replace(dims=dims), layouts, True, opt_dims
+        return ctx._replace(dims=dims), layouts, True, opt_dims
     acc_dims = layout.accumulator_dims
     if any(d is not None for d in acc_dims):
-        setup = setup._replace(reduce=reduce_gradient(layout, whole=False))
-    return setup, layout.leaves, False, acc_dims
+        ctx = ctx._replace(reduce=reduce_gradient(layout, whole=False))
+    return ctx, layout.leaves, False, acc_dims
 
 
 def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:

@@ -56,7 +56,7 @@ def _whole(layout: sharded.Layout, params: Any) -> Any:
 
 
 def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """`accumjax._loop.Setup.split_params` of a ZeRO layout: the whole parameters (pinned
+    """`accumjax._loop.Context.split_params` of a ZeRO layout: the whole parameters (pinned
     where they lie, so that XLA keeps them whole in the update's loop carry) sliced like the
     reduced gradient, and the new slices all-gathered back.
 
