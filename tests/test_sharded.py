@@ -9,6 +9,7 @@ value; the gradient is reduced once per window in both modes.
 
 import functools
 import re
+from typing import Any, cast
 
 import _reference as reference
 import flax.linen as nn
@@ -744,8 +745,8 @@ def test_a_mesh_stream_window_counts_each_microbatch_as_one_device_does(policy, 
     one, _ = _reference_run(policy, "stream", "1", params, batch, calls=K - 1)
     mesh, _ = _reference_run(policy, "stream", devices, params, batch, calls=K - 1)
     counters = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
-    want = {c: np.asarray(getattr(one.opt_state.window, c)) for c in counters}
-    got = {c: np.asarray(getattr(mesh.opt_state.window, c)) for c in counters}
+    windows = [cast(Any, state.opt_state).window for state in (one, mesh)]
+    want, got = ({c: np.asarray(getattr(w, c)) for c in counters} for w in windows)
     assert {c: (v.dtype, v.tolist()) for c, v in got.items()} == {
         c: (v.dtype, v.tolist()) for c, v in want.items()
     }
