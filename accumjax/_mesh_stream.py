@@ -115,7 +115,15 @@ def _one_shard(plain: Callable[..., Any], state: TrainState, batch: Any, rng: An
 
 def _retyped(window: Any, cls: type) -> Any:
     """``window`` (a `accumjax._window.Window` or `accumjax._window.DeviceWindow`) as ``cls``:
-    the same sum (its first field) and counters, by name."""
+    the same sum (its first field) and counters, by name.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax._window import DeviceWindow, init_window
+      >>> d = _retyped(init_window({"w": jnp.zeros(2)}), DeviceWindow)
+      >>> type(d).__name__, d.partial_sums["w"].shape, int(d.micro_step)
+      ('DeviceWindow', (2,), 0)
+    """
     counters = {name: getattr(window, name) for name in window._fields[1:]}
     return cls(**{cls._fields[0]: window[0]}, **counters)  # pyright: ignore[reportAttributeAccessIssue]
 
