@@ -184,8 +184,9 @@ def _local_call(
     """One device's part of a stream call: the loop's microbatch, its gradient added to this
     device's partial sum (``per_shard``: a leading axis of one, which the gradient broadcasts
     to) or reduced and added to the window's one sum, the rest pooled (`_pool`). Returns the
-    window, as it came in, and the global model state, loss, aux, whether the microbatch was
-    added and whether it was non-finite."""
+    window (of the type it came in, its counters advanced by
+    `accumjax._window.add_microbatch`), and the global model state, loss, aux, whether the
+    microbatch was added and whether it was non-finite."""
     ctx = local_context(ctx, layout, local)
     reduce = reduce_gradient(layout, whole=not per_shard)
     ctx = ctx._replace(reduce=reduce)
