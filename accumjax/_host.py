@@ -2,9 +2,9 @@
 checks on the host.
 
 `wrap` compiles the window loop's step body (`accumjax._scan`, `accumjax._loop`,
-`accumjax._sharded_steps`) once per form: under ``jit`` (one device, or a mesh: the
-`accumjax.sharded.Layout` of each call is read from the arrays, or from the step's own
-``mesh=``/``axis_name=``), or under ``pmap``. The `TrainStep` it returns
+`accumjax._sharded_steps`, `accumjax._mesh_stream`) once per form: under ``jit`` (one
+device, or a mesh: the `accumjax.sharded.Layout` of each call is read from the arrays, or
+from the step's own ``mesh=``/``axis_name=``), or under ``pmap``. The `TrainStep` it returns
 
 - runs it: ``step(state, batch, rng=None)`` (scan mode: ``num_real_microbatches`` too);
 - builds the state it takes (`TrainStep.init`): laid out for its mode, its mesh and its
@@ -32,9 +32,10 @@ import accumjax._window as window_lib
 from accumjax import sharded
 from accumjax._checks import check_alive
 from accumjax._loop import Setup, stream_step
+from accumjax._mesh_stream import sharded_stream_step
 from accumjax._opt_state import opt_state_for, unalias
 from accumjax._scan import real_microbatches, scan_step
-from accumjax._sharded_steps import sharded_scan_step, sharded_stream_step
+from accumjax._sharded_steps import sharded_scan_step
 from accumjax._split import split
 from accumjax._state import config_of
 from accumjax._step_checks import check_init_inputs, init_call

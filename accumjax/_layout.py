@@ -3,7 +3,8 @@ window accumulator and its optimizer state lie along the data axis, and how its 
 reduced across the devices.
 
 Each leaf is a `LeafLayout` (dimensions split over the data axis, None for replicated over it)
-and a `Reduction`. The layouts a user chooses are rows of one table (`leaf_layout`):
+and a `Reduction`, both defined with the reduction that reads them (`accumjax._reduction`,
+the window's close). The layouts a user chooses are rows of one table (`leaf_layout`):
 
 ================  =========  ===========  =========  ==============================
 layout            parameter  accumulator  optimizer  reduction
@@ -27,11 +28,11 @@ reads a window's sums reads them so: ``accumjax.stats`` (`accumulator_bytes`) an
 
 from __future__ import annotations
 
-import enum
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 from accumjax._checks import check_choice
+from accumjax._reduction import REPLICATED, LeafLayout, Reduction
 
 __all__ = [
     "OPTIMIZER_SHARDINGS",
@@ -47,33 +48,6 @@ __all__ = [
 ]
 
 OPTIMIZER_SHARDINGS = ("replicated", "zero1", "zero2")
-
-
-class Reduction(enum.Enum):
-    """How a leaf's gradient is reduced across the data axis."""
-
-    ALL_REDUCE = "all-reduce per window"
-    REDUCE_SCATTER_WINDOW = "reduce-scatter per window"
-    REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
-
-
-class LeafLayout(NamedTuple):
-    """Where one parameter leaf's arrays lie along the data axis (static, hashable).
-
-    Attributes:
-      param: the parameter's dimension split over the data axis (None: replicated).
-      accumulator: the window accumulator's (None: a full-size sum on every device).
-      optimizer: the reduced gradient's and the optimizer state's (None: replicated).
-      reduction: how the gradient is reduced across the devices.
-    """
-
-    param: int | None
-    accumulator: int | None
-    optimizer: int | None
-    reduction: Reduction
-
-
-REPLICATED = LeafLayout(None, None, None, Reduction.ALL_REDUCE)
 
 
 def check_optimizer_sharding(value: Any) -> str:
@@ -126,14 +100,28 @@ def leaf_layout(
     """
     if param_dim is not None:
         if reduce_scatter == "microbatch":
-            return LeafLayout(param_dim, param_dim, param_dim, Reduction.REDUCE_SCATTER_MICROBATCH)
-        return LeafLayout(param_dim, None, param_dim, Reduction.REDUCE_SCATTER_WINDOW)
+            return LeafLayout(
+                param=param_dim,
+                accumulator=param_dim,
+                optimizer=param_dim,
+                reduction=Reduction.REDUCE_SCATTER_MICROBATCH,
+            )
+        return LeafLayout(
+            param=param_dim,
+            accumulator=None,
+            optimizer=param_dim,
+            reduction=Reduction.REDUCE_SCATTER_WINDOW,
+        )
     dim = None if optimizer_sharding == "replicated" else zero_dim(shape, spec, shards)
     if dim is None:
         return REPLICATED
     if optimizer_sharding == "zero1":
-        return LeafLayout(None, None, dim, Reduction.REDUCE_SCATTER_WINDOW)
-    return LeafLayout(None, dim, dim, Reduction.REDUCE_SCATTER_MICROBATCH)
+        return LeafLayout(
+            param=None, accumulator=None, optimizer=dim, reduction=Reduction.REDUCE_SCATTER_WINDOW
+        )
+    return LeafLayout(
+        param=None, accumulator=dim, optimizer=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH
+    )
 
 
 def sums_held(accumulator: int | None, shards: int) -> int:
@@ -166,8 +154,9 @@ def accumulator_bytes(shape: tuple[int, ...], itemsize: int, leaf: LeafLayout, s
     bytes a scalar): each device holds ``1 / shards`` of it.
 
     Example:
-      >>> accumulator_bytes((4, 4), 4, REPLICATED, 8), accumulator_bytes(
-      ...     (4, 4), 4, LeafLayout(None, 0, 0, Reduction.REDUCE_SCATTER_MICROBATCH), 8)
+      >>> accumulator_bytes((4, 4), 4, REPLICATED, 8), accumulator_bytes((4, 4), 4, LeafLayout(
+      ...     param=None, accumulator=0, optimizer=0,
+      ...     reduction=Reduction.REDUCE_SCATTER_MICROBATCH), 8)
       (512, 64)
     """
     return sums_held(leaf.accumulator, shards) * math.prod(shape) * itemsize

@@ -8,8 +8,8 @@ model state only when it was added. `close_fields` closes a window: one reductio
 decision, the update (`accumjax._window_end.close_and_apply`), BatchNorm windows and the loss
 scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
 call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
-parallel wrappers (`accumjax._sharded_steps`, `accumjax._host`) run both under ``jit``, ``pmap``
-and ``shard_map``.
+parallel wrappers (`accumjax._sharded_steps`, `accumjax._mesh_stream`, `accumjax._host`) run
+both under ``jit``, ``pmap`` and ``shard_map``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "Counts",
     "Fields",
     "Outcome",
+    "Pool",
     "Setup",
     "Step",
     "begin",
@@ -67,8 +68,6 @@ class Setup(NamedTuple):
       f16: float16 with dynamic loss scaling.
       unroll: scan mode's ``lax.scan`` unroll.
       gather_params: FSDP: gather parameters once a ``"window"`` or every ``"microbatch"``.
-      materialize: ``(params, microbatch index) -> params`` a microbatch computes with
-        (the per-microbatch FSDP gather), or None for the parameters as they are.
       loss_positional: the most positional arguments ``loss_fn`` takes
         (`positional_limit`), or None when unknown; refuses ``rng`` for a loss without a key.
       batch_axis: scan mode: each batch leaf's batch axis, or None for a leaf every
@@ -82,14 +81,6 @@ class Setup(NamedTuple):
         once a ``"window"`` (a full-size accumulator on every device).
       optimizer_sharding: where a parameter replicated over the data axis keeps its
         optimizer state and accumulator (`accumjax._layout.OPTIMIZER_SHARDINGS`).
-      reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
-        before it is added (`accumjax._window.add_microbatch`), or None.
-      dims: inside ``shard_map``, the dimension each parameter is split on over the data
-        axis (a pytree like the parameters), for a policy that reduces each microbatch's
-        whole gradient; None for none.
-      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
-        inner optimizer updates them (split like their reduced gradient) and back (one
-        all-gather), inside the update's loop; None for the parameters as they are.
     """
 
     grad_fn: GradFn
@@ -99,7 +90,6 @@ class Setup(NamedTuple):
     f16: bool
     unroll: int | bool
     gather_params: str = "window"
-    materialize: Callable[[Any, Any], Any] | None = None
     loss_positional: int | None = None
     batch_axis: Any = 0
     aux_rows: bool = False
@@ -107,14 +97,11 @@ class Setup(NamedTuple):
     data_axis: str | None = None
     reduce_scatter: str = "microbatch"
     optimizer_sharding: str = "replicated"
-    reduce: Callable[[Any], Any] | None = None
-    dims: Any = None
-    split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
 
 
 class Context(NamedTuple):
-    """One step's window: the static setup and optimizer config, and the traced values that
-    every microbatch needs.
+    """One step's window: the static setup and optimizer config, the traced values that
+    every microbatch needs, and what the call's layout on a mesh does to them.
 
     Attributes:
       setup: the `Setup`.
@@ -128,6 +115,16 @@ class Context(NamedTuple):
         devices along it agree about each microbatch (`accumjax._window.inspect_microbatch`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
+      materialize: ``(params, microbatch index) -> params`` a microbatch computes with
+        (the per-microbatch FSDP gather), or None for the parameters as they are.
+      reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
+        before it is added (`accumjax._window.add_microbatch`), or None.
+      dims: inside ``shard_map``, the dimension each parameter is split on over the data
+        axis (a pytree like the parameters), for a policy that reduces each microbatch's
+        whole gradient; None for none.
+      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
+        inner optimizer updates them (split like their reduced gradient) and back (one
+        all-gather), inside the update's loop; None for the parameters as they are.
     """
 
     setup: Setup
@@ -138,6 +135,10 @@ class Context(NamedTuple):
     step_count: Any
     axis_name: str | None
     n_real: Any = None
+    materialize: Callable[[Any, Any], Any] | None = None
+    reduce: Callable[[Any], Any] | None = None
+    dims: Any = None
+    split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
 
     def key(self, index: Any) -> Any:
         """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
@@ -210,7 +211,8 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     config = config_of(state.tx)  # a TrainState: `accumjax._host` refused anything else
     accumulating = config is not None
     if config is None:
-        config = Config(optax.with_extra_args_support(state.tx), 1, window_lib.Policy(), None)
+        inner = optax.with_extra_args_support(state.tx)
+        config = Config(inner=inner, every_k=1, policy=window_lib.Policy(), axis_name=None)
     stated = setup.axis_name if setup.mesh is None else setup.data_axis
     if config.axis_name not in (None, stated):
         raise ValueError(
@@ -328,6 +330,14 @@ def _share_of_scale(ctx: Context) -> DynamicLossScale | None:
     return ls._replace(loss_scale=ls.loss_scale / jax.lax.axis_size(ctx.axis_name))
 
 
+#: A stream call's pooling on a mesh (`accumjax._mesh_stream`): ``pool(microbatch, weight,
+#: (loss, model state, aux))`` takes this device's `accumjax._window.Microbatch` about its rows,
+#: its weight (or None) and what its rows produced, and returns the whole microbatch's decision
+#: (its ``weight`` the whole microbatch's) with the loss metric, the model state (following
+#: the decision) and the aux made global, all in one all-reduce.
+Pool = Callable[[window_lib.Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
+
+
 def microbatch(
     ctx: Context,
     carry: Carry,
@@ -337,6 +347,7 @@ def microbatch(
     *,
     first: bool = False,
     gate: jax.Array | None = None,
+    pool: Pool | None = None,
 ) -> Outcome:
     """One microbatch: gradient, add to the window, keep its model state only if added.
 
@@ -344,16 +355,25 @@ def microbatch(
     decision taken before, True in a window's first pass) and decided about at the window's
     end from its `Outcome.decision`; otherwise decided first
     (`accumjax._window.inspect_microbatch`; on a mesh about the whole microbatch). ``first``
-    opens the window with it (`accumjax._window.first_microbatch`).
+    opens the window with it (`accumjax._window.first_microbatch`). With ``pool`` (a stream
+    call on a mesh) this device decides about its rows and ``pool`` makes the decision, the
+    loss metric, the model state and the aux the whole microbatch's; ``carry.model_state`` is
+    then the state its gradient starts from.
     """
     loss, new_model_state, aux, grads, weight = gradient(
         ctx, params, carry.model_state, batch, index
     )
     policy = ctx.config.policy
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
-    more: dict[str, Any] = {} if first else {"reduce": ctx.setup.reduce}
+    more: dict[str, Any] = {} if first else {"reduce": ctx.reduce}
     mine = None
-    if (
+    if pool is not None:  # a policy that reads the gradient reads the whole one
+        axis = ctx.axis_name if policy.reads else None
+        m = window_lib.inspect_microbatch(
+            policy, grads, weight, params, axis, ctx.dims, keep_whole=False
+        )
+        m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
+    elif (
         ctx.adds_before_deciding
     ):  # this device's decision about its rows; the devices decide at the window's end
         m = window_lib.inspect_microbatch(policy, grads, weight, params)
@@ -362,12 +382,10 @@ def microbatch(
         gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
         m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
     else:
-        m = window_lib.inspect_microbatch(
-            policy, grads, weight, params, ctx.axis_name, ctx.setup.dims
-        )
+        m = window_lib.inspect_microbatch(policy, grads, weight, params, ctx.axis_name, ctx.dims)
     window, micro = add(policy, carry.window, grads, weight, params, m, gate=gate, **more)
-    model_state = carry.model_state
-    if model_state is not None:
+    model_state = new_model_state if pool is not None else carry.model_state
+    if model_state is not None and pool is None:
         model_state = optax.tree.where(micro.added, new_model_state, model_state)
     w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
@@ -398,7 +416,7 @@ def close_fields(
         fields.params,
         closed=closed,
         every_step=every_step,
-        split=ctx.setup.split_params,
+        split=ctx.split_params,
     )
     model_state = fields.model_state
     if closed is None:

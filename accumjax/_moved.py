@@ -8,7 +8,20 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["forward_moved"]
+import jax
+
+__all__ = ["RETIRED_MARKERS", "forward_moved"]
+
+
+def _reduced_scatter(dims: Any, like: Any) -> Any:
+    """0.4's ``close_window`` scatter markers for a sum reduced microbatch by microbatch."""
+    leaves, treedef = jax.tree.flatten(like)
+    split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
+    return jax.tree.unflatten(treedef, [-2 if d is None else -1 for d in split])
+
+
+#: ``accumjax.window``'s 0.4 scatter markers, resolved with a DeprecationWarning until 0.6.
+RETIRED_MARKERS: dict[str, Any] = {"REDUCED": -1, "WHOLE": -2, "reduced_scatter": _reduced_scatter}
 
 
 def forward_moved(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
@@ -33,6 +46,15 @@ def forward_moved(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]
     """
 
     def __getattr__(name: str) -> Any:
+        if module == "accumjax.window" and name in RETIRED_MARKERS:
+            warnings.warn(
+                f"{module}.{name} is no longer read by accumjax: the window's close takes each "
+                "leaf's layout (how it is reduced) from the layout plan. It leaves "
+                f"{module} in 0.6; pin accumjax<0.6 if you build on it.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return RETIRED_MARKERS[name]
         if name not in moved:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warnings.warn(

@@ -1,12 +1,13 @@
-"""The window's cross-device reductions (internal): what the reduction does to each leaf of
-a sum (`LeafReduction`), the one reduction (`cross_device_reduce`), the norm of a sum whose
-leaves are shards, and the gathers between shards and whole leaves.
+"""The window's cross-device reductions (internal): how each leaf of a sum is reduced
+(`Reduction`, one leaf's `LeafLayout`), the one reduction (`cross_device_reduce`), the norm of
+a sum whose leaves are shards, and the gathers between shards and whole leaves.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -14,62 +15,85 @@ import jax.numpy as jnp
 from accumjax._norms import global_norm
 
 __all__ = [
-    "REDUCED",
-    "WHOLE",
-    "LeafReduction",
-    "Reduced",
+    "REPLICATED",
+    "LeafLayout",
+    "Reduction",
+    "cross_device_reduce",
     "gathered",
     "global_norm",
     "own_shard",
-    "cross_device_reduce",
-    "reduced_scatter",
+    "reduced_per_microbatch",
     "sharded_norm",
 ]
 
 
-class Reduced(enum.Enum):
-    """A leaf of a window's sum that is reduced already when the window closes."""
+class Reduction(enum.Enum):
+    """How a leaf's gradient is reduced across the data axis: all-reduced or
+    reduce-scattered, once a window (when it closes) or every microbatch (before it is added:
+    nothing is left for the window's close)."""
 
-    SHARD = "shard"  # a reduced shard (reduce-scattered microbatch by microbatch)
-    WHOLE = "whole"  # reduced and whole
+    ALL_REDUCE = "all-reduce per window"
+    REDUCE_SCATTER_WINDOW = "reduce-scatter per window"
+    REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
+    ALL_REDUCE_MICROBATCH = "all-reduce per microbatch"
+
+    @property
+    def per_microbatch(self) -> bool:
+        """Whether the leaf is reduced before it is added (nothing left at the close)."""
+        return self in (Reduction.REDUCE_SCATTER_MICROBATCH, Reduction.ALL_REDUCE_MICROBATCH)
 
 
-REDUCED = Reduced.SHARD
-WHOLE = Reduced.WHOLE
+class LeafLayout(NamedTuple):
+    """Where one parameter leaf's arrays lie along the data axis (static, hashable).
 
-#: What `cross_device_reduce` does to one leaf of a sum: None, a ``psum``; a dimension, a
-#: ``psum_scatter`` along it (each device keeps its shard); a `Reduced`, nothing.
-LeafReduction = int | Reduced | None
-
-
-def reduced_scatter(dims: Any, like: Any) -> Any:
-    """The ``scatter`` of `close_window` for a sum reduced microbatch by microbatch: `REDUCED`
-    for the leaves split over the axis (``dims``, a pytree like ``like``, or None for none),
-    `WHOLE` for the others.
-
-    Example (a kernel split on its first dimension, a bias replicated):
-      >>> import jax.numpy as jnp
-      >>> from accumjax._reduction import reduced_scatter
-      >>> like = {"b": jnp.zeros(2), "w": jnp.zeros((4, 2))}
-      >>> reduced_scatter({"b": None, "w": 0}, like)
-      {'b': <Reduced.WHOLE: 'whole'>, 'w': <Reduced.SHARD: 'shard'>}
+    Attributes:
+      param: the parameter's dimension split over the data axis (None: replicated).
+      accumulator: the window accumulator's (None: a full-size sum on every device).
+      optimizer: the reduced gradient's and the optimizer state's (None: replicated).
+      reduction: how the gradient is reduced across the devices.
     """
-    leaves, treedef = jax.tree.flatten(like)
-    split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
-    return jax.tree.unflatten(treedef, [WHOLE if d is None else REDUCED for d in split])
+
+    param: int | None
+    accumulator: int | None
+    optimizer: int | None
+    reduction: Reduction
+
+
+#: A leaf replicated over the data axis, its gradient all-reduced once a window.
+REPLICATED = LeafLayout(None, None, None, Reduction.ALL_REDUCE)
+
+
+def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
+    """``leaf`` as a policy that reads each microbatch's whole gradient lays it out: reduced
+    every microbatch (reduce-scattered where its optimizer state is split), summed in an
+    accumulator laid out like its optimizer state.
+
+    Example:
+      >>> from accumjax._reduction import LeafLayout, Reduction, reduced_per_microbatch
+      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
+      >>> reduced_per_microbatch(zero1).reduction.value
+      'reduce-scatter per microbatch'
+    """
+    dim = leaf.optimizer
+    if dim is None:
+        return leaf._replace(accumulator=None, reduction=Reduction.ALL_REDUCE_MICROBATCH)
+    return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
 
 
 def cross_device_reduce(
-    grad_sum: Any, scalars: list[jax.Array], axis_name: str, scatter: Any
+    grad_sum: Any, scalars: list[jax.Array], axis_name: str, layouts: Sequence[LeafLayout] | None
 ) -> tuple[Any, list[jax.Array]]:
     """The window's one reduction: a grouped ``psum`` of the leaves still partial on each
     device and the scalars (which travel in the accumulator's dtype when it is float32 or
-    float64, so counts stay exact below 2**24), and a ``psum_scatter`` of the leaves sharded
-    over the axis. Returns the reduced sum and the summed scalars (float32, their shapes)."""
+    float64, so counts stay exact below 2**24), and a ``psum_scatter`` of the leaves reduced
+    into shards once a window. ``layouts``: each leaf's `LeafLayout`, in the order of
+    ``jax.tree.leaves(grad_sum)`` (None: every leaf all-reduced). Returns the reduced sum and
+    the summed scalars (float32, their shapes)."""
     leaves, treedef = jax.tree.flatten(grad_sum)
-    dims = [None] * len(leaves) if scatter is None else treedef.flatten_up_to(scatter)
-    summed = [i for i, d in enumerate(dims) if d is None]
-    scattered = [i for i, d in enumerate(dims) if d is not None and not isinstance(d, Reduced)]
+    plan = [REPLICATED] * len(leaves) if layouts is None else list(layouts)
+    kinds = [leaf.reduction for leaf in plan]
+    summed = [i for i, kind in enumerate(kinds) if kind is Reduction.ALL_REDUCE]
+    scattered = [i for i, kind in enumerate(kinds) if kind is Reduction.REDUCE_SCATTER_WINDOW]
     dtypes = {jnp.dtype(leaves[i].dtype) for i in summed}
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
@@ -80,9 +104,8 @@ def cross_device_reduce(
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
     for i in scattered:
-        leaves[i] = jax.lax.psum_scatter(
-            leaves[i], axis_name, scatter_dimension=cast(int, dims[i]), tiled=True
-        )
+        dim = cast(int, plan[i].optimizer)
+        leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=dim, tiled=True)
     out, offset = [], 0
     for x in scalars:
         size = int(jnp.size(x))
@@ -91,16 +114,16 @@ def cross_device_reduce(
     return jax.tree.unflatten(treedef, leaves), out
 
 
-def sharded_norm(grad_sum: Any, axis_name: str | None, scatter: Any) -> jax.Array:
-    """Global norm of a reduced sum whose leaves marked in ``scatter`` (a dimension or
-    `Reduced.SHARD`) are this device's shards of the whole."""
-    if axis_name is None or scatter is None:
+def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:
+    """Global norm of a reduced sum whose leaves split on ``dims`` (a pytree like it of
+    dimensions, None for a whole leaf; or None for all whole) are this device's shards of
+    the whole."""
+    if axis_name is None or dims is None:
         return global_norm(grad_sum)
     leaves, treedef = jax.tree.flatten(grad_sum)
-    dims = treedef.flatten_up_to(scatter)
-    shard = lambda d: d is not None and d is not Reduced.WHOLE
-    whole = global_norm([x for x, d in zip(leaves, dims, strict=True) if not shard(d)])
-    shards = global_norm([x for x, d in zip(leaves, dims, strict=True) if shard(d)])
+    split = treedef.flatten_up_to(dims)
+    whole = global_norm([x for x, d in zip(leaves, split, strict=True) if d is None])
+    shards = global_norm([x for x, d in zip(leaves, split, strict=True) if d is not None])
     return jnp.sqrt(jnp.square(whole) + jax.lax.psum(jnp.square(shards), axis_name))
 
 

@@ -81,7 +81,7 @@ def real_microbatches(n: Any, k: int) -> jax.Array | None:
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
     rows = split(batch, ctx.k, ctx.setup.batch_axis)
-    whole = ctx.setup.materialize or (lambda p, i: p)
+    whole = ctx.materialize or (lambda p, i: p)
     return lambda i: (whole(params, i), rows(i))
 
 
@@ -138,7 +138,8 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
 def _empty(ctx: Context, like: Carry) -> Carry:
     """An empty window shaped like ``like``'s, no loss yet, on ``like``'s model state."""
     zero = jnp.zeros((), jnp.float32)
-    carry = Carry(window_lib.empty_like(like.window), like.model_state, zero, zero)
+    window = window_lib.empty_like(like.window)
+    carry = Carry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
     return pvary(carry, ctx.setup.axis_name)
 
 
@@ -189,7 +190,7 @@ def _microbatch_loop(
     """
     if ctx.k == 1 and ctx.n_real is None:
         p, mb = take(jnp.zeros((), jnp.int32))
-        first = ctx.setup.reduce is None  # a reduced accumulator is not shaped like a gradient
+        first = ctx.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
         outcome = microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
@@ -282,7 +283,9 @@ def scan_finish(
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = loop_lib.Fields(state.params, opt, closing.model_state, ctx.loss_scale)
+    fields = loop_lib.Fields(
+        params=state.params, opt=opt, model_state=closing.model_state, loss_scale=ctx.loss_scale
+    )
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
@@ -292,8 +295,9 @@ def scan_finish(
         kept = optax.tree.where(fields.opt.updated, fields.model_state, state.model_state)
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
-    outcome = Outcome(Carry(window, closing.model_state, zero, zero), closing.loss, closing.aux)
-    counts = loop_lib.Counts(closed.skipped_count, closed.nonfinite_count)
+    carry = Carry(window=window, model_state=closing.model_state, loss_sum=zero, loss_weight=zero)
+    outcome = Outcome(carry=carry, loss=closing.loss, aux=closing.aux)
+    counts = loop_lib.Counts(skipped=closed.skipped_count, nonfinite=closed.nonfinite_count)
     return finish(ctx, state, fields, outcome, counts)
 
 

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -23,19 +23,17 @@ from accumjax._control import run_once
 from accumjax._norms import global_norm
 from accumjax._policy import ON_NONFINITE, OnNonfinite, Policy, SkipFn, transformed_gradient
 from accumjax._reduction import (
-    REDUCED,
-    WHOLE,
+    REPLICATED,
+    LeafLayout,
+    Reduction,
     cross_device_reduce,
     gathered,
     own_shard,
-    reduced_scatter,
     sharded_norm,
 )
 
 __all__ = [
     "ON_NONFINITE",
-    "REDUCED",
-    "WHOLE",
     "Closed",
     "DeviceWindow",
     "Microbatch",
@@ -53,7 +51,6 @@ __all__ = [
     "init_window",
     "inspect_microbatch",
     "local_window",
-    "reduced_scatter",
     "run_once",
     "saturating_add",
     "scaled_gradient",
@@ -493,7 +490,7 @@ def close_window(
     window: Window,
     every_k: Any,
     axis_name: str | None = None,
-    scatter: Any = None,
+    layouts: Sequence[LeafLayout] | None = None,
     *,
     extras: jax.Array | None = None,
     whole_counts: bool = False,
@@ -507,12 +504,13 @@ def close_window(
       every_k: K of this window (``"sum_over_k"`` divides by K times the number of devices).
       axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
         one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
-      scatter: with ``axis_name``, a pytree like the sum of each leaf's
-        `accumjax._reduction.LeafReduction`: the dimension its parameter is sharded on over
-        ``axis_name`` (reduce-scattered: each device keeps its shard), `Reduced.SHARD` (a
-        shard reduced already, microbatch by microbatch), `Reduced.WHOLE` (reduced
-        already, whole) or None (all-reduced); None for all (`Reduced.WHOLE` for all with a
-        policy that reads the gradient, whose microbatches `add_microbatch` added reduced).
+      layouts: with ``axis_name``, each leaf's `accumjax._reduction.LeafLayout` (the layout
+        plan's), in the order of ``jax.tree.leaves(window.grad_sum)``: its `Reduction` says
+        what the close does to it (a per-window all-reduce or reduce-scatter along its
+        ``optimizer`` dimension, each device keeping its shard; nothing for a leaf reduced
+        every microbatch, a shard where its ``optimizer`` dimension is set). None: every
+        leaf all-reduced (all-reduced every microbatch already with a policy that reads the
+        gradient, whose microbatches `add_microbatch` added reduced).
       extras: with ``axis_name``, a float vector of the caller's own per-device values
         (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
       whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
@@ -529,9 +527,10 @@ def close_window(
       (when the policy detects non-finite values) and no microbatch was non-finite under
       ``"skip_window"`` (or in a first pass that added every microbatch as it came).
     """
-    if axis_name is not None and policy.reads and scatter is None:
+    if axis_name is not None and policy.reads and layouts is None:
         # `add_microbatch` added each microbatch's whole gradient, its counts agreed on.
-        scatter, whole_counts = reduced_scatter(None, window.grad_sum), True
+        every_microbatch = REPLICATED._replace(reduction=Reduction.ALL_REDUCE_MICROBATCH)
+        layouts, whole_counts = (every_microbatch,) * len(jax.tree.leaves(window.grad_sum)), True
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices, ok = 1, None
@@ -539,7 +538,7 @@ def close_window(
         counts = [] if whole_counts else [weight_sum, nonfinite, skipped]
         own = [*counts, *([] if decisions is None else decisions)]
         grad_sum, summed = cross_device_reduce(
-            grad_sum, [*own, *([] if extras is None else [extras])], axis_name, scatter
+            grad_sum, [*own, *([] if extras is None else [extras])], axis_name, layouts
         )
         if not whole_counts:
             devices = jax.lax.axis_size(axis_name)
@@ -550,7 +549,9 @@ def close_window(
             weight_sum = summed[0]
             nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
         if decisions is not None:
-            decisions = MicrobatchDecision(*summed[len(counts) : len(own)])
+            decisions = jax.tree.unflatten(
+                jax.tree.structure(decisions), summed[len(counts) : len(own)]
+            )
         extras = None if extras is None else summed[-1]
     if decisions is not None:
         ok = accepted(policy.scaling, decisions)
@@ -558,7 +559,9 @@ def close_window(
     denom = denominator(policy.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
-    norm = sharded_norm(grad_sum, axis_name, scatter) / safe
+    dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
+    dims = None if dims is None else jax.tree.unflatten(jax.tree.structure(grad_sum), dims)
+    norm = sharded_norm(grad_sum, axis_name, dims) / safe
     apply = weight_sum > 0
     if policy.detects:
         apply = apply & jnp.isfinite(norm)

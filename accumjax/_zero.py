@@ -56,7 +56,7 @@ def _whole(layout: sharded.Layout, params: Any) -> Any:
 
 
 def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """`accumjax._loop.Setup.split_params` of a ZeRO layout: the whole parameters (pinned
+    """`accumjax._loop.Context.split_params` of a ZeRO layout: the whole parameters (pinned
     where they lie, so that XLA keeps them whole in the update's loop carry) sliced like the
     reduced gradient, and the new slices all-gathered back.
 
@@ -154,7 +154,12 @@ def as_placed(plan: sharded.Layout, params: Any, placed: dict[Any, int | None]) 
     for p, leaf in zip(plan.treedef.flatten_up_to(params), plan.leaves, strict=True):
         if leaf.param is None:
             dim = placed.get(tuple(jnp.shape(p)))
-            zero1 = LeafLayout(None, None, dim, Reduction.REDUCE_SCATTER_WINDOW)
+            zero1 = LeafLayout(
+                param=None,
+                accumulator=None,
+                optimizer=dim,
+                reduction=Reduction.REDUCE_SCATTER_WINDOW,
+            )
             leaf = REPLICATED if dim is None else zero1
         leaves.append(leaf)
     return tuple(leaves)

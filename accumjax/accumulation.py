@@ -243,7 +243,12 @@ def accumulate(
     check_inner(inner)
     scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn, microbatch_transform)
     policy = Policy(
-        scaling, max_norm, on_nonfinite, skip_fn, accumulator_dtype, microbatch_transform
+        scaling=scaling,
+        max_norm=max_norm,
+        on_nonfinite=on_nonfinite,
+        skip_fn=skip_fn,
+        accumulator_dtype=accumulator_dtype,
+        microbatch_transform=microbatch_transform,
     )
     config = window_end.Config(
         inner=optax.with_extra_args_support(inner),

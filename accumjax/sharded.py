@@ -146,9 +146,10 @@ class Layout(NamedTuple):
             PartitionSpec(self.axis) if d is None else _spec(d + 1, self.axis)
             for d in self.accumulator_dims
         ]
-        whole = PartitionSpec()
+        counters = window_lib.DeviceWindow._fields[1:]
         return window_lib.DeviceWindow(
-            jax.tree.unflatten(self.treedef, sums), *cast(Any, (whole,) * 4)
+            partial_sums=jax.tree.unflatten(self.treedef, sums),
+            **{name: cast(Any, PartitionSpec()) for name in counters},
         )
 
 
@@ -542,11 +543,13 @@ def device_window(
 
     whole = lambda dtype: _zeros((), dtype, mesh, PartitionSpec())  # distinct: donatable
     return window_lib.DeviceWindow(
-        jax.tree.unflatten(treedef, [sums(p, d) for p, d in zip(leaves, dims, strict=True)]),
-        whole(jnp.float32),
-        whole(jnp.int32),
-        whole(jnp.int32),
-        whole(jnp.int32),
+        partial_sums=jax.tree.unflatten(
+            treedef, [sums(p, d) for p, d in zip(leaves, dims, strict=True)]
+        ),
+        weight_sum=whole(jnp.float32),
+        micro_step=whole(jnp.int32),
+        window_nonfinite=whole(jnp.int32),
+        window_skipped=whole(jnp.int32),
     )
 
 

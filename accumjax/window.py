@@ -24,8 +24,6 @@ __getattr__ = forward_moved(
     __name__,
     {
         "ON_NONFINITE": "_window",
-        "REDUCED": "_window",
-        "WHOLE": "_window",
         "Closed": "_window",
         "Microbatch": "_window",
         "Policy": "_window",
@@ -39,7 +37,6 @@ __getattr__ = forward_moved(
         "init_window": "_window",
         "inspect_microbatch": "_window",
         "local_window": "_window",
-        "reduced_scatter": "_window",
         "run_once": "_window",
         "saturating_add": "_window",
         "scaled_gradient": "_window",

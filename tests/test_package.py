@@ -239,3 +239,17 @@ def test_a_name_a_public_module_exported_in_0_4_resolves_with_a_deprecation_warn
     assert name not in public.__all__ and callable(value)
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         public.nothing_here  # noqa: B018
+
+
+def test_the_0_4_scatter_markers_of_accumjax_window_resolve_with_a_deprecation_warning():
+    import jax.numpy as jnp
+
+    window = importlib.import_module("accumjax.window")
+    with pytest.warns(DeprecationWarning, match=r"window\.REDUCED is no longer read"):
+        assert window.REDUCED == -1
+    with pytest.warns(DeprecationWarning, match=r"accumjax\.window\.reduced_scatter"):
+        scatter = window.reduced_scatter
+    like = {"b": jnp.zeros(2), "w": jnp.zeros((4, 2))}
+    assert scatter({"b": None, "w": 0}, like) == {"b": -2, "w": -1}
+    with pytest.raises(AttributeError):
+        importlib.import_module("accumjax.scaling").REDUCED  # noqa: B018

@@ -9,6 +9,7 @@ value; the gradient is reduced once per window in both modes.
 
 import functools
 import re
+from typing import Any, cast
 
 import _reference as reference
 import flax.linen as nn
@@ -637,9 +638,10 @@ def _reference_problem(policy):
     return params, batch, expected
 
 
-def _reference_run(policy, mode, devices, params, batch, **step_kwargs):
+def _reference_run(policy, mode, devices, params, batch, calls=None, **step_kwargs):
     """One window of ``policy`` in ``mode`` ("1", "8" or "8 fsdp" devices) from ``params``,
-    by ``make_train_step(..., **step_kwargs)``: the state and every call's metrics (floats)."""
+    by ``make_train_step(..., **step_kwargs)`` (stream mode: its first ``calls`` calls, or
+    all K): the state and every call's metrics (floats)."""
     scaling = _POLICIES[policy].get("scaling", "mean")
     step = accumjax.make_train_step(
         reference.total_loss if scaling == "sum" else reference.loss,
@@ -658,9 +660,9 @@ def _reference_run(policy, mode, devices, params, batch, **step_kwargs):
         if devices == "8 fsdp":
             specs["w"] = P("data", None)  # (8, 2): one row a device
     state = step.init(put(params, specs), tx)
-    calls = [batch] if mode == "scan" else reference.microbatches(batch, K)
+    every = [batch] if mode == "scan" else reference.microbatches(batch, K)
     metrics = []
-    for call in calls:
+    for call in every[:calls]:
         state, m = step(state, put(call, dict.fromkeys(call, P("data"))))
         for name in ("skipped_microbatches", "nonfinite_microbatches"):  # counts: int scalars
             assert (m[name].shape, m[name].dtype) == ((), jnp.int32)
@@ -730,6 +732,29 @@ def test_every_policy_matches_a_float64_reference(policy, mode, devices):
     params, batch, expected = _reference_problem(policy)
     state, metrics = _reference_run(policy, mode, devices, params, batch)
     _check_against_reference(state, metrics, mode, params, expected)
+
+
+@pytest.mark.parametrize("devices", ["8", "8 fsdp"])
+@pytest.mark.parametrize("policy", ["skip_microbatch", "weighted", "max_norm", "skip_fn"])
+def test_a_mesh_stream_window_counts_each_microbatch_as_one_device_does(policy, devices):
+    """Mid-window (K - 1 calls, microbatch 1 left out or clipped), the state's window counters
+    on a mesh are one device's, exactly: each call's decision about the whole microbatch
+    advances them once (its weight the whole microbatch's), and the partial sums add up to
+    one device's sum."""
+    params, batch, _ = _reference_problem(policy)
+    one, _ = _reference_run(policy, "stream", "1", params, batch, calls=K - 1)
+    mesh, _ = _reference_run(policy, "stream", devices, params, batch, calls=K - 1)
+    counters = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
+    windows = [cast(Any, state.opt_state).window for state in (one, mesh)]
+    want, got = ({c: np.asarray(getattr(w, c)) for c in counters} for w in windows)
+    assert {c: (v.dtype, v.tolist()) for c, v in got.items()} == {
+        c: (v.dtype, v.tolist()) for c, v in want.items()
+    }
+    assert int(got["micro_step"]) == K - 1
+    sums = accumjax.accumulated_gradients(mesh.opt_state)
+    for key, expected in accumjax.accumulated_gradients(one.opt_state).items():
+        scale = np.abs(np.asarray(expected)).max()
+        np.testing.assert_allclose(sums[key], expected, rtol=_FLOAT32, atol=_FLOAT32 * scale)
 
 
 @pytest.mark.parametrize("policy", ["max_norm", "skip_fn"])
