@@ -154,9 +154,11 @@ def sum_decided(
     reads it: found non-finite, it keeps no model state and counts in no loss.
     """
     policy = ctx.config.policy
-    loss, new_model_state, aux, grads, _ = loop_lib.gradient(
+    loss, new_model_state, aux, grads, weight = loop_lib.gradient(
         ctx, params, carry.model_state, batch, index
     )
+    # The weight checked as every window checks it (unweighted: none is taken), nothing read.
+    unread = window_lib.inspect_microbatch(policy._replace(on_nonfinite="propagate"), grads, weight)
     gate = jnp.asarray(gate) & ~reading  # a reading pass adds nothing: its weight sum stays 0
 
     def put(a: jax.Array, g: jax.Array) -> jax.Array:
@@ -180,7 +182,7 @@ def sum_decided(
     loss = jnp.asarray(loss).astype(carry.loss_sum.dtype)
     loss_sum = carry.loss_sum + weigh(w, loss)
     carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
-    decision = device_decision(policy.scaling, nonfinite, jnp.ones((), jnp.float32))
+    decision = device_decision(policy.scaling, nonfinite, unread.weight)
     return Outcome(carry, loss, aux, gate, decision, nonfinite)
 
 
