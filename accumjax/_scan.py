@@ -166,8 +166,13 @@ def sum_decided(
         return jnp.where(reading, g, jnp.where(gate, a + g, a))
 
     written = jax.tree.map(put, carry.window.grad_sum, grads)
-    nonfinite = reading & ~jnp.isfinite(window_lib.global_norm(written))
-    kept = (gate | reading) & ~nonfinite  # its model state and loss count
+    norm = window_lib.global_norm(written)
+    # Reading: the gradient's own norm, as `accumjax._loop.microbatch` reads it. Adding: the
+    # sum so far, no larger than 2**62, tells that each gradient in it, a difference of two
+    # such sums, had a finite norm (at most 2**63: its squares sum below float32's 2**128).
+    # Only a window with a larger sum reads its gradients.
+    nonfinite = jnp.where(reading, ~jnp.isfinite(norm), ~(norm <= 2.0**62))
+    kept = gate | (reading & ~nonfinite)  # its model state and loss count
     w = jnp.where(kept, 1.0, 0.0)
     window = carry.window._replace(
         grad_sum=written,
@@ -287,23 +292,24 @@ def decide_window(
     extras)``.
 
     With `accumjax._loop.Context.sum_can_decide` the first pass read no gradient: a window
-    whose sum is finite is decided by it (every microbatch was finite). Only a window whose
-    sum is not finite runs again, reading each microbatch's gradient over the sum's buffer
-    (`window_loop`'s ``over``), and is then decided as `decide_added` decides a first pass
-    that read them.
+    whose running sum stayed small (`sum_decided`) is decided by it (every microbatch's
+    gradient had a finite norm). Only another window runs again, reading each microbatch's
+    gradient over the sum's buffer (`window_loop`'s ``over``), and is then decided as
+    `decide_added` decides a first pass that read them (then running again to add the
+    accepted ones, or all of them when none was refused).
     """
     if not ctx.sum_can_decide:
         return decide_added(ctx, first, run, close)
     clean = close(first.carry, first.decisions, first.losses)
 
     def reread(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
-        return decide_added(ctx, run(None, over=operand[0].grad_sum), run, close)
+        return decide_added(ctx, run(None, over=operand[0].grad_sum), run, close, read=True)
 
-    return window_lib.run_once(~jnp.isfinite(clean[0].norm), reread, clean)
+    return window_lib.run_once(clean[0].nonfinite_count > 0, reread, clean)
 
 
 def decide_added(
-    ctx: Context, first: Pass, run: Run, close: Close
+    ctx: Context, first: Pass, run: Run, close: Close, read: bool = False
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
     """A window's decision after its ``first`` pass (``run(None)``): ``(closed, closed model
     state, extras)``.
@@ -311,12 +317,16 @@ def decide_added(
     A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
     devices refused one (and accepted another), the window runs again, adding only the
     accepted ones, each as it comes: a second pass only for such a window, in
-    `accumjax._window.run_once` (no loop on the data; on a GPU one conditional).
+    `accumjax._window.run_once` (no loop on the data; on a GPU one conditional). After a
+    pass that ``read`` the gradients and added none, a window none of whose microbatches
+    was refused runs again too (every policy), adding them all, its loss metric as read.
     """
     closed, model_state, extras = close(first.carry, first.decisions, first.losses)
     policy = ctx.config.policy
-    if first.decisions is None or policy.on_nonfinite != "skip_microbatch" or ctx.k == 1:
+    skips = policy.on_nonfinite == "skip_microbatch"
+    if first.decisions is None or not (skips or read) or ctx.k == 1:
         return closed, model_state, extras
+    none_refused = closed.nonfinite_count == 0
 
     def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         before = operand[0]
@@ -324,9 +334,14 @@ def decide_added(
         after, model_state, extras = close(second.carry, None, None)
         counts = ("nonfinite_count", "skipped_count", "accepted")
         after = after._replace(**{name: getattr(before, name) for name in counts})
+        if read:  # the loss metric as the first pass that read them has it
+            pick = lambda a, b: jnp.where(none_refused, a, b)
+            extras = jax.tree.map(pick, operand[2], extras)
         return after, model_state, extras
 
-    redo = (closed.nonfinite_count > 0) & jnp.any(cast(jax.Array, closed.accepted))
+    redo = ~none_refused if skips else jnp.zeros((), bool)
+    redo = (redo | none_refused) if read else redo
+    redo = redo & jnp.any(cast(jax.Array, closed.accepted))
     return window_lib.run_once(redo, again, (closed, model_state, extras))
 
 
