@@ -162,6 +162,24 @@ class Context(NamedTuple):
         gradient is the window's sum: it is decided about as it comes)."""
         return self.setup.mode == "scan" and not self.config.policy.reads and self.k > 1
 
+    @property
+    def sum_can_decide(self) -> bool:
+        """Whether a window added as it came (`adds_before_deciding`) can leave its
+        microbatches' finiteness to its sum: a policy that detects non-finite values, unweighted
+        (a microbatch of weight 0 adds nothing to the sum, whatever its gradient), on one
+        device or under ``jit``, with an accumulator no wider than float32. A non-finite value
+        in any added gradient makes the sum's norm non-finite; only such a window reads each
+        microbatch's gradient, in a pass of its own (`accumjax._scan.decide_window`)."""
+        policy = self.config.policy
+        wide = window_lib.sum_dtype(jnp.float32, policy.accumulator_dtype) != jnp.float32
+        return (
+            self.adds_before_deciding
+            and policy.detects
+            and policy.scaling != "weighted"
+            and self.axis_name is None  # on a mapped axis each device reads its rows' gradient
+            and not wide  # the gradient is read where the sum was, in the same precision
+        )
+
 
 class Carry(NamedTuple):
     """The running per-window values of the loop carry."""

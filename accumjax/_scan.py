@@ -19,7 +19,7 @@ import optax
 
 import accumjax._loop as loop_lib
 import accumjax._window as window_lib
-from accumjax._agreement import MicrobatchDecision, weigh
+from accumjax._agreement import MicrobatchDecision, device_decision, weigh
 from accumjax._loop import (
     Carry,
     Context,
@@ -45,8 +45,10 @@ __all__ = [
     "Run",
     "accepted_loss",
     "real_microbatches",
+    "sum_decided",
     "scan_finish",
     "scan_step",
+    "decide_added",
     "decide_window",
     "window_k",
     "window_loop",
@@ -103,36 +105,90 @@ class Pass(NamedTuple):
     losses: jax.Array | None = None
 
 
-Run = Callable[[Any], Pass]  # ``run(gate) -> Pass``: the window's microbatches, once
+Run = Callable[..., Pass]  # ``run(gate, over=None) -> Pass``: the window's microbatches, once
 
 
 def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
-    """``run(gate)``: the window over the K strided microbatches of ``batch``, in a loop of K
-    trips (a known trip count, unless ``num_real_microbatches`` bounds it).
+    """``run(gate, over=None)``: the window over the K strided microbatches of ``batch``, in a
+    loop of K trips (a known trip count, unless ``num_real_microbatches`` bounds it).
 
     Each microbatch is added as it comes where ``gate`` (a bool vector decided before; None
     for all) and decided about at the window's end from its decision
     (`Context.adds_before_deciding`), or,
     for a policy that reads the gradient's values, decided as it comes (on a mesh the
-    devices agree about each one: `accumjax._window.inspect_microbatch`). The loop body is
-    traced once, however many times ``run`` is called.
+    devices agree about each one: `accumjax._window.inspect_microbatch`). With
+    `Context.sum_can_decide` the passes that add read no gradient, and ``over`` (a sum no
+    longer needed) gives a pass that adds nothing: each gradient is written over it and read
+    there (`sum_decided`). The loop body is traced once, however many times ``run`` is called.
     """
     take = _microbatches(ctx, params, batch)
 
-    def one(carry: Carry, i: jax.Array, gate: jax.Array | None) -> tuple[Carry, Any]:
+    def one(carry: Carry, i: jax.Array, gate: Any, reading: jax.Array) -> tuple[Carry, Any]:
         p, mb = take(i)
-        outcome = microbatch(ctx, carry, p, mb, i, gate=gate)
+        if ctx.sum_can_decide:
+            outcome = sum_decided(ctx, carry, p, mb, i, gate, reading)
+        else:
+            outcome = microbatch(ctx, carry, p, mb, i, gate=gate)
         return outcome.carry, _marks(ctx, outcome)
 
     one = jax.jit(one)
 
-    def run(gate: Any) -> Pass:
-        done = _microbatch_loop(ctx, take, one, start, gate)
+    def run(gate: Any, over: Any = None) -> Pass:
+        begin = start
+        if over is not None:
+            begin = start._replace(window=start.window._replace(grad_sum=over))
+        done = _microbatch_loop(ctx, take, one, begin, gate, over is not None)
         if done.aux is not None and ctx.setup.aux_rows:
             done = done._replace(aux=rows_in_order(done.aux))
         return done
 
     return run
+
+
+def sum_decided(
+    ctx: Context, carry: Carry, params: Any, batch: Any, index: Any, gate: Any, reading: Any
+) -> Outcome:
+    """One microbatch of a window its sum decides (`Context.sum_can_decide`): added where
+    ``gate`` without its gradient being read (the window's sum is), or, ``reading``, written
+    over the carry's sum (no longer needed) and read there as `accumjax._loop.microbatch`
+    reads it: found non-finite, it keeps no model state and counts in no loss.
+    """
+    policy = ctx.config.policy
+    loss, new_model_state, aux, grads, weight = loop_lib.gradient(
+        ctx, params, carry.model_state, batch, index
+    )
+    # The weight checked as every window checks it (unweighted: none is taken), nothing read.
+    unread = window_lib.inspect_microbatch(policy._replace(on_nonfinite="propagate"), grads, weight)
+    gate = jnp.asarray(gate) & ~reading  # a reading pass adds nothing: its weight sum stays 0
+
+    def put(a: jax.Array, g: jax.Array) -> jax.Array:
+        g = g.astype(a.dtype)
+        return jnp.where(reading, g, jnp.where(gate, a + g, a))
+
+    written = jax.tree.map(put, carry.window.grad_sum, grads)
+    norm = window_lib.global_norm(written)
+    # Reading: the gradient's own norm, as `accumjax._loop.microbatch` reads it. Adding: the
+    # sum so far, no larger than 2**62, tells that each gradient in it, a difference of two
+    # such sums, had a finite norm (at most 2**63: its squares sum below float32's 2**128).
+    # Only a window with a larger sum reads its gradients.
+    nonfinite = jnp.where(reading, ~jnp.isfinite(norm), ~(norm <= 2.0**62))
+    kept = gate | (reading & ~nonfinite)  # its model state and loss count
+    w = jnp.where(kept, 1.0, 0.0)
+    window = carry.window._replace(
+        grad_sum=written,
+        weight_sum=carry.window.weight_sum + jnp.where(gate, 1.0, 0.0),
+        micro_step=window_lib.saturating_add(carry.window.micro_step, jnp.ones((), jnp.int32)),
+        window_nonfinite=window_lib.saturating_add(carry.window.window_nonfinite, nonfinite),
+        window_skipped=window_lib.saturating_add(carry.window.window_skipped, ~gate),
+    )
+    model_state = carry.model_state
+    if model_state is not None:
+        model_state = optax.tree.where(kept, new_model_state, model_state)
+    loss = jnp.asarray(loss).astype(carry.loss_sum.dtype)
+    loss_sum = carry.loss_sum + weigh(w, loss)
+    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
+    decision = device_decision(policy.scaling, nonfinite, unread.weight)
+    return Outcome(carry, loss, aux, gate, decision, nonfinite)
 
 
 def _empty(ctx: Context, like: Carry) -> Carry:
@@ -179,7 +235,7 @@ def _marks(
 
 
 def _microbatch_loop(
-    ctx: Context, take: Take, one: Callable[..., Any], start: Carry, gate: Any
+    ctx: Context, take: Take, one: Callable[..., Any], start: Carry, gate: Any, reading: bool
 ) -> Pass:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
     ``lax.scan`` adds all K to a zero accumulator (``one`` is its body).
@@ -196,9 +252,10 @@ def _microbatch_loop(
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
         return Pass(outcome.carry, *marks)
     gates = jnp.ones(ctx.k, bool) if gate is None else gate
+    reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
     def body(carry: Carry, i: jax.Array) -> tuple[Carry, Any]:
-        return one(carry, i, gates[i] if ctx.adds_before_deciding else None)
+        return one(carry, i, gates[i] if ctx.adds_before_deciding else None, reads)
 
     carry, marks = _loop_over(ctx, body, _empty(ctx, start))
     return Pass(carry, *marks)
@@ -232,18 +289,45 @@ Close = Callable[
 def decide_window(
     ctx: Context, first: Pass, run: Run, close: Close
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
+    """A window's decision after its ``first`` pass: ``(closed, closed model state,
+    extras)``.
+
+    With `accumjax._loop.Context.sum_can_decide` the first pass read no gradient: a window
+    whose running sum stayed small (`sum_decided`) is decided by it (every microbatch's
+    gradient had a finite norm). Only another window runs again, reading each microbatch's
+    gradient over the sum's buffer (`window_loop`'s ``over``), and is then decided as
+    `decide_added` decides a first pass that read them (then running again to add the
+    accepted ones, or all of them when none was refused).
+    """
+    if not ctx.sum_can_decide:
+        return decide_added(ctx, first, run, close)
+    clean = close(first.carry, first.decisions, first.losses)
+
+    def reread(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
+        return decide_added(ctx, run(None, over=operand[0].grad_sum), run, close, read=True)
+
+    return window_lib.run_once(clean[0].nonfinite_count > 0, reread, clean)
+
+
+def decide_added(
+    ctx: Context, first: Pass, run: Run, close: Close, read: bool = False
+) -> tuple[window_lib.Closed, Any, list[Any]]:
     """A window's decision after its ``first`` pass (``run(None)``): ``(closed, closed model
     state, extras)``.
 
     A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
     devices refused one (and accepted another), the window runs again, adding only the
     accepted ones, each as it comes: a second pass only for such a window, in
-    `accumjax._window.run_once` (no loop on the data; on a GPU one conditional).
+    `accumjax._window.run_once` (no loop on the data; on a GPU one conditional). After a
+    pass that ``read`` the gradients and added none, a window none of whose microbatches
+    was refused runs again too (every policy), adding them all, its loss metric as read.
     """
     closed, model_state, extras = close(first.carry, first.decisions, first.losses)
     policy = ctx.config.policy
-    if first.decisions is None or policy.on_nonfinite != "skip_microbatch" or ctx.k == 1:
+    skips = policy.on_nonfinite == "skip_microbatch"
+    if first.decisions is None or not (skips or read) or ctx.k == 1:
         return closed, model_state, extras
+    none_refused = closed.nonfinite_count == 0
 
     def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         before = operand[0]
@@ -251,9 +335,14 @@ def decide_window(
         after, model_state, extras = close(second.carry, None, None)
         counts = ("nonfinite_count", "skipped_count", "accepted")
         after = after._replace(**{name: getattr(before, name) for name in counts})
+        if read:  # the loss metric as the first pass that read them has it
+            pick = lambda a, b: jnp.where(none_refused, a, b)
+            extras = jax.tree.map(pick, operand[2], extras)
         return after, model_state, extras
 
-    redo = (closed.nonfinite_count > 0) & jnp.any(cast(jax.Array, closed.accepted))
+    redo = ~none_refused if skips else jnp.zeros((), bool)
+    redo = (redo | none_refused) if read else redo
+    redo = redo & jnp.any(cast(jax.Array, closed.accepted))
     return window_lib.run_once(redo, again, (closed, model_state, extras))
 
 

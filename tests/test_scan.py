@@ -103,17 +103,23 @@ def test_the_microbatches_run_in_a_loop_of_known_trip_count_k(k, where):
     loops, computations = _loops(step.lower(state, batch).compile())
     known = [names for count, names in loops if count == k]
     # The window's pass, and its second pass for a window whose devices refused a microbatch
-    # (issue 37), inside a loop of at most one trip (on this CPU; a conditional on a GPU).
-    assert len(known) == 2, [count for count, _ in loops]
-    (rerun,) = [names for count, names in loops if count is None and _matmuls(computations, names)]
+    # (issue 37), inside a loop of at most one trip (on this CPU; a conditional on a GPU). On
+    # one device the window's sum decides (issue 44): the first pass reads no gradient, and
+    # only a window whose sum is not finite reads them, in a pass of its own before the second.
+    passes = 3 if where == "one device" else 2
+    assert len(known) == passes, [count for count, _ in loops]
+    rerun = [names for count, names in loops if count is None and _matmuls(computations, names)]
+    rerun = max(rerun, key=len)  # the outermost: a window run again
     (first,) = [names for names in known if not names <= rerun]
-    (again,) = [names for names in known if names <= rerun]
+    again = [names for names in known if names <= rerun]
     # Every matmul of the model runs in these loops, none outside, and the loop of unknown
-    # trip count runs them only in the second pass.
+    # trip count runs them only in the passes after the first.
     total = _matmuls(computations, computations)
-    assert total > 0 and _matmuls(computations, first | again) == total
-    assert _matmuls(computations, first) == _matmuls(computations, again) == total // 2
-    assert first.isdisjoint(rerun) and _matmuls(computations, rerun) == total // 2
+    assert total > 0 and _matmuls(computations, first.union(*again)) == total
+    per_pass = _matmuls(computations, first)
+    assert [_matmuls(computations, names) for names in again] == [per_pass] * (passes - 1)
+    assert per_pass * passes == total
+    assert first.isdisjoint(rerun) and _matmuls(computations, rerun) == total - per_pass
 
 
 @pytest.mark.parametrize(
@@ -227,4 +233,7 @@ def test_on_a_cuda_gpu_no_loop_waits_on_the_data(policy, mode, where):
     # of a window whose microbatches were added as they came (issue 37).
     runs_again = _POLICIES[policy].get("on_nonfinite", "skip_microbatch") == "skip_microbatch"
     runs_again = runs_again and policy not in ("max_norm", "skip_fn", "microbatch_transform")
+    # On one device a window's sum decides: only a window whose sum is not finite reads its
+    # gradients again, for "skip_window" too (issue 44).
+    runs_again = runs_again or (policy == "skip_window" and where == "one device")
     assert conditionals == (1 if mode == "stream" or runs_again else 0)

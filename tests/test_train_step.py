@@ -1119,6 +1119,43 @@ def test_scan_temp_memory_of_each_policy_is_what_it_must_hold(policy):
     )
 
 
+def _half_problem():
+    """Four dense 256x256 tanh layers (float32 master weights), 8 rows a microbatch."""
+    layers, width, rows = 4, 256, 8
+
+    def loss(params, batch):
+        h = batch["x"]
+        for i in range(layers):
+            h = jnp.tanh(h @ params[f"w{i}"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    params = {f"w{i}": jnp.full((width, width), 0.01, jnp.float32) for i in range(layers)}
+    ones = jnp.ones((rows * K, width), jnp.float32)
+    return loss, params, {"x": ones, "y": ones}
+
+
+@pytest.mark.parametrize(
+    "policy, precision",
+    [("skip_microbatch", "bfloat16"), ("skip_window", "bfloat16"), ("skip_microbatch", "float16")],
+)
+def test_a_16_bit_windows_decision_costs_no_memory(policy, precision):
+    """Issue 44: in 16 bits the scan step's decision about its microbatches needs no memory of
+    its own: its XLA temp is at most ``"propagate"``'s in bfloat16 (up to the decisions'
+    scalars, under a KiB). The window's sum decides; a check that read each microbatch's
+    gradient a second time kept a 16-bit copy and a float32 one of a layer's gradient."""
+    loss, params, batch = _half_problem()
+
+    def temp(precision, **kwargs):
+        step = make_train_step(loss, mode="scan", mixed_precision=precision)
+        state = step.init(params, accumulate(optax.adam(1e-3), K, **kwargs))
+        return _temp_bytes(step, state, batch)
+
+    kwargs = {} if policy == "skip_microbatch" else {"on_nonfinite": policy}
+    scalars = 4096
+    propagate = temp("bfloat16", on_nonfinite="propagate")
+    assert temp(precision, **kwargs) <= propagate + scalars, (temp(precision, **kwargs), propagate)
+
+
 # ----------------------------------------------------------------------------- misuse: clear errors
 
 _P, _Named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
