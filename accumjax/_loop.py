@@ -165,7 +165,9 @@ class Context(NamedTuple):
     @property
     def sum_can_decide(self) -> bool:
         """Whether a window added as it came (`adds_before_deciding`) can leave its
-        microbatches' finiteness to its sum: a policy that detects non-finite values, unweighted
+        microbatches' finiteness to its sum: the default ``on_nonfinite="skip_microbatch"``
+        (``"skip_window"`` keeps its check: on a GPU a window's sum deciding costs it a
+        conditional a step, where it has none), unweighted
         (a microbatch of weight 0 adds nothing to the sum, whatever its gradient), on one
         device or under ``jit``, with an accumulator no wider than float32. A non-finite value
         in any added gradient makes the sum's norm non-finite; only such a window reads each
@@ -174,7 +176,7 @@ class Context(NamedTuple):
         wide = window_lib.sum_dtype(jnp.float32, policy.accumulator_dtype) != jnp.float32
         return (
             self.adds_before_deciding
-            and policy.detects
+            and policy.on_nonfinite == "skip_microbatch"
             and policy.scaling != "weighted"
             and self.axis_name is None  # on a mapped axis each device reads its rows' gradient
             and not wide  # the gradient is read where the sum was, in the same precision

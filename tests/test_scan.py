@@ -233,7 +233,4 @@ def test_on_a_cuda_gpu_no_loop_waits_on_the_data(policy, mode, where):
     # of a window whose microbatches were added as they came (issue 37).
     runs_again = _POLICIES[policy].get("on_nonfinite", "skip_microbatch") == "skip_microbatch"
     runs_again = runs_again and policy not in ("max_norm", "skip_fn", "microbatch_transform")
-    # On one device a window's sum decides: only a window whose sum is not finite reads its
-    # gradients again, for "skip_window" too (issue 44).
-    runs_again = runs_again or (policy == "skip_window" and where == "one device")
     assert conditionals == (1 if mode == "stream" or runs_again else 0)

@@ -1136,7 +1136,7 @@ def _half_problem():
 
 @pytest.mark.parametrize(
     "policy, precision",
-    [("skip_microbatch", "bfloat16"), ("skip_window", "bfloat16"), ("skip_microbatch", "float16")],
+    [("skip_microbatch", "bfloat16"), ("skip_microbatch", "float16")],
 )
 def test_a_16_bit_windows_decision_costs_no_memory(policy, precision):
     """Issue 44: in 16 bits the scan step's decision about its microbatches needs no memory of
