@@ -119,7 +119,7 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
             "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
             "into K microbatches; a stream-mode call is one microbatch."
         )
-    k = 1 if config is None else config.static_k
+    k = 1 if config is None else config.static_every_k
     real_microbatches(n, k)  # the Python-side checks (a traced value is clipped in the step)
 
 
@@ -286,7 +286,7 @@ class TrainStep:
         if layout is not None:
             config = config_of(state.tx)
             scan = self._scan and setup.batch_axis == 0  # else refused in the step
-            k = (1 if config is None else config.static_k) if scan else None
+            k = (1 if config is None else config.static_every_k) if scan else None
             _check_rows(batch, layout, k)
         if layout is not None and isinstance(layout.mesh, Mesh):  # what is off the mesh, on it
             _warn_if_replicated(state.params, layout.mesh)
@@ -387,7 +387,7 @@ class TrainStep:
         """Refuses a short batch whose real rows are not where the strided rule puts them,
         where the step can tell: ``n`` real microbatches of K given, and a ``weight_fn``
         that weighs a microbatch after them more than 0 (one small program, run here)."""
-        setup, k = self._setup, 1 if config is None else config.static_k
+        setup, k = self._setup, 1 if config is None else config.static_every_k
         if not self._scan or self._pmapped or n is None or setup.weight_fn is None or k is None:
             return
         n = int(n)

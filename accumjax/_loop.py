@@ -150,9 +150,9 @@ class Context(NamedTuple):
         return key
 
     @property
-    def k(self) -> int:
+    def every_k(self) -> int:
         """The optimizer's int K (scan mode; `begin` refuses a schedule there)."""
-        return cast(int, self.config.static_k)
+        return cast(int, self.config.static_every_k)
 
     @property
     def adds_before_deciding(self) -> bool:
@@ -160,7 +160,7 @@ class Context(NamedTuple):
         window's end (`accumjax._window.close_window`'s decisions): every policy that does not
         read the gradient's values, in a window of more than one microbatch (one microbatch's
         gradient is the window's sum: it is decided about as it comes)."""
-        return self.setup.mode == "scan" and not self.config.policy.reads and self.k > 1
+        return self.setup.mode == "scan" and not self.config.policy.reads and self.every_k > 1
 
     @property
     def sum_can_decide(self) -> bool:
@@ -239,7 +239,7 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
             f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
             f"axis_name={stated!r}; give the axis to make_train_step only."
         )
-    k = config.static_k
+    k = config.static_every_k
     if setup.mode == "scan" and k is None:
         raise TypeError(
             "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
@@ -324,8 +324,8 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
     loss, new_model_state, aux, grads = setup.grad_fn(
         params, model_state, batch, key, _share_of_scale(ctx)
     )
-    if model_state is not None and ctx.config.static_k != 1:
-        k = ctx.config.static_k
+    if model_state is not None and ctx.config.static_every_k != 1:
+        k = ctx.config.static_every_k
         warn_plain_batch_norm(new_model_state, "make_train_step", k, before=model_state)
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 

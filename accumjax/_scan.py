@@ -50,7 +50,7 @@ __all__ = [
     "scan_step",
     "decide_added",
     "decide_window",
-    "window_k",
+    "window_every_k",
     "window_loop",
     "window_loss",
 ]
@@ -82,7 +82,7 @@ def real_microbatches(n: Any, k: int) -> jax.Array | None:
 
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
-    rows = split(batch, ctx.k, ctx.setup.batch_axis)
+    rows = split(batch, ctx.every_k, ctx.setup.batch_axis)
     whole = ctx.materialize or (lambda p, i: p)
     return lambda i: (whole(params, i), rows(i))
 
@@ -206,11 +206,11 @@ def _loop_over(
     ``ctx.n_real``, a loop that stops after the real microbatches and stacks their outputs
     into K slots (zeros in the padded ones)."""
     if ctx.n_real is None:
-        index = jnp.asarray(np.arange(ctx.k, dtype=np.int32))  # a constant, not a kernel
+        index = jnp.asarray(np.arange(ctx.every_k, dtype=np.int32))  # a constant, not a kernel
         return jax.lax.scan(body, init, index, unroll=ctx.setup.unroll)
     body = jax.jit(body)  # traced once: for the outputs' shapes, then in the loop
     shapes = jax.eval_shape(body, init, jnp.zeros((), jnp.int32))[1]
-    stacked = jax.tree.map(lambda s: jnp.zeros((ctx.k, *s.shape), s.dtype), shapes)
+    stacked = jax.tree.map(lambda s: jnp.zeros((ctx.every_k, *s.shape), s.dtype), shapes)
 
     def step(i: jax.Array, val: tuple[Any, Any]) -> tuple[Any, Any]:
         carry, ys = body(val[0], i)
@@ -244,14 +244,14 @@ def _microbatch_loop(
     activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
     loop) both microbatches' activations are alive at once.
     """
-    if ctx.k == 1 and ctx.n_real is None:
+    if ctx.every_k == 1 and ctx.n_real is None:
         p, mb = take(jnp.zeros((), jnp.int32))
         first = ctx.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
         outcome = microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
         return Pass(outcome.carry, *marks)
-    gates = jnp.ones(ctx.k, bool) if gate is None else gate
+    gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
     reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
     def body(carry: Carry, i: jax.Array) -> tuple[Carry, Any]:
@@ -273,7 +273,7 @@ def accepted_loss(losses: jax.Array, accepted: jax.Array) -> jax.Array:
     return jnp.where(total[1] > 0, total[0] / total[1], jnp.nan)
 
 
-def window_k(ctx: Context, every_k: Any) -> Any:
+def window_every_k(ctx: Context, every_k: Any) -> Any:
     """The K the window is closed with: the real microbatches' number, or ``every_k``."""
     return every_k if ctx.n_real is None else ctx.n_real
 
@@ -325,7 +325,7 @@ def decide_added(
     closed, model_state, extras = close(first.carry, first.decisions, first.losses)
     policy = ctx.config.policy
     skips = policy.on_nonfinite == "skip_microbatch"
-    if first.decisions is None or not (skips or read) or ctx.k == 1:
+    if first.decisions is None or not (skips or read) or ctx.every_k == 1:
         return closed, model_state, extras
     none_refused = closed.nonfinite_count == 0
 
@@ -398,14 +398,14 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         state: TrainState, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
-        ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.k))
+        ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
         params = pvary(state.params, setup.axis_name)
         axis, policy = ctx.config.axis_name, ctx.config.policy
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)
         # The state's K (traced): with a constant K, XLA:CPU moves the division by it into a
         # gradient-sized buffer of its own (docs/limits.md).
-        every_k = window_k(ctx, acc.every_k)
+        every_k = window_every_k(ctx, acc.every_k)
 
         def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
             closed = window_lib.close_window(

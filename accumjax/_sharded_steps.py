@@ -35,7 +35,7 @@ from accumjax._scan import (
     real_microbatches,
     scan_finish,
     scan_step,
-    window_k,
+    window_every_k,
     window_loop,
 )
 from accumjax._zero import optimizer_side, parameter_side, split_params
@@ -224,7 +224,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
                 "put the batch axis first, or run the step on unsharded arrays."
             )
         ctx, acc = begin(setup, state, rng)
-        ctx = ctx._replace(n_real=real_microbatches(n, ctx.k))
+        ctx = ctx._replace(n_real=real_microbatches(n, ctx.every_k))
         aux_tree: list[Any] = []
         local = Local(
             params=state.params,
@@ -279,7 +279,7 @@ def _local_window(
     first = run(None)
     rows = ctx.setup.aux_rows ^ 1
     split = Aux([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
-    every_k = window_k(ctx, ctx.k)
+    every_k = window_every_k(ctx, ctx.every_k)
 
     def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
         extras = [carry.loss_sum, carry.loss_weight, *split.means]

@@ -52,11 +52,11 @@ class Config(NamedTuple):
     axis_name: str | None
 
     @property
-    def static_k(self) -> int | None:
+    def static_every_k(self) -> int | None:
         """K when it is an int, else None (a schedule)."""
         return self.every_k if isinstance(self.every_k, int) else None
 
-    def k_at(self, update_count: jax.Array) -> jax.Array:
+    def every_k_at(self, update_count: jax.Array) -> jax.Array:
         """K of the window that starts after ``update_count`` updates, int32 (>= 1)."""
         if isinstance(self.every_k, int):
             return jnp.asarray(self.every_k, jnp.int32)
@@ -80,7 +80,7 @@ def check_state(config: Config, state: Any) -> AccumulationState:
             "accumulate's update needs the AccumulationState made by its own init, got "
             f"{type(state).__name__} (a plain optax state? pass state=tx.init(params))."
         )
-    check_made_for(state, config.static_k, config.policy.scaling)
+    check_made_for(state, config.static_every_k, config.policy.scaling)
     return state
 
 
@@ -112,8 +112,8 @@ def init_state(
         check_inner_state(inner_tx_state)
     return AccumulationState(
         window=window,
-        every_k=config.k_at(update_count),
-        every_k_tag=k_tag(config.static_k),
+        every_k=config.every_k_at(update_count),
+        every_k_tag=k_tag(config.static_every_k),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.policy.scaling), jnp.int32),
         update_count=update_count,
         inner_tx_state=inner_tx_state,
@@ -288,7 +288,7 @@ def _after_close(
     update_count = jnp.where(apply, optax.safe_increment(state.update_count), state.update_count)
     return state._replace(
         window=window_lib.empty_like(state.window),
-        every_k=config.k_at(update_count),
+        every_k=config.every_k_at(update_count),
         update_count=update_count,
         inner_tx_state=inner_state,
         max_grad_norm=norms[0],
