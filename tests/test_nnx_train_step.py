@@ -216,12 +216,14 @@ def test_scan_and_stream_agree_with_batch_norm_and_dropout_keys():
     results = {}
     for mode in ("scan", "stream"):
         step = _step(bn_loss, mode=mode)
-        state = step.init(BNNet(nnx.Rngs(0)), _acc(optax.adam, 1e-2))
+        state = step.init(BNNet(nnx.Rngs(0)), _acc())
         results[mode], _ = _run(step, state, windows, mode, jax.random.key(3))
     scan, stream = results["scan"], results["stream"]
     assert int(scan.step) == int(stream.step) == 2
     # Same microbatches, same keys (fold_in of step and microbatch index), same sums: only
-    # XLA's fusion choices differ between the two programs.
+    # XLA's fusion choices differ between the two programs. SGD, not Adam: Adam's first steps
+    # move every parameter by about the learning rate whatever the gradient's size, so a
+    # rounding difference in a near-zero gradient entry flips its step.
     _assert_tree_close(scan.params, stream.params, F32)
     _assert_tree_close(scan.model_state, stream.model_state, F32)
 
