@@ -36,7 +36,6 @@ from accumjax.train_state import TrainState
 __all__ = [
     "Carry",
     "Context",
-    "Counts",
     "Fields",
     "Outcome",
     "Pool",
@@ -203,15 +202,6 @@ class Outcome(NamedTuple):
     added: Any = None
     decision: MicrobatchDecision | None = None
     nonfinite: Any = None
-
-
-class Counts(NamedTuple):
-    """What a call did with the microbatches it computed (the step's count metrics): how
-    many it left out of the window (``skipped``) and how many of those were non-finite
-    (``nonfinite``), int32 scalars, the same on every device."""
-
-    skipped: jax.Array
-    nonfinite: jax.Array
 
 
 class Fields(NamedTuple):
@@ -472,10 +462,20 @@ def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None)
 
 
 def finish(
-    ctx: Context, state: TrainState, fields: Fields, outcome: Outcome, counts: Counts
+    ctx: Context,
+    state: TrainState,
+    fields: Fields,
+    outcome: Outcome,
+    *,
+    skipped: jax.Array,
+    nonfinite: jax.Array,
 ) -> tuple[TrainState, dict[str, Any]]:
-    """The new train state and the step's metrics, after the window's end (if any);
-    ``counts``: what this call did with its microbatches."""
+    """The new train state and the step's metrics, after the window's end (if any).
+
+    ``skipped`` and ``nonfinite``: what this call did with the microbatches it computed (the
+    step's count metrics), how many it left out of the window and how many of those were
+    non-finite, int32 scalars, the same on every device.
+    """
     updated = fields.opt.updated
     new = state.replace(
         step=count_update(jnp.asarray(state.step), updated),
@@ -490,8 +490,8 @@ def finish(
         "loss": outcome.loss,
         "updated": updated,
         "grad_norm": grad_norm,
-        "skipped_microbatches": counts.skipped,
-        "nonfinite_microbatches": counts.nonfinite,
+        "skipped_microbatches": skipped,
+        "nonfinite_microbatches": nonfinite,
     }
     if fields.loss_scale is not None:
         metrics["grads_finite"] = outcome.carry.window.window_nonfinite == 0
@@ -542,8 +542,8 @@ def stream_step(setup: Setup) -> Step:
         else:
             fields = close(fields)
         one = lambda flag: jnp.asarray(flag).astype(jnp.int32)
-        counts = Counts(one(~outcome.added), one(outcome.nonfinite))
-        return finish(ctx, state, fields, outcome, counts)
+        skipped, nonfinite = one(~outcome.added), one(outcome.nonfinite)
+        return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
 
     return step
 

@@ -26,7 +26,6 @@ from accumjax._layout import held_sums, sums_held
 from accumjax._loop import (
     Carry,
     Context,
-    Counts,
     Fields,
     Outcome,
     Setup,
@@ -175,8 +174,8 @@ def _mesh_call(
     zero = jnp.zeros(())
     carry = Carry(window=window, model_state=fields.model_state, loss_sum=zero, loss_weight=zero)
     one = lambda flag: flag.astype(jnp.int32)
-    counts = Counts(skipped=one(~added), nonfinite=one(nonfinite))
-    return finish(ctx, state, fields, Outcome(carry=carry, loss=loss, aux=aux), counts)
+    outcome = Outcome(carry=carry, loss=loss, aux=aux)
+    return finish(ctx, state, fields, outcome, skipped=one(~added), nonfinite=one(nonfinite))
 
 
 def _local_call(

@@ -386,8 +386,8 @@ def scan_finish(
     zero = jnp.zeros((), jnp.float32)
     carry = Carry(window=window, model_state=closing.model_state, loss_sum=zero, loss_weight=zero)
     outcome = Outcome(carry=carry, loss=closing.loss, aux=closing.aux)
-    counts = loop_lib.Counts(skipped=closed.skipped_count, nonfinite=closed.nonfinite_count)
-    return finish(ctx, state, fields, outcome, counts)
+    skipped, nonfinite = closed.skipped_count, closed.nonfinite_count
+    return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
 
 
 def scan_step(setup: loop_lib.Setup) -> Step:
