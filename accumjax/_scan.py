@@ -40,7 +40,6 @@ from accumjax.train_state import TrainState
 
 __all__ = [
     "Close",
-    "Closing",
     "Pass",
     "Run",
     "accepted_loss",
@@ -346,34 +345,37 @@ def decide_added(
     return window_lib.run_once(redo, again, (closed, model_state, extras))
 
 
-class Closing(NamedTuple):
-    """A window's microbatches after its one reduction (what a scan step closes with).
+def scan_finish(
+    ctx: Context,
+    state: TrainState,
+    acc: AccumulationState,
+    closed: window_lib.Closed,
+    *,
+    model_state: Any,
+    loss: jax.Array,
+    aux: Any,
+) -> tuple[TrainState, dict]:
+    """Applies a closed scan-mode window when it is usable and builds the new state.
 
-    Attributes:
-      closed: the reduced and decided window (`accumjax._window.Closed`).
-      model_state: the model state after its microbatches, its BatchNorm windows closed
-        with the decision.
+    Args:
+      ctx: the step's `accumjax._loop.Context`.
+      state: the train state the step started from.
+      acc: its `AccumulationState`.
+      closed: the window after its one reduction, decided (`accumjax._window.Closed`).
+      model_state: the model state after the window's microbatches, its BatchNorm windows
+        closed with the decision.
       loss: the window's loss metric.
       aux: the per-microbatch aux, stacked, or None.
+
+    Returns:
+      The new train state and the step's metrics.
     """
-
-    closed: window_lib.Closed
-    model_state: Any
-    loss: jax.Array
-    aux: Any
-
-
-def scan_finish(
-    ctx: Context, state: TrainState, acc: AccumulationState, closing: Closing
-) -> tuple[TrainState, dict]:
-    """Applies a closed scan-mode window when it is usable and builds the new state."""
-    closed = closing.closed
     window = acc.window._replace(window_nonfinite=closed.nonfinite_count)
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
     fields = loop_lib.Fields(
-        params=state.params, opt=opt, model_state=closing.model_state, loss_scale=ctx.loss_scale
+        params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale
     )
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
@@ -384,8 +386,8 @@ def scan_finish(
         kept = optax.tree.where(fields.opt.updated, fields.model_state, state.model_state)
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
-    carry = Carry(window=window, model_state=closing.model_state, loss_sum=zero, loss_weight=zero)
-    outcome = Outcome(carry=carry, loss=closing.loss, aux=closing.aux)
+    carry = Carry(window=window, model_state=model_state, loss_sum=zero, loss_weight=zero)
+    outcome = Outcome(carry=carry, loss=loss, aux=aux)
     skipped, nonfinite = closed.skipped_count, closed.nonfinite_count
     return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
 
@@ -417,6 +419,8 @@ def scan_step(setup: loop_lib.Setup) -> Step:
             return closed, close_model_state(carry.model_state, closed.apply, axis), [loss]
 
         closed, model_state, (loss,) = decide_window(ctx, first, run, close)
-        return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, first.aux))
+        return scan_finish(
+            ctx, state, acc, closed, model_state=model_state, loss=loss, aux=first.aux
+        )
 
     return step

@@ -29,7 +29,6 @@ from accumjax._layout import LeafLayout
 from accumjax._loop import Carry, Context, Setup, begin, close_model_state
 from accumjax._reduction import reduced_per_microbatch
 from accumjax._scan import (
-    Closing,
     accepted_loss,
     decide_window,
     real_microbatches,
@@ -244,13 +243,15 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             out_specs=(closed_specs, WHOLE, WHOLE, Aux(rows=row_spec, means=WHOLE)),
         )(local)
         aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-        closing = Closing(closed=closed, model_state=model_state, loss=loss, aux=aux)
-        if not layout.zero:
-            return scan_finish(ctx, state, acc, closing)
-        _, acc = optimizer_side(layout, state.params, acc)
-        ctx = ctx._replace(split_params=split_params(layout))
-        new, metrics = scan_finish(ctx, state, acc, closing)
-        return parameter_side(layout, new, ctx.accumulating), metrics
+        if layout.zero:
+            _, acc = optimizer_side(layout, state.params, acc)
+            ctx = ctx._replace(split_params=split_params(layout))
+        new, metrics = scan_finish(
+            ctx, state, acc, closed, model_state=model_state, loss=loss, aux=aux
+        )
+        if layout.zero:
+            new = parameter_side(layout, new, ctx.accumulating)
+        return new, metrics
 
     return step
 
