@@ -192,9 +192,22 @@ class Carry(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What a window's microbatches produced: the carry, the loss metric and the aux; for one
-    microbatch, also whether it was added to the window, added as it came this device's
-    `accumjax._agreement.MicrobatchDecision` about it, and whether it was found non-finite."""
+    """What microbatches produced: one microbatch (`microbatch`), or a window's run once over
+    its microbatches (scan mode's pass, `accumjax._scan.window_loop`).
+
+    Attributes:
+      carry: the loop carry after them.
+      loss: one microbatch's loss, or the loss metric; None for a pass.
+      aux: the aux (a pass: per microbatch, stacked; rows in order with ``aux_rows``), or
+        None.
+      added: one microbatch: whether it was added to the window.
+      decision: added as it came (`Context.adds_before_deciding`): this device's
+        `accumjax._agreement.MicrobatchDecision` about it (a pass: about each microbatch,
+        stacked); else None.
+      nonfinite: one microbatch: whether it was found non-finite.
+      losses: a pass with ``decision``: each microbatch's weighted loss and weight on this
+        device, float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
+    """
 
     carry: Carry
     loss: Any
@@ -202,6 +215,7 @@ class Outcome(NamedTuple):
     added: Any = None
     decision: MicrobatchDecision | None = None
     nonfinite: Any = None
+    losses: jax.Array | None = None
 
 
 class Fields(NamedTuple):

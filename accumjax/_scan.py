@@ -10,7 +10,7 @@ neither computed nor counted, without a recompile (a loop whose trip count is th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,6 @@ from accumjax.train_state import TrainState
 
 __all__ = [
     "Close",
-    "Pass",
     "Run",
     "accepted_loss",
     "real_microbatches",
@@ -86,25 +85,7 @@ def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     return lambda i: (whole(params, i), rows(i))
 
 
-class Pass(NamedTuple):
-    """A window's microbatches, run once.
-
-    Attributes:
-      carry: the loop carry after them.
-      aux: the per-microbatch aux, stacked (rows in order with ``aux_rows``), or None.
-      decisions: added as they came (`accumjax._loop.Context.adds_before_deciding`): this device's
-        `accumjax._agreement.MicrobatchDecision` about each microbatch, stacked; else None.
-      losses: with ``decisions``: each microbatch's weighted loss and weight on this device,
-        float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
-    """
-
-    carry: Carry
-    aux: Any
-    decisions: MicrobatchDecision | None = None
-    losses: jax.Array | None = None
-
-
-Run = Callable[..., Pass]  # ``run(gate, over=None) -> Pass``: the window's microbatches, once
+Run = Callable[..., Outcome]  # ``run(gate, over=None)``: the window's microbatches, once
 
 
 def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
@@ -132,7 +113,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
 
     one = jax.jit(one)
 
-    def run(gate: Any, over: Any = None) -> Pass:
+    def run(gate: Any, over: Any = None) -> Outcome:
         begin = start
         if over is not None:
             begin = start._replace(window=start.window._replace(grad_sum=over))
@@ -233,9 +214,15 @@ def _marks(
     return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight * loss_share(ctx)])
 
 
+def _pass(carry: Carry, marks: tuple[Any, Any, Any]) -> Outcome:
+    """A pass's `accumjax._loop.Outcome`: its carry and its microbatches' stacked `_marks`."""
+    aux, decision, losses = marks
+    return Outcome(carry=carry, loss=None, aux=aux, decision=decision, losses=losses)
+
+
 def _microbatch_loop(
     ctx: Context, take: Take, one: Callable[..., Any], start: Carry, gate: Any, reading: bool
-) -> Pass:
+) -> Outcome:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
     ``lax.scan`` adds all K to a zero accumulator (``one`` is its body).
 
@@ -249,7 +236,7 @@ def _microbatch_loop(
         start = start if first else _empty(ctx, start)
         outcome = microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
-        return Pass(outcome.carry, *marks)
+        return _pass(outcome.carry, marks)
     gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
     reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
@@ -257,7 +244,7 @@ def _microbatch_loop(
         return one(carry, i, gates[i] if ctx.adds_before_deciding else None, reads)
 
     carry, marks = _loop_over(ctx, body, _empty(ctx, start))
-    return Pass(carry, *marks)
+    return _pass(carry, marks)
 
 
 def window_loss(carry: Carry) -> jax.Array:
@@ -267,7 +254,7 @@ def window_loss(carry: Carry) -> jax.Array:
 
 def accepted_loss(losses: jax.Array, accepted: jax.Array) -> jax.Array:
     """The window's weighted mean loss over the microbatches the devices accepted, from each
-    one's summed loss parts (`Pass.losses`; NaN if none was accepted)."""
+    one's summed loss parts (`accumjax._loop.Outcome.losses`; NaN if none was accepted)."""
     total = jnp.sum(jnp.where(accepted[:, None], losses, 0.0), axis=0)
     return jnp.where(total[1] > 0, total[0] / total[1], jnp.nan)
 
@@ -286,7 +273,7 @@ Close = Callable[
 
 
 def decide_window(
-    ctx: Context, first: Pass, run: Run, close: Close
+    ctx: Context, first: Outcome, run: Run, close: Close
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
     """A window's decision after its ``first`` pass: ``(closed, closed model state,
     extras)``.
@@ -300,7 +287,7 @@ def decide_window(
     """
     if not ctx.sum_can_decide:
         return decide_added(ctx, first, run, close)
-    clean = close(first.carry, first.decisions, first.losses)
+    clean = close(first.carry, first.decision, first.losses)
 
     def reread(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         return decide_added(ctx, run(None, over=operand[0].grad_sum), run, close, read=True)
@@ -309,7 +296,7 @@ def decide_window(
 
 
 def decide_added(
-    ctx: Context, first: Pass, run: Run, close: Close, read: bool = False
+    ctx: Context, first: Outcome, run: Run, close: Close, read: bool = False
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
     """A window's decision after its ``first`` pass (``run(None)``): ``(closed, closed model
     state, extras)``.
@@ -321,10 +308,10 @@ def decide_added(
     pass that ``read`` the gradients and added none, a window none of whose microbatches
     was refused runs again too (every policy), adding them all, its loss metric as read.
     """
-    closed, model_state, extras = close(first.carry, first.decisions, first.losses)
+    closed, model_state, extras = close(first.carry, first.decision, first.losses)
     policy = ctx.config.policy
     skips = policy.on_nonfinite == "skip_microbatch"
-    if first.decisions is None or not (skips or read) or ctx.every_k == 1:
+    if first.decision is None or not (skips or read) or ctx.every_k == 1:
         return closed, model_state, extras
     none_refused = closed.nonfinite_count == 0
 
