@@ -62,7 +62,8 @@ class Setup(NamedTuple):
     Attributes:
       grad_fn: the loss adapter's gradient function (`accumjax._loss_adapter.make_grad_fn`).
       mode: ``"stream"`` or ``"scan"``.
-      axis_name: the ``pmap`` axis, or None.
+      axis_name: the step's data axis (``make_train_step(axis_name=...)``): the ``pmap``
+        axis, or with ``mesh`` the mesh axis the batch is split over; None for neither.
       weight_fn: ``weight_fn(microbatch) -> scalar``, or None.
       f16: float16 with dynamic loss scaling.
       unroll: scan mode's ``lax.scan`` unroll.
@@ -74,7 +75,6 @@ class Setup(NamedTuple):
       aux_rows: scan mode: per-microbatch aux back in the batch's row order.
       mesh: the step's own mesh (``make_train_step(mesh=...)``), or None to run where the
         arrays lie.
-      data_axis: with ``mesh``, the mesh axis the batch is split over.
       reduce_scatter: scan mode with parameters split over the data axis: their gradient is
         reduce-scattered into an accumulator sharded like them every ``"microbatch"``, or
         once a ``"window"`` (a full-size accumulator on every device).
@@ -93,9 +93,18 @@ class Setup(NamedTuple):
     batch_axis: Any = 0
     aux_rows: bool = False
     mesh: Any = None
-    data_axis: str | None = None
     reduce_scatter: str = "microbatch"
     optimizer_sharding: str = "replicated"
+
+    @property
+    def pmap_axis(self) -> str | None:
+        """The ``pmap`` axis the step runs under (``axis_name`` without ``mesh``), or None."""
+        return self.axis_name if self.mesh is None else None
+
+    @property
+    def mesh_axis(self) -> str | None:
+        """With ``mesh``, its axis the batch is split over (``axis_name``), else None."""
+        return None if self.mesh is None else self.axis_name
 
 
 class Context(NamedTuple):
@@ -110,8 +119,6 @@ class Context(NamedTuple):
       loss_scale: the dynamic loss scale (float16), or None.
       rng: the step's PRNG key, or None.
       step_count: ``state.step``, folded into every microbatch key.
-      axis_name: the mapped or sharded batch axis: its index is folded into keys, and the
-        devices along it agree about each microbatch (`accumjax._window.inspect_microbatch`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
       materialize: ``(params, microbatch index) -> params`` a microbatch computes with
@@ -132,12 +139,19 @@ class Context(NamedTuple):
     loss_scale: DynamicLossScale | None
     rng: Any
     step_count: Any
-    axis_name: str | None
     n_real: Any = None
     materialize: Callable[[Any, Any], Any] | None = None
     reduce: Callable[[Any], Any] | None = None
     dims: Any = None
     split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+
+    @property
+    def axis_name(self) -> str | None:
+        """The axis the step's microbatches are mapped over, as its ``config`` names it: the
+        ``pmap`` axis, inside a mesh step's ``shard_map`` its data axis, else None. Its index
+        is folded into keys, and the devices along it agree about each microbatch
+        (`accumjax._window.inspect_microbatch`)."""
+        return self.config.axis_name
 
     def key(self, index: Any) -> Any:
         """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
@@ -237,11 +251,10 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     if config is None:
         inner = optax.with_extra_args_support(state.tx)
         config = Config(inner=inner, every_k=1, policy=window_lib.Policy(), axis_name=None)
-    stated = setup.axis_name if setup.mesh is None else setup.data_axis
-    if config.axis_name not in (None, stated):
+    if config.axis_name not in (None, setup.axis_name):
         raise ValueError(
             f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
-            f"axis_name={stated!r}; give the axis to make_train_step only."
+            f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
         )
     k = config.static_every_k
     if setup.mode == "scan" and k is None:
@@ -255,7 +268,7 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
             "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
             "schedule."
         )
-    return config._replace(axis_name=setup.axis_name), accumulating
+    return config._replace(axis_name=setup.pmap_axis), accumulating
 
 
 def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
@@ -264,7 +277,7 @@ def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
     a clear error naming the fix."""
     mode, window = setup.mode, acc.window
     per_shard = isinstance(window, window_lib.DeviceWindow)
-    if setup.axis_name is not None and per_shard:
+    if setup.pmap_axis is not None and per_shard:
         raise ValueError(
             "make_train_step(axis_name=...) without mesh= runs under pmap, whose state is "
             "replicated per device, but this state keeps its stream window per data shard "
@@ -303,7 +316,14 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     else:
         acc = init_state(config, state.params, state.opt_state)
     loss_scale = state.loss_scale if setup.f16 else None
-    context = Context(setup, config, accumulating, loss_scale, rng, state.step, setup.axis_name)
+    context = Context(
+        setup=setup,
+        config=config,
+        accumulating=accumulating,
+        loss_scale=loss_scale,
+        rng=rng,
+        step_count=state.step,
+    )
     return context, acc
 
 
@@ -444,7 +464,7 @@ def close_fields(
     )
     model_state = fields.model_state
     if closed is None:
-        model_state = close_model_state(model_state, opt.updated, ctx.setup.axis_name)
+        model_state = close_model_state(model_state, opt.updated, ctx.setup.pmap_axis)
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule
@@ -537,7 +557,7 @@ def stream_step(setup: Setup) -> Step:
 
     def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
-        params = pvary(state.params, setup.axis_name)
+        params = pvary(state.params, setup.pmap_axis)
         outcome = microbatch(
             ctx,
             start_carry(state, acc),

@@ -176,7 +176,7 @@ def _empty(ctx: Context, like: Carry) -> Carry:
     zero = jnp.zeros((), jnp.float32)
     window = window_lib.empty_like(like.window)
     carry = Carry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
-    return pvary(carry, ctx.setup.axis_name)
+    return pvary(carry, ctx.setup.pmap_axis)
 
 
 def _loop_over(
@@ -388,7 +388,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
     ) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
-        params = pvary(state.params, setup.axis_name)
+        params = pvary(state.params, setup.pmap_axis)
         axis, policy = ctx.config.axis_name, ctx.config.policy
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)

@@ -138,12 +138,12 @@ def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
 
 def local_context(ctx: Context, layout: sharded.Layout, local: Local) -> Context:
     """``ctx`` inside the ``shard_map``: the call's traced values as one device sees them, and
-    the data axis the devices decide along."""
+    its config's axis the layout's data axis, the one the devices decide along."""
     return ctx._replace(
+        config=ctx.config._replace(axis_name=layout.axis),
         loss_scale=local.loss_scale,
         rng=local.rng,
         step_count=local.step_count,
-        axis_name=layout.axis,
     )
 
 
