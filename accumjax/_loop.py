@@ -36,7 +36,6 @@ from accumjax.train_state import TrainState
 __all__ = [
     "Carry",
     "Context",
-    "Fields",
     "Outcome",
     "Pool",
     "Setup",
@@ -197,12 +196,27 @@ class Context(NamedTuple):
 
 
 class Carry(NamedTuple):
-    """The running per-window values of the loop carry."""
+    """What a step carries through its loops: while microbatches are added, the open window
+    and the loss metric's running sums; through the window's close, the parts of the state
+    it may change. A field the loop does not carry is None.
 
-    window: window_lib.Window
+    Attributes:
+      model_state: the model state (both).
+      window: adding: the open window (`accumjax._window.Window`).
+      loss_sum: adding: the added microbatches' weighted loss, summed.
+      loss_weight: adding: their weight, summed.
+      params: closing: the parameters.
+      opt: closing: the `AccumulationState`, the window in it.
+      loss_scale: closing: the dynamic loss scale (float16), else None.
+    """
+
     model_state: Any
-    loss_sum: jax.Array
-    loss_weight: jax.Array
+    window: Any = None
+    loss_sum: Any = None
+    loss_weight: Any = None
+    params: Any = None
+    opt: Any = None
+    loss_scale: Any = None
 
 
 class Outcome(NamedTuple):
@@ -230,15 +244,6 @@ class Outcome(NamedTuple):
     decision: MicrobatchDecision | None = None
     nonfinite: Any = None
     losses: jax.Array | None = None
-
-
-class Fields(NamedTuple):
-    """The parts of the state a window close may change (a loop carry)."""
-
-    params: Any
-    opt: AccumulationState
-    model_state: Any
-    loss_scale: Any
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -435,7 +440,8 @@ def microbatch(
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
-    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
+    loss_weight = carry.loss_weight + w * loss_share(ctx)
+    carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
     return Outcome(carry, loss, aux, micro.added, mine, micro.nonfinite)
 
 
@@ -444,9 +450,9 @@ def microbatch(
 
 def close_fields(
     ctx: Context,
-    fields: Fields,
+    fields: Carry,
     closed: window_lib.Closed | None = None,
-) -> Fields:
+) -> Carry:
     """Closes the window: one reduction, the decision, the update, model state, loss scale.
 
     With ``closed`` (reduced and decided already, the model state closed too) only the update
@@ -468,7 +474,7 @@ def close_fields(
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule
-    return Fields(params, opt, model_state, loss_scale)
+    return Carry(model_state, params=params, opt=opt, loss_scale=loss_scale)
 
 
 def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None) -> Any:
@@ -498,7 +504,7 @@ def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None)
 def finish(
     ctx: Context,
     state: TrainState,
-    fields: Fields,
+    fields: Carry,
     outcome: Outcome,
     *,
     skipped: jax.Array,
@@ -548,7 +554,7 @@ def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
     if window.grad_sum is None:
         dtype = cast(Config, config_of(state.tx)).policy.accumulator_dtype
         window = window._replace(grad_sum=window_lib.init_window(state.params, dtype).grad_sum)
-    return Carry(window, state.model_state, zero, zero)
+    return Carry(state.model_state, window=window, loss_sum=zero, loss_weight=zero)
 
 
 def stream_step(setup: Setup) -> Step:
@@ -569,7 +575,9 @@ def stream_step(setup: Setup) -> Step:
         opt = acc._replace(
             window=outcome.carry.window, updated=jnp.zeros((), bool), added=outcome.added
         )
-        fields = Fields(state.params, opt, outcome.carry.model_state, ctx.loss_scale)
+        fields = Carry(
+            outcome.carry.model_state, params=state.params, opt=opt, loss_scale=ctx.loss_scale
+        )
         close = lambda f: close_fields(ctx, f)
         if ctx.accumulating:
             fields = window_lib.run_once(window_closes(opt), close, fields)

@@ -26,7 +26,6 @@ from accumjax._layout import held_sums, sums_held
 from accumjax._loop import (
     Carry,
     Context,
-    Fields,
     Outcome,
     Setup,
     begin,
@@ -156,9 +155,7 @@ def _mesh_call(
         out_specs=(window_specs, WHOLE, WHOLE, aux_specs, WHOLE, WHOLE),
     )(local)
     opt = acc._replace(window=window, updated=jnp.zeros((), bool), added=added)
-    fields = Fields(
-        params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale
-    )
+    fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
     if per_shard:
         close = partial(_close_device_window, ctx, layout)
     else:  # the sum is reduced already: the window closes in the global view
@@ -297,7 +294,7 @@ def _pooled_model_state(
     return jax.tree.unflatten(treedef, out)
 
 
-def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -> Fields:
+def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Carry) -> Carry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
     policy = ctx.config.policy

@@ -166,7 +166,8 @@ def sum_decided(
         model_state = optax.tree.where(kept, new_model_state, model_state)
     loss = jnp.asarray(loss).astype(carry.loss_sum.dtype)
     loss_sum = carry.loss_sum + weigh(w, loss)
-    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
+    loss_weight = carry.loss_weight + w * loss_share(ctx)
+    carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
     decision = device_decision(policy.scaling, nonfinite, unread.weight)
     return Outcome(carry, loss, aux, gate, decision, nonfinite)
 
@@ -361,9 +362,7 @@ def scan_finish(
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = loop_lib.Fields(
-        params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale
-    )
+    fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
