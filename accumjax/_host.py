@@ -304,7 +304,7 @@ class TrainStep:
             return None
         s = self._setup
         layout = sharded.layout_of(
-            state.params, batch, mesh=s.mesh, axis=s.data_axis, reduce_scatter=s.reduce_scatter
+            state.params, batch, mesh=s.mesh, axis=s.mesh_axis, reduce_scatter=s.reduce_scatter
         )
         return None if layout is None else self._optimizer_plan(layout, state)
 
@@ -490,7 +490,7 @@ class TrainStep:
         if self._scan and setup.optimizer_sharding == "replicated":
             return None
         mesh = setup.mesh if setup.mesh is not None else sharded.mesh_of(params)
-        axis = None if mesh is None else sharded.data_axis(mesh, setup.data_axis)
+        axis = None if mesh is None else sharded.data_axis(mesh, setup.mesh_axis)
         if mesh is None or axis is None:
             return None
         return sharded.layout_of(
@@ -608,13 +608,13 @@ def wrap(setup: Setup, donate: bool) -> TrainStep:
     """
     donate_argnums = (0,) if donate else ()
     scan = setup.mode == "scan"
-    if setup.axis_name is None:
+    if setup.pmap_axis is None:
         body = sharded_scan_step(setup) if scan else sharded_stream_step(setup)
         jitted = jax.jit(body, static_argnums=(3,), donate_argnums=donate_argnums)
         return TrainStep(setup, jitted, pmapped=False)
     step = scan_step(setup) if scan else stream_step(setup)
     in_axes = (0, 0, None, None) if scan else (0, 0, None)
     pmapped = jax.pmap(
-        step, axis_name=setup.axis_name, in_axes=in_axes, donate_argnums=donate_argnums
+        step, axis_name=setup.pmap_axis, in_axes=in_axes, donate_argnums=donate_argnums
     )
     return TrainStep(setup, pmapped, pmapped=True)

@@ -36,8 +36,6 @@ from accumjax.train_state import TrainState
 __all__ = [
     "Carry",
     "Context",
-    "Counts",
-    "Fields",
     "Outcome",
     "Pool",
     "Setup",
@@ -63,7 +61,8 @@ class Setup(NamedTuple):
     Attributes:
       grad_fn: the loss adapter's gradient function (`accumjax._loss_adapter.make_grad_fn`).
       mode: ``"stream"`` or ``"scan"``.
-      axis_name: the ``pmap`` axis, or None.
+      axis_name: the step's data axis (``make_train_step(axis_name=...)``): the ``pmap``
+        axis, or with ``mesh`` the mesh axis the batch is split over; None for neither.
       weight_fn: ``weight_fn(microbatch) -> scalar``, or None.
       f16: float16 with dynamic loss scaling.
       unroll: scan mode's ``lax.scan`` unroll.
@@ -75,7 +74,6 @@ class Setup(NamedTuple):
       aux_rows: scan mode: per-microbatch aux back in the batch's row order.
       mesh: the step's own mesh (``make_train_step(mesh=...)``), or None to run where the
         arrays lie.
-      data_axis: with ``mesh``, the mesh axis the batch is split over.
       reduce_scatter: scan mode with parameters split over the data axis: their gradient is
         reduce-scattered into an accumulator sharded like them every ``"microbatch"``, or
         once a ``"window"`` (a full-size accumulator on every device).
@@ -94,9 +92,18 @@ class Setup(NamedTuple):
     batch_axis: Any = 0
     aux_rows: bool = False
     mesh: Any = None
-    data_axis: str | None = None
     reduce_scatter: str = "microbatch"
     optimizer_sharding: str = "replicated"
+
+    @property
+    def pmap_axis(self) -> str | None:
+        """The ``pmap`` axis the step runs under (``axis_name`` without ``mesh``), or None."""
+        return self.axis_name if self.mesh is None else None
+
+    @property
+    def mesh_axis(self) -> str | None:
+        """With ``mesh``, its axis the batch is split over (``axis_name``), else None."""
+        return None if self.mesh is None else self.axis_name
 
 
 class Context(NamedTuple):
@@ -111,8 +118,6 @@ class Context(NamedTuple):
       loss_scale: the dynamic loss scale (float16), or None.
       rng: the step's PRNG key, or None.
       step_count: ``state.step``, folded into every microbatch key.
-      axis_name: the mapped or sharded batch axis: its index is folded into keys, and the
-        devices along it agree about each microbatch (`accumjax._window.inspect_microbatch`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
       materialize: ``(params, microbatch index) -> params`` a microbatch computes with
@@ -133,12 +138,19 @@ class Context(NamedTuple):
     loss_scale: DynamicLossScale | None
     rng: Any
     step_count: Any
-    axis_name: str | None
     n_real: Any = None
     materialize: Callable[[Any, Any], Any] | None = None
     reduce: Callable[[Any], Any] | None = None
     dims: Any = None
     split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+
+    @property
+    def axis_name(self) -> str | None:
+        """The axis the step's microbatches are mapped over, as its ``config`` names it: the
+        ``pmap`` axis, inside a mesh step's ``shard_map`` its data axis, else None. Its index
+        is folded into keys, and the devices along it agree about each microbatch
+        (`accumjax._window.inspect_microbatch`)."""
+        return self.config.axis_name
 
     def key(self, index: Any) -> Any:
         """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
@@ -184,18 +196,46 @@ class Context(NamedTuple):
 
 
 class Carry(NamedTuple):
-    """The running per-window values of the loop carry."""
+    """What a step carries through its loops: while microbatches are added, the open window
+    and the loss metric's running sums; through the window's close, the parts of the state
+    it may change. A field the loop does not carry is None.
 
-    window: window_lib.Window
+    Attributes:
+      model_state: the model state (both).
+      window: adding: the open window (`accumjax._window.Window`).
+      loss_sum: adding: the added microbatches' weighted loss, summed.
+      loss_weight: adding: their weight, summed.
+      params: closing: the parameters.
+      opt: closing: the `AccumulationState`, the window in it.
+      loss_scale: closing: the dynamic loss scale (float16), else None.
+    """
+
     model_state: Any
-    loss_sum: jax.Array
-    loss_weight: jax.Array
+    window: Any = None
+    loss_sum: Any = None
+    loss_weight: Any = None
+    params: Any = None
+    opt: Any = None
+    loss_scale: Any = None
 
 
 class Outcome(NamedTuple):
-    """What a window's microbatches produced: the carry, the loss metric and the aux; for one
-    microbatch, also whether it was added to the window, added as it came this device's
-    `accumjax._agreement.MicrobatchDecision` about it, and whether it was found non-finite."""
+    """What microbatches produced: one microbatch (`microbatch`), or a window's run once over
+    its microbatches (scan mode's pass, `accumjax._scan.window_loop`).
+
+    Attributes:
+      carry: the loop carry after them.
+      loss: one microbatch's loss, or the loss metric; None for a pass.
+      aux: the aux (a pass: per microbatch, stacked; rows in order with ``aux_rows``), or
+        None.
+      added: one microbatch: whether it was added to the window.
+      decision: added as it came (`Context.adds_before_deciding`): this device's
+        `accumjax._agreement.MicrobatchDecision` about it (a pass: about each microbatch,
+        stacked); else None.
+      nonfinite: one microbatch: whether it was found non-finite.
+      losses: a pass with ``decision``: each microbatch's weighted loss and weight on this
+        device, float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
+    """
 
     carry: Carry
     loss: Any
@@ -203,24 +243,7 @@ class Outcome(NamedTuple):
     added: Any = None
     decision: MicrobatchDecision | None = None
     nonfinite: Any = None
-
-
-class Counts(NamedTuple):
-    """What a call did with the microbatches it computed (the step's count metrics): how
-    many it left out of the window (``skipped``) and how many of those were non-finite
-    (``nonfinite``), int32 scalars, the same on every device."""
-
-    skipped: jax.Array
-    nonfinite: jax.Array
-
-
-class Fields(NamedTuple):
-    """The parts of the state a window close may change (a loop carry)."""
-
-    params: Any
-    opt: AccumulationState
-    model_state: Any
-    loss_scale: Any
+    losses: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -233,11 +256,10 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     if config is None:
         inner = optax.with_extra_args_support(state.tx)
         config = Config(inner=inner, every_k=1, policy=window_lib.Policy(), axis_name=None)
-    stated = setup.axis_name if setup.mesh is None else setup.data_axis
-    if config.axis_name not in (None, stated):
+    if config.axis_name not in (None, setup.axis_name):
         raise ValueError(
             f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
-            f"axis_name={stated!r}; give the axis to make_train_step only."
+            f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
         )
     k = config.static_every_k
     if setup.mode == "scan" and k is None:
@@ -251,7 +273,7 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
             "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
             "schedule."
         )
-    return config._replace(axis_name=setup.axis_name), accumulating
+    return config._replace(axis_name=setup.pmap_axis), accumulating
 
 
 def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
@@ -260,7 +282,7 @@ def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
     a clear error naming the fix."""
     mode, window = setup.mode, acc.window
     per_shard = isinstance(window, window_lib.DeviceWindow)
-    if setup.axis_name is not None and per_shard:
+    if setup.pmap_axis is not None and per_shard:
         raise ValueError(
             "make_train_step(axis_name=...) without mesh= runs under pmap, whose state is "
             "replicated per device, but this state keeps its stream window per data shard "
@@ -299,7 +321,14 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     else:
         acc = init_state(config, state.params, state.opt_state)
     loss_scale = state.loss_scale if setup.f16 else None
-    context = Context(setup, config, accumulating, loss_scale, rng, state.step, setup.axis_name)
+    context = Context(
+        setup=setup,
+        config=config,
+        accumulating=accumulating,
+        loss_scale=loss_scale,
+        rng=rng,
+        step_count=state.step,
+    )
     return context, acc
 
 
@@ -411,7 +440,8 @@ def microbatch(
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
-    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
+    loss_weight = carry.loss_weight + w * loss_share(ctx)
+    carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
     return Outcome(carry, loss, aux, micro.added, mine, micro.nonfinite)
 
 
@@ -420,9 +450,9 @@ def microbatch(
 
 def close_fields(
     ctx: Context,
-    fields: Fields,
+    fields: Carry,
     closed: window_lib.Closed | None = None,
-) -> Fields:
+) -> Carry:
     """Closes the window: one reduction, the decision, the update, model state, loss scale.
 
     With ``closed`` (reduced and decided already, the model state closed too) only the update
@@ -440,11 +470,11 @@ def close_fields(
     )
     model_state = fields.model_state
     if closed is None:
-        model_state = close_model_state(model_state, opt.updated, ctx.setup.axis_name)
+        model_state = close_model_state(model_state, opt.updated, ctx.setup.pmap_axis)
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule
-    return Fields(params, opt, model_state, loss_scale)
+    return Carry(model_state, params=params, opt=opt, loss_scale=loss_scale)
 
 
 def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None) -> Any:
@@ -472,10 +502,20 @@ def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None)
 
 
 def finish(
-    ctx: Context, state: TrainState, fields: Fields, outcome: Outcome, counts: Counts
+    ctx: Context,
+    state: TrainState,
+    fields: Carry,
+    outcome: Outcome,
+    *,
+    skipped: jax.Array,
+    nonfinite: jax.Array,
 ) -> tuple[TrainState, dict[str, Any]]:
-    """The new train state and the step's metrics, after the window's end (if any);
-    ``counts``: what this call did with its microbatches."""
+    """The new train state and the step's metrics, after the window's end (if any).
+
+    ``skipped`` and ``nonfinite``: what this call did with the microbatches it computed (the
+    step's count metrics), how many it left out of the window and how many of those were
+    non-finite, int32 scalars, the same on every device.
+    """
     updated = fields.opt.updated
     new = state.replace(
         step=count_update(jnp.asarray(state.step), updated),
@@ -490,8 +530,8 @@ def finish(
         "loss": outcome.loss,
         "updated": updated,
         "grad_norm": grad_norm,
-        "skipped_microbatches": counts.skipped,
-        "nonfinite_microbatches": counts.nonfinite,
+        "skipped_microbatches": skipped,
+        "nonfinite_microbatches": nonfinite,
     }
     if fields.loss_scale is not None:
         metrics["grads_finite"] = outcome.carry.window.window_nonfinite == 0
@@ -514,7 +554,7 @@ def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
     if window.grad_sum is None:
         dtype = cast(Config, config_of(state.tx)).policy.accumulator_dtype
         window = window._replace(grad_sum=window_lib.init_window(state.params, dtype).grad_sum)
-    return Carry(window, state.model_state, zero, zero)
+    return Carry(state.model_state, window=window, loss_sum=zero, loss_weight=zero)
 
 
 def stream_step(setup: Setup) -> Step:
@@ -523,7 +563,7 @@ def stream_step(setup: Setup) -> Step:
 
     def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
-        params = pvary(state.params, setup.axis_name)
+        params = pvary(state.params, setup.pmap_axis)
         outcome = microbatch(
             ctx,
             start_carry(state, acc),
@@ -535,15 +575,17 @@ def stream_step(setup: Setup) -> Step:
         opt = acc._replace(
             window=outcome.carry.window, updated=jnp.zeros((), bool), added=outcome.added
         )
-        fields = Fields(state.params, opt, outcome.carry.model_state, ctx.loss_scale)
+        fields = Carry(
+            outcome.carry.model_state, params=state.params, opt=opt, loss_scale=ctx.loss_scale
+        )
         close = lambda f: close_fields(ctx, f)
         if ctx.accumulating:
             fields = window_lib.run_once(window_closes(opt), close, fields)
         else:
             fields = close(fields)
         one = lambda flag: jnp.asarray(flag).astype(jnp.int32)
-        counts = Counts(one(~outcome.added), one(outcome.nonfinite))
-        return finish(ctx, state, fields, outcome, counts)
+        skipped, nonfinite = one(~outcome.added), one(outcome.nonfinite)
+        return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
 
     return step
 

@@ -26,8 +26,6 @@ from accumjax._layout import held_sums, sums_held
 from accumjax._loop import (
     Carry,
     Context,
-    Counts,
-    Fields,
     Outcome,
     Setup,
     begin,
@@ -40,7 +38,6 @@ from accumjax._loop import (
 )
 from accumjax._sharded_steps import (
     WHOLE,
-    Aux,
     Local,
     data_shard_map,
     field_specs,
@@ -150,7 +147,7 @@ def _mesh_call(
         loss_scale=ctx.loss_scale,
         window=acc.window,
     )
-    aux_specs = Aux(rows=PartitionSpec(layout.axis), means=WHOLE)
+    aux_specs = (PartitionSpec(layout.axis), WHOLE)  # `split_aux`'s rows and means
     window, model_state, loss, aux, added, nonfinite = data_shard_map(
         partial(_local_call, ctx, layout, aux_tree, per_shard),
         layout,
@@ -158,9 +155,7 @@ def _mesh_call(
         out_specs=(window_specs, WHOLE, WHOLE, aux_specs, WHOLE, WHOLE),
     )(local)
     opt = acc._replace(window=window, updated=jnp.zeros((), bool), added=added)
-    fields = Fields(
-        params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale
-    )
+    fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
     if per_shard:
         close = partial(_close_device_window, ctx, layout)
     else:  # the sum is reduced already: the window closes in the global view
@@ -175,13 +170,13 @@ def _mesh_call(
     zero = jnp.zeros(())
     carry = Carry(window=window, model_state=fields.model_state, loss_sum=zero, loss_weight=zero)
     one = lambda flag: flag.astype(jnp.int32)
-    counts = Counts(skipped=one(~added), nonfinite=one(nonfinite))
-    return finish(ctx, state, fields, Outcome(carry=carry, loss=loss, aux=aux), counts)
+    outcome = Outcome(carry=carry, loss=loss, aux=aux)
+    return finish(ctx, state, fields, outcome, skipped=one(~added), nonfinite=one(nonfinite))
 
 
 def _local_call(
     ctx: Context, layout: sharded.Layout, aux_tree: list[Any], per_shard: bool, local: Local
-) -> tuple[Any, Any, jax.Array, Aux, jax.Array, jax.Array]:
+) -> tuple[Any, Any, jax.Array, tuple[Any, Any], jax.Array, jax.Array]:
     """One device's part of a stream call: the loop's microbatch, its gradient added to this
     device's partial sum (``per_shard``: a leading axis of one, which the gradient broadcasts
     to) or reduced and added to the window's one sum, the rest pooled (`_pool`). Returns the
@@ -210,7 +205,7 @@ def _pool(
     m: window_lib.Microbatch,
     weight: jax.Array | None,
     produced: tuple[Any, Any, Any],
-) -> tuple[window_lib.Microbatch, tuple[jax.Array, Any, Aux]]:
+) -> tuple[window_lib.Microbatch, tuple[jax.Array, Any, tuple[Any, Any]]]:
     """The `accumjax._loop.Pool` of a stream call on a mesh: this device's decision ``m``
     about its rows as its share (`_share`), summed with the loss, BatchNorm statistics, other
     floating model state and aux means in one all-reduce; ``before``: the model state the
@@ -222,7 +217,7 @@ def _pool(
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
     mine = device_decision(policy.scaling, ~m.added, weighs)
     m = _share(policy, m, layout)
-    split = split_aux(aux, 0, aux_tree) if aux is not None else Aux(rows=[], means=[])
+    aux_rows, aux_means = split_aux(aux, 0, aux_tree) if aux is not None else ([], [])
     floats = [] if new_state is None else _floats(new_state)[1]
     bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
     parts = jnp.stack([m.weight, *mine])
@@ -230,7 +225,7 @@ def _pool(
     weighted_loss = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
     losses = jnp.stack([weighted_loss, weighs * loss_share(ctx)])
     loss_parts, parts, bn, *rest = psum_together(
-        [losses, parts, bn, *floats, *split.means],
+        [losses, parts, bn, *floats, *aux_means],
         layout.axis,
     )
     decision = MicrobatchDecision(rejected=parts[1], rejected_weightless=parts[2], weight=parts[3])
@@ -242,7 +237,7 @@ def _pool(
         bn = jnp.where(added, bn, jnp.zeros_like(bn))
         means = [total / layout.shards for total in rest[: len(floats)]]
         model_state = _pooled_model_state(before, new_state, bn, means, added)
-    pooled_aux = Aux(rows=split.rows, means=rest[len(floats) :])
+    pooled_aux = (aux_rows, rest[len(floats) :])
     return m, (loss_parts[0] / loss_parts[1], model_state, pooled_aux)
 
 
@@ -299,7 +294,7 @@ def _pooled_model_state(
     return jax.tree.unflatten(treedef, out)
 
 
-def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Fields) -> Fields:
+def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Carry) -> Carry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
     policy = ctx.config.policy

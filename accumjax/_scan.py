@@ -10,7 +10,7 @@ neither computed nor counted, without a recompile (a loop whose trip count is th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +40,6 @@ from accumjax.train_state import TrainState
 
 __all__ = [
     "Close",
-    "Closing",
-    "Pass",
     "Run",
     "accepted_loss",
     "real_microbatches",
@@ -87,25 +85,7 @@ def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     return lambda i: (whole(params, i), rows(i))
 
 
-class Pass(NamedTuple):
-    """A window's microbatches, run once.
-
-    Attributes:
-      carry: the loop carry after them.
-      aux: the per-microbatch aux, stacked (rows in order with ``aux_rows``), or None.
-      decisions: added as they came (`accumjax._loop.Context.adds_before_deciding`): this device's
-        `accumjax._agreement.MicrobatchDecision` about each microbatch, stacked; else None.
-      losses: with ``decisions``: each microbatch's weighted loss and weight on this device,
-        float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
-    """
-
-    carry: Carry
-    aux: Any
-    decisions: MicrobatchDecision | None = None
-    losses: jax.Array | None = None
-
-
-Run = Callable[..., Pass]  # ``run(gate, over=None) -> Pass``: the window's microbatches, once
+Run = Callable[..., Outcome]  # ``run(gate, over=None)``: the window's microbatches, once
 
 
 def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
@@ -133,7 +113,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
 
     one = jax.jit(one)
 
-    def run(gate: Any, over: Any = None) -> Pass:
+    def run(gate: Any, over: Any = None) -> Outcome:
         begin = start
         if over is not None:
             begin = start._replace(window=start.window._replace(grad_sum=over))
@@ -186,7 +166,8 @@ def sum_decided(
         model_state = optax.tree.where(kept, new_model_state, model_state)
     loss = jnp.asarray(loss).astype(carry.loss_sum.dtype)
     loss_sum = carry.loss_sum + weigh(w, loss)
-    carry = Carry(window, model_state, loss_sum, carry.loss_weight + w * loss_share(ctx))
+    loss_weight = carry.loss_weight + w * loss_share(ctx)
+    carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
     decision = device_decision(policy.scaling, nonfinite, unread.weight)
     return Outcome(carry, loss, aux, gate, decision, nonfinite)
 
@@ -196,7 +177,7 @@ def _empty(ctx: Context, like: Carry) -> Carry:
     zero = jnp.zeros((), jnp.float32)
     window = window_lib.empty_like(like.window)
     carry = Carry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
-    return pvary(carry, ctx.setup.axis_name)
+    return pvary(carry, ctx.setup.pmap_axis)
 
 
 def _loop_over(
@@ -234,9 +215,15 @@ def _marks(
     return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight * loss_share(ctx)])
 
 
+def _pass(carry: Carry, marks: tuple[Any, Any, Any]) -> Outcome:
+    """A pass's `accumjax._loop.Outcome`: its carry and its microbatches' stacked `_marks`."""
+    aux, decision, losses = marks
+    return Outcome(carry=carry, loss=None, aux=aux, decision=decision, losses=losses)
+
+
 def _microbatch_loop(
     ctx: Context, take: Take, one: Callable[..., Any], start: Carry, gate: Any, reading: bool
-) -> Pass:
+) -> Outcome:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
     ``lax.scan`` adds all K to a zero accumulator (``one`` is its body).
 
@@ -250,7 +237,7 @@ def _microbatch_loop(
         start = start if first else _empty(ctx, start)
         outcome = microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
-        return Pass(outcome.carry, *marks)
+        return _pass(outcome.carry, marks)
     gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
     reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
@@ -258,7 +245,7 @@ def _microbatch_loop(
         return one(carry, i, gates[i] if ctx.adds_before_deciding else None, reads)
 
     carry, marks = _loop_over(ctx, body, _empty(ctx, start))
-    return Pass(carry, *marks)
+    return _pass(carry, marks)
 
 
 def window_loss(carry: Carry) -> jax.Array:
@@ -268,7 +255,7 @@ def window_loss(carry: Carry) -> jax.Array:
 
 def accepted_loss(losses: jax.Array, accepted: jax.Array) -> jax.Array:
     """The window's weighted mean loss over the microbatches the devices accepted, from each
-    one's summed loss parts (`Pass.losses`; NaN if none was accepted)."""
+    one's summed loss parts (`accumjax._loop.Outcome.losses`; NaN if none was accepted)."""
     total = jnp.sum(jnp.where(accepted[:, None], losses, 0.0), axis=0)
     return jnp.where(total[1] > 0, total[0] / total[1], jnp.nan)
 
@@ -287,7 +274,7 @@ Close = Callable[
 
 
 def decide_window(
-    ctx: Context, first: Pass, run: Run, close: Close
+    ctx: Context, first: Outcome, run: Run, close: Close
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
     """A window's decision after its ``first`` pass: ``(closed, closed model state,
     extras)``.
@@ -301,7 +288,7 @@ def decide_window(
     """
     if not ctx.sum_can_decide:
         return decide_added(ctx, first, run, close)
-    clean = close(first.carry, first.decisions, first.losses)
+    clean = close(first.carry, first.decision, first.losses)
 
     def reread(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         return decide_added(ctx, run(None, over=operand[0].grad_sum), run, close, read=True)
@@ -310,7 +297,7 @@ def decide_window(
 
 
 def decide_added(
-    ctx: Context, first: Pass, run: Run, close: Close, read: bool = False
+    ctx: Context, first: Outcome, run: Run, close: Close, read: bool = False
 ) -> tuple[window_lib.Closed, Any, list[Any]]:
     """A window's decision after its ``first`` pass (``run(None)``): ``(closed, closed model
     state, extras)``.
@@ -322,10 +309,10 @@ def decide_added(
     pass that ``read`` the gradients and added none, a window none of whose microbatches
     was refused runs again too (every policy), adding them all, its loss metric as read.
     """
-    closed, model_state, extras = close(first.carry, first.decisions, first.losses)
+    closed, model_state, extras = close(first.carry, first.decision, first.losses)
     policy = ctx.config.policy
     skips = policy.on_nonfinite == "skip_microbatch"
-    if first.decisions is None or not (skips or read) or ctx.every_k == 1:
+    if first.decision is None or not (skips or read) or ctx.every_k == 1:
         return closed, model_state, extras
     none_refused = closed.nonfinite_count == 0
 
@@ -346,35 +333,36 @@ def decide_added(
     return window_lib.run_once(redo, again, (closed, model_state, extras))
 
 
-class Closing(NamedTuple):
-    """A window's microbatches after its one reduction (what a scan step closes with).
+def scan_finish(
+    ctx: Context,
+    state: TrainState,
+    acc: AccumulationState,
+    closed: window_lib.Closed,
+    *,
+    model_state: Any,
+    loss: jax.Array,
+    aux: Any,
+) -> tuple[TrainState, dict]:
+    """Applies a closed scan-mode window when it is usable and builds the new state.
 
-    Attributes:
-      closed: the reduced and decided window (`accumjax._window.Closed`).
-      model_state: the model state after its microbatches, its BatchNorm windows closed
-        with the decision.
+    Args:
+      ctx: the step's `accumjax._loop.Context`.
+      state: the train state the step started from.
+      acc: its `AccumulationState`.
+      closed: the window after its one reduction, decided (`accumjax._window.Closed`).
+      model_state: the model state after the window's microbatches, its BatchNorm windows
+        closed with the decision.
       loss: the window's loss metric.
       aux: the per-microbatch aux, stacked, or None.
+
+    Returns:
+      The new train state and the step's metrics.
     """
-
-    closed: window_lib.Closed
-    model_state: Any
-    loss: jax.Array
-    aux: Any
-
-
-def scan_finish(
-    ctx: Context, state: TrainState, acc: AccumulationState, closing: Closing
-) -> tuple[TrainState, dict]:
-    """Applies a closed scan-mode window when it is usable and builds the new state."""
-    closed = closing.closed
     window = acc.window._replace(window_nonfinite=closed.nonfinite_count)
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = loop_lib.Fields(
-        params=state.params, opt=opt, model_state=closing.model_state, loss_scale=ctx.loss_scale
-    )
+    fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
@@ -384,10 +372,10 @@ def scan_finish(
         kept = optax.tree.where(fields.opt.updated, fields.model_state, state.model_state)
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
-    carry = Carry(window=window, model_state=closing.model_state, loss_sum=zero, loss_weight=zero)
-    outcome = Outcome(carry=carry, loss=closing.loss, aux=closing.aux)
-    counts = loop_lib.Counts(skipped=closed.skipped_count, nonfinite=closed.nonfinite_count)
-    return finish(ctx, state, fields, outcome, counts)
+    carry = Carry(window=window, model_state=model_state, loss_sum=zero, loss_weight=zero)
+    outcome = Outcome(carry=carry, loss=loss, aux=aux)
+    skipped, nonfinite = closed.skipped_count, closed.nonfinite_count
+    return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
 
 
 def scan_step(setup: loop_lib.Setup) -> Step:
@@ -399,7 +387,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
     ) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
-        params = pvary(state.params, setup.axis_name)
+        params = pvary(state.params, setup.pmap_axis)
         axis, policy = ctx.config.axis_name, ctx.config.policy
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)
@@ -417,6 +405,8 @@ def scan_step(setup: loop_lib.Setup) -> Step:
             return closed, close_model_state(carry.model_state, closed.apply, axis), [loss]
 
         closed, model_state, (loss,) = decide_window(ctx, first, run, close)
-        return scan_finish(ctx, state, acc, Closing(closed, model_state, loss, first.aux))
+        return scan_finish(
+            ctx, state, acc, closed, model_state=model_state, loss=loss, aux=first.aux
+        )
 
     return step

@@ -10,7 +10,7 @@ The pieces a stream call on a mesh shares with it (the ``shard_map``, one device
 the pooled all-reduce, the aux split) are here too.
 
 Every value a step returns is global: metrics are scalars, aux leaves with rows have the rows
-of every device, aux scalars are means over the devices (`Aux`).
+of every device, aux scalars are means over the devices (`split_aux`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from accumjax._layout import LeafLayout
 from accumjax._loop import Carry, Context, Setup, begin, close_model_state
 from accumjax._reduction import reduced_per_microbatch
 from accumjax._scan import (
-    Closing,
     accepted_loss,
     decide_window,
     real_microbatches,
@@ -43,7 +42,6 @@ from accumjax.train_state import TrainState
 
 __all__ = [
     "WHOLE",
-    "Aux",
     "Local",
     "data_shard_map",
     "field_specs",
@@ -140,12 +138,12 @@ def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
 
 def local_context(ctx: Context, layout: sharded.Layout, local: Local) -> Context:
     """``ctx`` inside the ``shard_map``: the call's traced values as one device sees them, and
-    the data axis the devices decide along."""
+    its config's axis the layout's data axis, the one the devices decide along."""
     return ctx._replace(
+        config=ctx.config._replace(axis_name=layout.axis),
         loss_scale=local.loss_scale,
         rng=local.rng,
         step_count=local.step_count,
-        axis_name=layout.axis,
     )
 
 
@@ -174,28 +172,22 @@ def psum_together(parts: list[Any], axis: str) -> list[jax.Array]:
     return out
 
 
-class Aux(NamedTuple):
-    """A per-device aux split for ``shard_map``'s outputs: leaves with rows (concatenated
-    over the devices along their ``row_axis``) and the others (averaged over the devices):
-    lists of leaves, or one ``shard_map`` spec for each list."""
-
-    rows: Any
-    means: Any
-
-
-def split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> Aux:
-    """``aux`` as an `Aux`; its structure goes into ``aux_tree`` for `join_aux`."""
+def split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> tuple[list[Any], list[Any]]:
+    """A per-device ``aux`` split for ``shard_map``'s outputs: ``(rows, means)``, the leaves
+    with rows (concatenated over the devices along their ``row_axis``) and the others
+    (averaged over the devices); its structure goes into ``aux_tree`` for `join_aux`. The
+    ``shard_map`` spec of a split is a pair too, one spec for each list."""
     leaves, treedef = jax.tree.flatten(aux)
     has_rows = [jnp.ndim(x) > row_axis for x in leaves]
     aux_tree[:] = [treedef, has_rows, [jnp.result_type(x) for x in leaves]]
     rows = [x for x, r in zip(leaves, has_rows, strict=True) if r]
-    return Aux(rows, [x for x, r in zip(leaves, has_rows, strict=True) if not r])
+    return rows, [x for x, r in zip(leaves, has_rows, strict=True) if not r]
 
 
-def join_aux(split: Aux, aux_tree: list[Any], shards: int) -> Any:
+def join_aux(split: tuple[Any, Any], aux_tree: list[Any], shards: int) -> Any:
     """`split_aux` undone, after ``shard_map``: the means divided by the number of shards."""
     treedef, has_rows, dtypes = aux_tree
-    rows, means = iter(split.rows), iter(split.means)
+    rows, means = iter(split[0]), iter(split[1])
     leaves = [
         next(rows) if r else (next(means) / shards).astype(d)
         for r, d in zip(has_rows, dtypes, strict=True)
@@ -241,23 +233,25 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             partial(_local_window, ctx, layout, aux_tree),
             layout,
             in_specs=(local_specs(layout, n_real=WHOLE),),
-            out_specs=(closed_specs, WHOLE, WHOLE, Aux(rows=row_spec, means=WHOLE)),
+            out_specs=(closed_specs, WHOLE, WHOLE, (row_spec, WHOLE)),
         )(local)
         aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-        closing = Closing(closed=closed, model_state=model_state, loss=loss, aux=aux)
-        if not layout.zero:
-            return scan_finish(ctx, state, acc, closing)
-        _, acc = optimizer_side(layout, state.params, acc)
-        ctx = ctx._replace(split_params=split_params(layout))
-        new, metrics = scan_finish(ctx, state, acc, closing)
-        return parameter_side(layout, new, ctx.accumulating), metrics
+        if layout.zero:
+            _, acc = optimizer_side(layout, state.params, acc)
+            ctx = ctx._replace(split_params=split_params(layout))
+        new, metrics = scan_finish(
+            ctx, state, acc, closed, model_state=model_state, loss=loss, aux=aux
+        )
+        if layout.zero:
+            new = parameter_side(layout, new, ctx.accumulating)
+        return new, metrics
 
     return step
 
 
 def _local_window(
     ctx: Context, layout: sharded.Layout, aux_tree: list[Any], local: Local
-) -> tuple[window_lib.Closed, Any, jax.Array, Aux]:
+) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
     """One device's part of a window: its rows' gradients summed as they come (decided at
     the window's end, with the reduction) or decided by all devices together microbatch by
     microbatch (a policy that reads the gradient), then the window's one reduction (which
@@ -278,11 +272,11 @@ def _local_window(
     run = window_loop(ctx, params, start, local.batch)
     first = run(None)
     rows = ctx.setup.aux_rows ^ 1
-    split = Aux([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
+    aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
     every_k = window_every_k(ctx, ctx.every_k)
 
     def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
-        extras = [carry.loss_sum, carry.loss_weight, *split.means]
+        extras = [carry.loss_sum, carry.loss_weight, *aux_means]
         extras += [] if losses is None else [losses]
         closed = window_lib.close_window(
             policy,
@@ -300,10 +294,10 @@ def _local_window(
         else:
             loss = accepted_loss(out[-1], cast(jax.Array, closed.accepted))
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-        return closed._replace(extras=None), model_state, [loss, *out[2 : 2 + len(split.means)]]
+        return closed._replace(extras=None), model_state, [loss, *out[2 : 2 + len(aux_means)]]
 
     closed, model_state, extras = decide_window(ctx, first, run, close)
-    return closed._replace(accepted=None), model_state, extras[0], Aux(split.rows, extras[1:])
+    return closed._replace(accepted=None), model_state, extras[0], (aux_rows, extras[1:])
 
 
 def _sum_layout(

@@ -23,7 +23,7 @@ __all__ = [
     "CONFIG_ATTR",
     "MULTISTEPS_NOTE",
     "AccumulationState",
-    "Located",
+    "Found",
     "check_made_for",
     "config_of",
     "k_changed",
@@ -31,6 +31,7 @@ __all__ = [
     "k_tag",
     "locate",
     "unwrap",
+    "where",
 ]
 
 
@@ -154,25 +155,10 @@ _DOUBLE_COUNTING = {
 }
 
 
-class Located(NamedTuple):
-    """A node `locate` found in an optimizer state.
-
-    Attributes:
-      path: where it is, as ``jax.tree_util.keystr`` writes it (``"[1].inner_state"``):
-        ``state<path>`` is the node.
-      node: the node itself.
-      within: the nodes around it, outermost first (a ``tuple`` for a chain's state, an
-        ``optax.MaskedState``, ...); empty for the state itself.
-      keys: the key of each step down from them (``jax.tree_util`` key entries).
-    """
-
-    path: str
-    node: Any
-    within: tuple[Any, ...]
-    keys: tuple[Any, ...]
+Found = tuple[tuple[Any, ...], tuple[Any, ...]]  # (keys, nodes): a `locate` result
 
 
-def locate(state: Any, kind: type = AccumulationState) -> list[Located]:
+def locate(state: Any, kind: type = AccumulationState) -> list[Found]:
     """Every outermost node of type ``kind`` in ``state`` (``nnx.Variable``s unwrapped),
     in the order of the state's leaves.
 
@@ -181,22 +167,38 @@ def locate(state: Any, kind: type = AccumulationState) -> list[Located]:
       kind: the type to look for, `AccumulationState` by default.
 
     Returns:
-      A list of `Located`; a node inside a found one is not looked for.
+      A list of ``(keys, nodes)``, one for each node found (a node inside a found one is not
+      looked for): ``keys``, the ``jax.tree_util`` key of each step down to it
+      (`where` writes them as ``"[1].inner_state"``); ``nodes``, the nodes along the way,
+      ``state`` first and the node found last (a ``tuple`` for a chain's state, an
+      ``optax.MaskedState``, ...).
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
       >>> tx = optax.chain(optax.scale(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
-      >>> [(at.path, [type(c) for c in at.within]) for at in locate(tx.init({"w": jnp.zeros(2)}))]
+      >>> [(where(keys), [type(n) for n in nodes[:-1]])
+      ...  for keys, nodes in locate(tx.init({"w": jnp.zeros(2)}))]
       [('[1]', [<class 'tuple'>])]
     """
-    found: list[Located] = []
+    found: list[Found] = []
     _walk(unwrap_variables(state), (), (), kind, found)
     return found
 
 
-def _walk(node: Any, path: tuple, within: tuple, kind: type, found: list[Located]) -> None:
+def where(keys: tuple[Any, ...]) -> str:
+    """Where `locate`'s ``keys`` lead, as ``jax.tree_util.keystr`` writes it: ``state<where>``
+    is the node found.
+
+    Example:
+      >>> where((jax.tree_util.SequenceKey(1),))
+      '[1]'
+    """
+    return jax.tree_util.keystr(keys)
+
+
+def _walk(node: Any, path: tuple, within: tuple, kind: type, found: list[Found]) -> None:
     if isinstance(node, kind):
-        found.append(Located(jax.tree_util.keystr(path), node, within, path))
+        found.append((path, (*within, node)))
         return
     if isinstance(node, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
         return
@@ -256,20 +258,20 @@ def unwrap(state: Any) -> AccumulationState:
             "or the optax state that holds it."
         )
     if len(found) > 1:
-        where = ", ".join(f"state{at.path}" for at in found)
+        paths = ", ".join(f"state{where(keys)}" for keys, _ in found)
         raise ValueError(
             f"this {type(state).__name__} holds {len(found)} accumjax AccumulationStates, at "
-            f"{where}: pass the one you mean (e.g. accumjax.stats(state{found[0].path}))."
+            f"{paths}: pass the one you mean (e.g. accumjax.stats(state{where(found[0][0])}))."
         )
-    (at,) = found
-    for wrapper in map(type, at.within):
+    ((keys, nodes),) = found
+    for wrapper in map(type, nodes[:-1]):
         if wrapper in _DOUBLE_COUNTING:
             name, note = _DOUBLE_COUNTING[wrapper]
             raise ValueError(
-                f"the accumjax AccumulationState at state{at.path} sits inside {name}'s "
+                f"the accumjax AccumulationState at state{where(keys)} sits inside {name}'s "
                 f"state ({wrapper.__name__}). {note}"
             )
-    return at.node
+    return nodes[-1]
 
 
 #: The attribute of an `accumjax.accumulate` transformation's ``update`` that holds its

@@ -24,7 +24,7 @@ import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
 from accumjax._multisteps import check_inner_state
-from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Located, config_of, locate
+from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Found, config_of, locate, where
 from accumjax._window import Policy
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
@@ -182,10 +182,12 @@ def check_composition(opt_state: Any, accumulating: bool) -> None:
         raise TypeError(_buried(found))
 
 
-def _layers(at: Located) -> list[tuple[str, str | None]]:
-    """The combinators around ``at``, outermost first: each one's call as written around
-    ``accumulate`` and as it works inside it (None: drop it), ``{}`` for what it wraps."""
-    steps = list(zip(at.within, at.keys, strict=True))
+def _layers(at: Found) -> list[tuple[str, str | None]]:
+    """The combinators around ``at`` (a `accumjax._state.locate` result), outermost first:
+    each one's call as written around ``accumulate`` and as it works inside it (None: drop
+    it), ``{}`` for what it wraps."""
+    keys, nodes = at
+    steps = list(zip(nodes[:-1], keys, strict=True))
     layers: list[tuple[str, str | None]] = []
     while steps:
         node, key = steps.pop(0)
@@ -223,14 +225,14 @@ def _fill(templates: list[str | None], inner: str) -> str:
     return form
 
 
-def _buried(found: list[Located]) -> str:
+def _buried(found: list[Found]) -> str:
     """Why the step refuses ``found`` (`check_composition`), and the form that works."""
     layers = _layers(found[0])
     written = _fill([w for w, _ in layers], "accumjax.accumulate(inner, K)")
     working = _fill([w for _, w in layers], "inner")
-    where = ", ".join(f"state.opt_state{f.path}" for f in found)
+    paths = ", ".join(f"state.opt_state{where(keys)}" for keys, _ in found)
     held = (
-        f"holds one: tx = {written} (its state at {where})"
+        f"holds one: tx = {written} (its state at {paths})"
         if layers
         else "its state is an accumjax AccumulationState (your own transformation around "
         "accumulate's update, with its state?): pass accumulate itself, tx = "
@@ -243,7 +245,7 @@ def _buried(found: list[Located]) -> str:
         "(metrics['updated'], state.step) on every call and, in scan mode, never applying "
         "one. "
     )
-    if any(isinstance(node, optax.ApplyIfFiniteState) for node in found[0].within):
+    if any(isinstance(node, optax.ApplyIfFiniteState) for node in found[0][1][:-1]):
         text += f"{APPLY_IF_FINITE_NOTE} "
     if working != "inner":
         text += (

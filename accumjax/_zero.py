@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from accumjax import sharded
 from accumjax._layout import REPLICATED, LeafLayout, Reduction
-from accumjax._loop import Fields
+from accumjax._loop import Carry
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
@@ -98,8 +98,8 @@ def parameter_side(layout: sharded.Layout, state: TrainState, accumulating: bool
 
 
 def zero_close(
-    layout: sharded.Layout, accumulating: bool, close: Callable[[Fields], Fields], fields: Fields
-) -> Fields:
+    layout: sharded.Layout, accumulating: bool, close: Callable[[Carry], Carry], fields: Carry
+) -> Carry:
     """``close`` with the update on the parameters split like their reduced gradient, and
     the parameters and optimizer state laid out back as they lie."""
     params, opt = optimizer_side(layout, pinned(layout, fields.params), fields.opt)
@@ -121,9 +121,9 @@ def pinned(layout: sharded.Layout, params: Any) -> Any:
     return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 
-def laid_back(layout: sharded.Layout, fields: Fields) -> Fields:
-    """``fields`` with the parameters where they lie (one all-gather of a ZeRO update) and
-    the optimizer state as planned."""
+def laid_back(layout: sharded.Layout, fields: Carry) -> Carry:
+    """``fields`` (a window close's `accumjax._loop.Carry`) with the parameters where they
+    lie (one all-gather of a ZeRO update) and the optimizer state as planned."""
     opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))
     return fields._replace(params=_whole(layout, fields.params), opt=opt)
 

@@ -220,11 +220,11 @@ def make_train_step(
     compute_dtype = _PRECISIONS[
         check_choice("mixed_precision", mixed_precision, tuple(_PRECISIONS))
     ]
-    data_axis = _check_mesh(mesh, axis_name)
+    _check_mesh(mesh, axis_name)
     setup = Setup(
         grad_fn=make_grad_fn(loss_fn, has_aux, compute_dtype),
         mode=check_choice("mode", mode, MODES),
-        axis_name=axis_name if mesh is None else None,
+        axis_name=axis_name,
         weight_fn=check_callable("weight_fn", weight_fn),
         f16=mixed_precision == "float16",
         unroll=_check_unroll(unroll),
@@ -240,7 +240,6 @@ def make_train_step(
         batch_axis=_check_scan_only("batch_axis", check_batch_axis(batch_axis), 0, mode),
         aux_rows=_check_scan_only("aux_rows", _check_bool("aux_rows", aux_rows), False, mode),
         mesh=mesh,
-        data_axis=data_axis,
     )
     return wrap(setup, donate)
 
@@ -276,13 +275,12 @@ def _check_zero_on_a_mesh(optimizer_sharding: Any, axis_name: Any, mesh: Any) ->
     return choice
 
 
-def _check_mesh(mesh: Any, axis_name: str | None) -> str | None:
-    """The data axis of the step's own mesh (None without one)."""
+def _check_mesh(mesh: Any, axis_name: str | None) -> None:
+    """Refuses a step's own ``mesh`` that is not a mesh, or has no axis ``axis_name``."""
     if mesh is None:
-        return None
+        return
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis_name is None:
         raise ValueError("mesh needs axis_name: the mesh axis the batch is split over.")
     check_mesh_axis(axis_name, mesh)
-    return axis_name

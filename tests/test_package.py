@@ -96,6 +96,61 @@ def test_each_module_imports_only_what_the_design_map_allows_from_above(row):
     assert _imports(ROOT / "accumjax" / f"{name}.py") <= allowed
 
 
+#: The modules a train step runs through (BatchNorm's own records are BatchNorm's).
+STEP_PATH = [
+    "_agreement",
+    "_host",
+    "_layout",
+    "_loop",
+    "_loss_adapter",
+    "_mesh_stream",
+    "_multisteps",
+    "_opt_state",
+    "_policy",
+    "_reduction",
+    "_scan",
+    "_sharded_steps",
+    "_split",
+    "_state",
+    "_step_checks",
+    "_window",
+    "_window_end",
+    "_zero",
+    "sharded",
+    "train_step",
+]
+#: Records the user holds (a checkpoint's structure): not the step's own.
+USER_HELD = {"AccumulationState", "Window", "DeviceWindow"}
+
+
+def _named_tuples(module: str) -> set[str]:
+    """``module.Name`` for each NamedTuple class ``accumjax/<module>.py`` defines."""
+    tree = ast.parse((ROOT / "accumjax" / f"{module}.py").read_text())
+    return {
+        f"{module}.{node.name}"
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(b, ast.Name) and b.id == "NamedTuple" for b in node.bases)
+        and node.name not in USER_HELD
+    }
+
+
+def _design_records() -> set[str]:
+    """The records the table of the step path's records in ``docs/design.md`` names."""
+    found = set()
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`") and "." in cells[0]:
+            found.add(cells[0].strip("`"))
+    return found
+
+
+def test_the_step_path_records_are_the_design_notes_table():
+    records = set().union(*(_named_tuples(m) for m in STEP_PATH))
+    assert records == _design_records()
+    assert len(records) <= 12
+
+
 def test_one_version_from_one_source():
     """``accumjax.__version__`` is the installed distribution's and the CHANGELOG's newest
     release: pyproject.toml reads it (``dynamic = ["version"]``), so they cannot drift."""
