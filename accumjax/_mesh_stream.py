@@ -43,6 +43,7 @@ from accumjax._sharded_steps import (
     field_specs,
     join_aux,
     local_context,
+    local_inputs,
     local_specs,
     psum_together,
     reduce_gradient,
@@ -138,15 +139,7 @@ def _mesh_call(
         window_specs = layout.window_specs()
     else:
         window_specs = field_specs(window_lib.Window, layout.accumulator_specs())
-    local = Local(
-        params=state.params,
-        model_state=state.model_state,
-        batch=batch,
-        rng=rng,
-        step_count=state.step,
-        loss_scale=ctx.loss_scale,
-        window=acc.window,
-    )
+    local = local_inputs(state, batch, rng, ctx, window=acc.window)
     aux_specs = (PartitionSpec(layout.axis), WHOLE)  # `split_aux`'s rows and means
     window, model_state, loss, aux, added, nonfinite = data_shard_map(
         partial(_local_call, ctx, layout, aux_tree, per_shard),

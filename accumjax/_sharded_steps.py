@@ -47,6 +47,7 @@ __all__ = [
     "field_specs",
     "join_aux",
     "local_context",
+    "local_inputs",
     "local_specs",
     "psum_together",
     "reduce_gradient",
@@ -71,6 +72,20 @@ class Local(NamedTuple):
     loss_scale: Any
     n_real: Any = None
     window: Any = None
+
+
+def local_inputs(state: Any, batch: Any, rng: Any, ctx: Context, **more: Any) -> Local:
+    """A call's `Local`: the train state's parameters, model state and step count, the call's
+    batch and key, the context's loss scale, and ``more`` (``n_real``, ``window``)."""
+    return Local(
+        params=state.params,
+        model_state=state.model_state,
+        batch=batch,
+        rng=rng,
+        step_count=state.step,
+        loss_scale=ctx.loss_scale,
+        **more,
+    )
 
 
 def local_specs(layout: sharded.Layout, **more: Any) -> Local:
@@ -218,15 +233,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(n, ctx.every_k))
         aux_tree: list[Any] = []
-        local = Local(
-            params=state.params,
-            model_state=state.model_state,
-            batch=batch,
-            rng=rng,
-            step_count=state.step,
-            loss_scale=ctx.loss_scale,
-            n_real=ctx.n_real,
-        )
+        local = local_inputs(state, batch, rng, ctx, n_real=ctx.n_real)
         closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
         row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
         closed, model_state, loss, aux = data_shard_map(
