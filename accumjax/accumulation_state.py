@@ -222,6 +222,11 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
       >>> accumjax.stats(train_state, scan.layout(train_state)).memory_bytes  # one device
       64
     """
+    if layout is not None and not hasattr(layout, "leaves"):
+        raise TypeError(
+            "stats(layout=...) takes the layout plan a train step runs the state with, "
+            f"step.layout(state), or None; got {type(layout).__name__} {layout!r}."
+        )
     params, tx = getattr(state, "params", None), getattr(state, "tx", None)
     state = state_lib.unwrap(getattr(state, "opt_state", state))
     window = state.window

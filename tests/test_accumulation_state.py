@@ -114,3 +114,9 @@ def test_stats_of_a_parameter_shaped_window_on_8_devices_counts_its_one_sum():
     state = accumjax.TrainState.create(apply_fn=None, params=_params(False), tx=TX)
     s = accumjax.stats(state)
     assert (s.num_parameters, s.memory_bytes) == (PARAMETERS, W_BYTES + B_BYTES)
+
+
+def test_a_layout_that_is_not_a_plan_is_refused_naming_step_layout():
+    state = accumjax.accumulate(optax.sgd(0.1), 2).init({"w": jnp.zeros(2)})
+    with pytest.raises(TypeError, match=r"stats\(layout=\.\.\.\).*step\.layout\(state\)"):
+        accumjax.stats(state, "zero2")
