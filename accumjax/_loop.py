@@ -44,8 +44,8 @@ __all__ = [
     "begin",
     "close_fields",
     "close_model_state",
-    "follow_decision",
     "finish",
+    "follow_decision",
     "gradient",
     "loss_share",
     "microbatch",
@@ -404,8 +404,9 @@ def microbatch(
     else:
         m = window_lib.inspect_microbatch(policy, grads, weight, params, ctx.axis_name, ctx.dims)
     window, micro = add(policy, carry.window, grads, weight, params, m, gate=gate, **more)
-    kept = (micro.added, weight, loss, new_model_state)
-    carry, loss = follow_decision(ctx, carry, window, *kept, pooled=pool is not None)
+    carry, loss = follow_decision(
+        ctx, carry, window, micro.added, weight, loss, new_model_state, pooled=pool is not None
+    )
     return Outcome(carry, loss, aux, micro.added, mine, micro.nonfinite)
 
 

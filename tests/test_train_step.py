@@ -1179,8 +1179,8 @@ def test_a_scan_window_its_sum_decides_keeps_only_the_finite_microbatches_state(
     assert int(metrics["skipped_microbatches"]) == 1
     finite = [mb for i, mb in enumerate(_microbatches(window)) if i != bad]
     losses = [loss_fn(_params(), mb) for mb in finite]  # the state's buffers are donated
-    tol = F32 if precision is None else {"rtol": 2e-2, "atol": 2e-2}
-    np.testing.assert_allclose(metrics["loss"], np.mean(losses), **tol)
+    tol = 1e-5 if precision is None else 2e-2  # bfloat16: the loss of bfloat16 activations
+    np.testing.assert_allclose(metrics["loss"], np.mean(losses), rtol=tol, atol=tol)
 
 
 # ----------------------------------------------------------------------------- misuse: clear errors
