@@ -4,7 +4,8 @@
 needs into one `Context` (as optax's microbatching ``Accumulator`` bundles init, update and
 finalize); every function below takes that one value. One microbatch (`microbatch`) computes
 its gradient with the loss adapter, adds it to the window (`accumjax.window`) and keeps its
-model state only when it was added. `close_fields` closes a window: one reduction, the
+model state and loss only when it was added (`follow_decision`, which scan mode's
+`accumjax._scan.sum_decided` calls too). `close_fields` closes a window: one reduction, the
 decision, the update (`accumjax._window_end.close_and_apply`), BatchNorm windows and the loss
 scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
 call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
@@ -27,7 +28,7 @@ from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_pla
 from accumjax._loss_adapter import GradFn
 from accumjax._opt_state import count_update
 from accumjax._state import config_of
-from accumjax._step_checks import check_step_inputs
+from accumjax._step_checks import check_layout, check_step_inputs
 from accumjax._window_end import Config, check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
@@ -44,6 +45,7 @@ __all__ = [
     "close_fields",
     "close_model_state",
     "finish",
+    "follow_decision",
     "gradient",
     "loss_share",
     "microbatch",
@@ -276,38 +278,6 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     return config._replace(axis_name=setup.pmap_axis), accumulating
 
 
-def _check_layout(setup: Setup, acc: AccumulationState) -> AccumulationState:
-    """``acc`` if it is laid out for the step (an open window in stream mode, none in scan
-    mode; one kept per data shard, `accumjax.window.DeviceWindow`, only under ``jit``), else
-    a clear error naming the fix."""
-    mode, window = setup.mode, acc.window
-    per_shard = isinstance(window, window_lib.DeviceWindow)
-    if setup.pmap_axis is not None and per_shard:
-        raise ValueError(
-            "make_train_step(axis_name=...) without mesh= runs under pmap, whose state is "
-            "replicated per device, but this state keeps its stream window per data shard "
-            "(step.init of a step under jit). Build it with this step's init: "
-            "state = step.init(params, tx)."
-        )
-    if mode == "stream" and not per_shard and window.grad_sum is None:
-        raise ValueError(
-            "make_train_step(mode='stream') was given a state built for scan mode "
-            "(state.opt_state.window.grad_sum is None): stream mode keeps the open window's "
-            "sum between calls. Build the state with this step, state = step.init(params, "
-            "tx), or convert it with accumjax.with_mode(state, 'stream')."
-        )
-    if mode == "scan" and (per_shard or window.grad_sum is not None):
-        sums = window_lib.window_sum(window)
-        size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(sums))
-        raise ValueError(
-            "make_train_step(mode='scan') was given a state that holds a stream-mode "
-            f"accumulator ({size:,} bytes a shard) that scan mode never reads. Build the state "
-            "with this step, state = step.init(params, tx), or convert one you have (e.g. a "
-            "stream-mode checkpoint at a window boundary) with accumjax.with_mode(state, 'scan')."
-        )
-    return acc
-
-
 def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationState]:
     """The step's `Context` and its `AccumulationState` (a fresh one for a plain optimizer).
 
@@ -317,7 +287,8 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     config, accumulating = _config(setup, state)
     check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
     if accumulating:
-        acc = _check_layout(setup, check_state(config, state.opt_state))
+        acc = check_state(config, state.opt_state)
+        acc = check_layout(setup.mode, setup.pmap_axis, acc)
     else:
         acc = init_state(config, state.params, state.opt_state)
     loss_scale = state.loss_scale if setup.f16 else None
@@ -433,16 +404,36 @@ def microbatch(
     else:
         m = window_lib.inspect_microbatch(policy, grads, weight, params, ctx.axis_name, ctx.dims)
     window, micro = add(policy, carry.window, grads, weight, params, m, gate=gate, **more)
-    model_state = new_model_state if pool is not None else carry.model_state
-    if model_state is not None and pool is None:
-        model_state = optax.tree.where(micro.added, new_model_state, model_state)
-    w = jnp.where(micro.added, 1.0 if weight is None else weight, 0.0)
+    carry, loss = follow_decision(
+        ctx, carry, window, micro.added, weight, loss, new_model_state, pooled=pool is not None
+    )
+    return Outcome(carry, loss, aux, micro.added, mine, micro.nonfinite)
+
+
+def follow_decision(
+    ctx: Context,
+    carry: Carry,
+    window: Any,
+    added: Any,
+    weight: Any,
+    loss: Any,
+    new_state: Any,
+    *,
+    pooled: bool = False,
+) -> tuple[Carry, jax.Array]:
+    """``(carry, loss)`` after one microbatch: ``window`` (the window with it), the model
+    state it left (``new_state``) kept only where ``added`` (``pooled``: the whole
+    microbatch's, kept), its loss (cast as the loss sum) counted with ``weight`` (None: 1)."""
+    model_state = new_state if pooled else carry.model_state
+    if model_state is not None and not pooled:
+        model_state = optax.tree.where(added, new_state, model_state)
+    w = jnp.where(added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
     loss_weight = carry.loss_weight + w * loss_share(ctx)
     carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
-    return Outcome(carry, loss, aux, micro.added, mine, micro.nonfinite)
+    return carry, loss
 
 
 # ----------------------------------------------------------------------------- the window's end

@@ -29,6 +29,7 @@ from accumjax._loop import (
     close_fields,
     close_model_state,
     finish,
+    follow_decision,
     loss_share,
     microbatch,
     pvary,
@@ -132,6 +133,10 @@ def sum_decided(
     ``gate`` without its gradient being read (the window's sum is), or, ``reading``, written
     over the carry's sum (no longer needed) and read there as `accumjax._loop.microbatch`
     reads it: found non-finite, it keeps no model state and counts in no loss.
+
+    Only the write is this function's own; the window's counters are
+    `accumjax._window.count_microbatch`'s, the model state and the loss metric
+    `accumjax._loop.follow_decision`'s, as for every other microbatch.
     """
     policy = ctx.config.policy
     loss, new_model_state, aux, grads, weight = loop_lib.gradient(
@@ -153,21 +158,12 @@ def sum_decided(
     # Only a window with a larger sum reads its gradients.
     nonfinite = jnp.where(reading, ~jnp.isfinite(norm), ~(norm <= 2.0**62))
     kept = gate | (reading & ~nonfinite)  # its model state and loss count
-    w = jnp.where(kept, 1.0, 0.0)
-    window = carry.window._replace(
-        grad_sum=written,
-        weight_sum=carry.window.weight_sum + jnp.where(gate, 1.0, 0.0),
-        micro_step=window_lib.saturating_add(carry.window.micro_step, jnp.ones((), jnp.int32)),
-        window_nonfinite=window_lib.saturating_add(carry.window.window_nonfinite, nonfinite),
-        window_skipped=window_lib.saturating_add(carry.window.window_skipped, ~gate),
+    counted = window_lib.Microbatch(
+        added=gate, nonfinite=nonfinite, weight=jnp.where(gate, 1.0, 0.0)
     )
-    model_state = carry.model_state
-    if model_state is not None:
-        model_state = optax.tree.where(kept, new_model_state, model_state)
-    loss = jnp.asarray(loss).astype(carry.loss_sum.dtype)
-    loss_sum = carry.loss_sum + weigh(w, loss)
-    loss_weight = carry.loss_weight + w * loss_share(ctx)
-    carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
+    window = window_lib.count_microbatch(carry.window, written, counted)
+    # Unweighted: each microbatch kept counts 1 in the loss metric.
+    carry, loss = follow_decision(ctx, carry, window, kept, None, loss, new_model_state)
     decision = device_decision(policy.scaling, nonfinite, unread.weight)
     return Outcome(carry, loss, aux, gate, decision, nonfinite)
 

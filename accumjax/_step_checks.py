@@ -5,7 +5,7 @@ argument, never a silently wrong run.
 optimizer that accumulates where the step cannot see it (`check_composition`), an ``rng``
 that is not one key or a loss that takes no key, self-closing BatchNorm layers (which cannot
 follow the optimizer's window), and float16 without a loss scale in the state or with
-``on_nonfinite="propagate"``.
+``on_nonfinite="propagate"``; `check_layout` refuses a state laid out for another mode.
 `check_init_inputs` refuses, at ``step.init``, what the step would refuse later or ignore:
 swapped arguments, an optimizer that accumulates where the step cannot see it, a loss scale
 for a step that is not float16, float16 with ``propagate``.
@@ -25,7 +25,7 @@ import optax
 from accumjax._batch_norm_windows import check_no_self_closing
 from accumjax._multisteps import check_inner_state
 from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Found, config_of, locate, where
-from accumjax._window import Policy
+from accumjax._window import DeviceWindow, Policy, window_sum
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
@@ -33,12 +33,46 @@ __all__ = [
     "POSITIONAL",
     "check_composition",
     "check_init_inputs",
+    "check_layout",
     "check_key_argument",
     "check_step_inputs",
     "init_call",
     "positional_limit",
     "signature_parameters",
 ]
+
+
+def check_layout(mode: str, pmap_axis: str | None, acc: AccumulationState) -> AccumulationState:
+    """``acc`` if it is laid out for the step (an open window in stream mode, none in scan
+    mode; one kept per data shard, `accumjax.window.DeviceWindow`, only under ``jit``), else
+    a clear error naming the fix: ``mode`` and ``pmap_axis`` are the step's
+    (`accumjax._loop.Setup`'s)."""
+    window = acc.window
+    per_shard = isinstance(window, DeviceWindow)
+    if pmap_axis is not None and per_shard:
+        raise ValueError(
+            "make_train_step(axis_name=...) without mesh= runs under pmap, whose state is "
+            "replicated per device, but this state keeps its stream window per data shard "
+            "(step.init of a step under jit). Build it with this step's init: "
+            "state = step.init(params, tx)."
+        )
+    if mode == "stream" and not per_shard and window.grad_sum is None:
+        raise ValueError(
+            "make_train_step(mode='stream') was given a state built for scan mode "
+            "(state.opt_state.window.grad_sum is None): stream mode keeps the open window's "
+            "sum between calls. Build the state with this step, state = step.init(params, "
+            "tx), or convert it with accumjax.with_mode(state, 'stream')."
+        )
+    if mode == "scan" and (per_shard or window.grad_sum is not None):
+        sums = window_sum(window)
+        size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(sums))
+        raise ValueError(
+            "make_train_step(mode='scan') was given a state that holds a stream-mode "
+            f"accumulator ({size:,} bytes a shard) that scan mode never reads. Build the state "
+            "with this step, state = step.init(params, tx), or convert one you have (e.g. a "
+            "stream-mode checkpoint at a window boundary) with accumjax.with_mode(state, 'scan')."
+        )
+    return acc
 
 
 def check_step_inputs(

@@ -44,6 +44,7 @@ __all__ = [
     "add_microbatch",
     "agreed",
     "close_window",
+    "count_microbatch",
     "denominator",
     "empty_like",
     "first_microbatch",
@@ -410,14 +411,27 @@ def add_microbatch(
         reduced = reduce(jax.tree.map(part, window.grad_sum, source))
         add = lambda a, r: a + r if gate is None else jnp.where(gate, a + r, a)
         grad_sum = jax.tree.map(add, window.grad_sum, reduced)
-    window = Window(
+    return count_microbatch(window, grad_sum, m), m
+
+
+def count_microbatch(window: Window, grad_sum: Any, m: Microbatch) -> Window:
+    """``window`` holding ``grad_sum``, one microbatch further: its weight sum grown by
+    ``m.weight``, its steps counted, and ``m`` counted as non-finite and as skipped (not
+    ``m.added``) where it was.
+
+    Example:
+      >>> w = init_window({"w": jnp.zeros(2)})
+      >>> m = Microbatch(added=jnp.array(True), nonfinite=jnp.array(False), weight=jnp.ones(()))
+      >>> int(count_microbatch(w, w.grad_sum, m).micro_step)
+      1
+    """
+    return Window(
         grad_sum=grad_sum,
         weight_sum=window.weight_sum + m.weight,
         micro_step=_count(window.micro_step, jnp.ones((), bool)),
         window_nonfinite=_count(window.window_nonfinite, m.nonfinite),
         window_skipped=_count(window.window_skipped, ~m.added),
     )
-    return window, m
 
 
 def _opened(

@@ -1156,6 +1156,33 @@ def test_a_16_bit_windows_decision_costs_no_memory(policy, precision):
     assert temp(precision, **kwargs) <= propagate + scalars, (temp(precision, **kwargs), propagate)
 
 
+def _counting_loss(params, model_state, batch):
+    """``loss_fn`` with a model state that counts the microbatches it saw."""
+    return loss_fn(params, batch), {"seen": model_state["seen"] + 1}
+
+
+@pytest.mark.parametrize("precision", [None, "bfloat16"])
+def test_a_scan_window_its_sum_decides_keeps_only_the_finite_microbatches_state(precision):
+    """The default policy's scan window, decided by its sum: a non-finite microbatch keeps no
+    model state and counts in no loss, as every other window's microbatch (one owner)."""
+    window = _windows(*_data())[0]
+    bad = 1  # microbatch 1: rows 1, 1 + K, ...
+    x = window["x"].copy()
+    x[bad::K] = np.nan
+    window = {**window, "x": x}
+    step = make_train_step(_counting_loss, mode="scan", mixed_precision=precision)
+    seen = {"seen": jnp.zeros((), jnp.int32)}
+    state = step.init(_params(), accumulate(optax.sgd(0.1), K), model_state=seen)
+    new, metrics = step(state, window)
+    assert int(new.model_state["seen"]) == K - 1
+    assert int(metrics["nonfinite_microbatches"]) == 1
+    assert int(metrics["skipped_microbatches"]) == 1
+    finite = [mb for i, mb in enumerate(_microbatches(window)) if i != bad]
+    losses = [loss_fn(_params(), mb) for mb in finite]  # the state's buffers are donated
+    tol = 1e-5 if precision is None else 2e-2  # bfloat16: the loss of bfloat16 activations
+    np.testing.assert_allclose(metrics["loss"], np.mean(losses), rtol=tol, atol=tol)
+
+
 # ----------------------------------------------------------------------------- misuse: clear errors
 
 _P, _Named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
