@@ -181,8 +181,8 @@ class Context(NamedTuple):
         """Whether a window added as it came (`adds_before_deciding`) can leave its
         microbatches' finiteness to its sum: the default ``on_nonfinite="skip_microbatch"``
         (``"skip_window"`` keeps its check: on a GPU a window's sum deciding costs it a
-        conditional a step, where it has none), unweighted
-        (a microbatch of weight 0 adds nothing to the sum, whatever its gradient), on one
+        conditional a step, where it has none), without a ``weight_fn`` (a microbatch of
+        weight 0 adds nothing to the sum, whatever its gradient), on one
         device or under ``jit``, with an accumulator no wider than float32. A non-finite value
         in any added gradient makes the sum's norm non-finite; only such a window reads each
         microbatch's gradient, in a pass of its own (`accumjax._scan.decide_window`)."""
@@ -192,6 +192,7 @@ class Context(NamedTuple):
             self.adds_before_deciding
             and policy.on_nonfinite == "skip_microbatch"
             and policy.scaling != "weighted"
+            and self.setup.weight_fn is None  # the loss metric is weighted by it
             and self.axis_name is None  # on a mapped axis each device reads its rows' gradient
             and not wide  # the gradient is read where the sum was, in the same precision
         )
