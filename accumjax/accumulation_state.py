@@ -197,7 +197,8 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
       layout: for a scan-mode train state on a mesh, the layout plan its step runs it with,
         ``step.layout(state)`` (an `accumjax.sharded.Layout`): where the sums the step
         makes lie; None: one device's. A window the state holds (stream mode) is measured
-        as it lies: ``step.init`` laid it out by that plan.
+        as it lies: ``step.init`` laid it out by that plan. A plan made for other
+        parameters or another number of devices is refused (``ValueError``).
 
     The counts (``num_nonfinite``, ``overflow_detected``, ``skipped_microbatches``) cover every
     microbatch seen so far, the open window's included, so a non-finite microbatch shows in
@@ -228,6 +229,8 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
             f"step.layout(state), or None; got {type(layout).__name__} {layout!r}."
         )
     params, tx = getattr(state, "params", None), getattr(state, "tx", None)
+    if layout is not None and params is not None:
+        _check_plan_fits(layout, params)
     state = state_lib.unwrap(getattr(state, "opt_state", state))
     window = state.window
     # The closed windows' counts plus the open window's, so a NaN shows at once.
@@ -245,6 +248,36 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
         skipped_windows=state.skipped_windows,
         **_sizes(window, params, tx, layout),
     )
+
+
+def _devices_along(leaf: Any, axis: str) -> int | None:
+    """How many devices ``leaf`` (a concrete array) lies on along the mesh axis ``axis``: 1
+    off a mesh, None when it cannot tell (a tracer)."""
+    try:
+        sharding = leaf.sharding
+    except Exception:  # a tracer: no placement to read
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None:
+        return 1 if len(sharding.device_set) == 1 else None
+    return int(dict(mesh.shape).get(axis, 1))
+
+
+def _check_plan_fits(layout: Any, params: Any) -> None:
+    """Refuses a layout plan made for other parameters or another number of devices."""
+    leaves = jax.tree.leaves(params)
+    fix = "pass step.layout(state) for this state, made by the step that runs it"
+    if len(leaves) != len(layout.leaves):
+        raise ValueError(
+            f"stats(layout=...): the plan has {len(layout.leaves)} parameter leaves, the "
+            f"state {len(leaves)}: {fix}."
+        )
+    devices = next((n for n in (_devices_along(x, layout.axis) for x in leaves) if n), None)
+    if devices is not None and devices != layout.shards:
+        raise ValueError(
+            f"stats(layout=...): the plan splits over {layout.shards} devices along "
+            f"{layout.axis!r}, the state's parameters lie on {devices}: {fix}."
+        )
 
 
 def _sizes(window: Any, params: Any, tx: Any, layout: Any) -> dict[str, int | None]:

@@ -120,3 +120,18 @@ def test_a_layout_that_is_not_a_plan_is_refused_naming_step_layout():
     state = accumjax.accumulate(optax.sgd(0.1), 2).init({"w": jnp.zeros(2)})
     with pytest.raises(TypeError, match=r"stats\(layout=\.\.\.\).*step\.layout\(state\)"):
         accumjax.stats(state, "zero2")
+
+
+def test_a_plan_of_another_state_is_refused_naming_step_layout():
+    # The plan of an 8-device scan state, given with a state on 4 devices, on one device, or
+    # with other parameters: refused, not sized by the wrong plan.
+    state, plan = _state("zero2", "scan")
+    mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    on4 = state.replace(params=jax.device_put(state.params, NamedSharding(mesh4, P())))
+    on1 = state.replace(params=jax.device_put(state.params, jax.devices()[0]))
+    for other in (on4, on1):
+        with pytest.raises(ValueError, match=r"plan splits over 8 devices.*step\.layout\(state\)"):
+            accumjax.stats(other, plan)
+    fewer = state.replace(params={"w": state.params["w"]})
+    with pytest.raises(ValueError, match=r"the plan has 2 parameter leaves, the state 1"):
+        accumjax.stats(fewer, plan)
