@@ -8,29 +8,20 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
-
-__all__ = ["RETIRED_MARKERS", "forward_moved"]
+__all__ = ["forward_moved"]
 
 
-def _reduced_scatter(dims: Any, like: Any) -> Any:
-    """0.4's ``close_window`` scatter markers for a sum reduced microbatch by microbatch."""
-    leaves, treedef = jax.tree.flatten(like)
-    split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
-    return jax.tree.unflatten(treedef, [-2 if d is None else -1 for d in split])
-
-
-#: ``accumjax.window``'s 0.4 scatter markers, resolved with a DeprecationWarning until 0.6.
-RETIRED_MARKERS: dict[str, Any] = {"REDUCED": -1, "WHOLE": -2, "reduced_scatter": _reduced_scatter}
-
-
-def forward_moved(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
+def forward_moved(
+    module: str, moved: Mapping[str, str], retired: Mapping[str, Any] | None = None
+) -> Callable[[str], Any]:
     """A module ``__getattr__`` that resolves each of ``moved``'s names from the internal
     module it moved to, warning that ``module`` stops exporting it in 0.6.
 
     Args:
       module: the public module's name (``__name__``).
       moved: name -> the internal module (``"_window"``) that holds it now.
+      retired: name -> its 0.4 value, for names accumjax no longer reads (no internal
+        module holds them): resolved with a warning that says so.
 
     Returns:
       The function to assign to the module's ``__getattr__``.
@@ -46,15 +37,14 @@ def forward_moved(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]
     """
 
     def __getattr__(name: str) -> Any:
-        if module == "accumjax.window" and name in RETIRED_MARKERS:
+        if retired is not None and name in retired:
             warnings.warn(
-                f"{module}.{name} is no longer read by accumjax: the window's close takes each "
-                "leaf's layout (how it is reduced) from the layout plan. It leaves "
-                f"{module} in 0.6; pin accumjax<0.6 if you build on it.",
+                f"{module}.{name} is no longer read by accumjax. It leaves {module} in 0.6; "
+                "pin accumjax<0.6 if you build on it.",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            return RETIRED_MARKERS[name]
+            return retired[name]
         if name not in moved:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warnings.warn(

@@ -13,10 +13,22 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+
 from accumjax._moved import forward_moved
 from accumjax._window import DeviceWindow, Window
 
 __all__ = ["DeviceWindow", "Window"]
+
+
+def _reduced_scatter(dims: Any, like: Any) -> Any:
+    """0.4's ``close_window`` scatter markers for a sum reduced microbatch by microbatch
+    (-1 a reduced shard, -2 a whole sum); the close now reads each leaf's layout plan."""
+    leaves, treedef = jax.tree.flatten(like)
+    split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
+    return jax.tree.unflatten(treedef, [-2 if d is None else -1 for d in split])
 
 
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
@@ -43,4 +55,5 @@ __getattr__ = forward_moved(
         "sum_dtype": "_window",
         "window_sum": "_window",
     },
+    retired={"REDUCED": -1, "WHOLE": -2, "reduced_scatter": _reduced_scatter},
 )
