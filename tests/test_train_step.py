@@ -1120,18 +1120,11 @@ def test_scan_temp_memory_of_each_policy_is_what_it_must_hold(policy):
 
 
 def _half_problem():
-    """Four dense 256x256 tanh layers (float32 master weights), 8 rows a microbatch."""
-    layers, width, rows = 4, 256, 8
-
-    def loss(params, batch):
-        h = batch["x"]
-        for i in range(layers):
-            h = jnp.tanh(h @ params[f"w{i}"])
-        return jnp.mean((h - batch["y"]) ** 2)
-
-    params = {f"w{i}": jnp.full((width, width), 0.01, jnp.float32) for i in range(layers)}
+    """`_dense_loss`'s layers at 256x256 (float32 master weights), 8 rows a microbatch."""
+    width, rows = 256, 8
+    params = {f"w{i}": jnp.full((width, width), 0.01, jnp.float32) for i in range(_LAYERS)}
     ones = jnp.ones((rows * K, width), jnp.float32)
-    return loss, params, {"x": ones, "y": ones}
+    return _dense_loss, params, {"x": ones, "y": ones}
 
 
 @pytest.mark.parametrize(
