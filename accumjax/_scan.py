@@ -139,11 +139,10 @@ def sum_decided(
     `accumjax._loop.follow_decision`'s, as for every other microbatch.
     """
     policy = ctx.config.policy
-    loss, new_model_state, aux, grads, weight = loop_lib.gradient(
+    # No weight: `Context.sum_can_decide` holds only without a ``weight_fn``.
+    loss, new_model_state, aux, grads, _ = loop_lib.gradient(
         ctx, params, carry.model_state, batch, index
     )
-    # The weight checked as every window checks it (unweighted: none is taken), nothing read.
-    unread = window_lib.inspect_microbatch(policy._replace(on_nonfinite="propagate"), grads, weight)
     gate = jnp.asarray(gate) & ~reading  # a reading pass adds nothing: its weight sum stays 0
 
     def put(a: jax.Array, g: jax.Array) -> jax.Array:
@@ -164,8 +163,10 @@ def sum_decided(
     window = window_lib.count_microbatch(carry.window, written, counted)
     # Unweighted: each microbatch kept counts 1 in the loss metric.
     carry, loss = follow_decision(ctx, carry, window, kept, None, loss, new_model_state)
-    decision = device_decision(policy.scaling, nonfinite, unread.weight)
-    return Outcome(carry, loss, aux, gate, decision, nonfinite)
+    decision = device_decision(policy.scaling, nonfinite, jnp.ones((), jnp.float32))
+    return Outcome(
+        carry=carry, loss=loss, aux=aux, added=gate, decision=decision, nonfinite=nonfinite
+    )
 
 
 def _empty(ctx: Context, like: Carry) -> Carry:
