@@ -232,7 +232,8 @@ def _nodes(tree: Any) -> tuple[list[Any], Any, list[int]]:
 
 
 def _window(node: Any) -> StatsWindow:
-    return StatsWindow(*(array_of(node[k]) for k in ACCUMULATOR_NAMES))
+    count, mean, m2, step = (array_of(node[k]) for k in ACCUMULATOR_NAMES)
+    return StatsWindow(count=count, mean=mean, m2=m2, step=step)
 
 
 def emptied(tree: Any) -> Any:
@@ -277,7 +278,9 @@ def merge_pooled(before: Any, flat: Array) -> Any:
     for j, (i, old, new) in enumerate(zip(where, windows, pooled, strict=True)):
         count, mean, m2 = chan_merge(old.count, old.mean, old.m2, new.count, new.mean, new.m2)
         step = old.step + (jnp.real(called[j]) > 0).astype(old.step.dtype)
-        merged = StatsWindow(count.astype(old.count.dtype), mean, m2.astype(old.m2.dtype), step)
+        merged = StatsWindow(
+            count=count.astype(old.count.dtype), mean=mean, m2=m2.astype(old.m2.dtype), step=step
+        )
         nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, merged, strict=True)))
     return jax.tree.unflatten(treedef, nodes)
 

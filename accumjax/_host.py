@@ -597,10 +597,10 @@ def wrap(setup: Setup, donate: bool) -> TrainStep:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from accumjax._loop import Setup
-      >>> from accumjax._loss_adapter import make_grad_fn
-      >>> grad_fn = make_grad_fn(lambda p, b: jnp.sum(p["w"] * b), False, None)
-      >>> step = wrap(Setup(grad_fn, "stream", None, None, False, 1), donate=False)
+      >>> from accumjax import _loop, _loss_adapter
+      >>> grad_fn = _loss_adapter.make_grad_fn(lambda p, b: jnp.sum(p["w"] * b), False, None)
+      >>> options = dict(mode="stream", axis_name=None, weight_fn=None, f16=False, unroll=1)
+      >>> step = wrap(_loop.Setup(grad_fn=grad_fn, **options), donate=False)
       >>> state = step.init({"w": jnp.ones(2)}, optax.sgd(0.5))
       >>> state, metrics = step(state, jnp.ones(2))
       >>> state.params["w"], bool(metrics["updated"])
