@@ -25,7 +25,7 @@ import optax
 import accumjax._window as window_lib
 from accumjax._agreement import MicrobatchDecision, device_decision, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
-from accumjax._loss_adapter import GradFn
+from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._opt_state import count_update
 from accumjax._state import config_of
 from accumjax._step_checks import check_layout, check_step_inputs
@@ -323,7 +323,11 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
     setup = ctx.setup
     key = ctx.key(index)
     loss, new_model_state, aux, grads = setup.grad_fn(
-        params, model_state, batch, key, _share_of_scale(ctx)
+        params,
+        model_state,
+        batch,
+        key,
+        device_loss_scale(ctx.loss_scale, ctx.config.policy.scaling, ctx.axis_name),
     )
     if model_state is not None and ctx.config.static_every_k != 1:
         k = ctx.config.static_every_k
@@ -338,17 +342,6 @@ def loss_share(ctx: Context) -> Any:
     if ctx.axis_name is None or ctx.config.policy.scaling != "sum":
         return 1.0
     return 1.0 / jax.lax.axis_size(ctx.axis_name)
-
-
-def _share_of_scale(ctx: Context) -> DynamicLossScale | None:
-    """The loss scale a device's float16 backward runs with: on a mesh, its share of the
-    whole microbatch's (the scale over the devices' number, unless the losses are summed), so
-    that its rows' float16 gradients are as large as on one device holding them all, and
-    overflow where one device would (the shares are then summed in float32)."""
-    ls = ctx.loss_scale
-    if ls is None or ctx.axis_name is None or ctx.config.policy.scaling == "sum":
-        return ls
-    return ls._replace(loss_scale=ls.loss_scale / jax.lax.axis_size(ctx.axis_name))
 
 
 #: A stream call's pooling on a mesh (`accumjax._mesh_stream`): ``pool(microbatch, weight,

@@ -16,9 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from accumjax.loss_scale import scale_loss, unscale_grads
+from accumjax.loss_scale import DynamicLossScale, scale_loss, unscale_grads
 
-__all__ = ["GradFn", "cast_floats", "make_grad_fn"]
+__all__ = ["GradFn", "cast_floats", "device_loss_scale", "make_grad_fn"]
 
 GradFn = Callable[..., tuple[Any, Any, Any, Any]]
 
@@ -159,3 +159,27 @@ def make_grad_fn(loss_fn: Callable[..., Any], has_aux: bool, compute_dtype: Any)
         return loss, new_model_state, aux, grads
 
     return grad_fn
+
+
+def device_loss_scale(
+    loss_scale: DynamicLossScale | None, scaling: str, axis_name: str | None
+) -> DynamicLossScale | None:
+    """The loss scale one device's float16 backward runs with: on a mapped axis, its share of
+    the whole microbatch's (the scale over the devices' number, unless the losses are summed
+    over the devices' rows), so that its rows' float16 gradients are as large as on one device
+    holding them all, and overflow where one device would (the shares are then summed in
+    float32). Without a loss scale or a mapped axis, ``loss_scale`` as it is.
+
+    Example (four devices along ``"data"``, mean losses):
+      >>> import jax, jax.numpy as jnp, accumjax
+      >>> ls = accumjax.dynamic_loss_scale(2.0**15)
+      >>> share = jax.vmap(
+      ...     lambda _: device_loss_scale(ls, "mean", "data").loss_scale, axis_name="data"
+      ... )(jnp.arange(4))
+      >>> share.tolist()
+      [8192.0, 8192.0, 8192.0, 8192.0]
+    """
+    if loss_scale is None or axis_name is None or scaling == "sum":
+        return loss_scale
+    share = loss_scale.loss_scale / jax.lax.axis_size(axis_name)
+    return loss_scale._replace(loss_scale=share)
