@@ -25,6 +25,7 @@ __all__ = [
     "AccumulationState",
     "Found",
     "check_made_for",
+    "closed_its_window",
     "config_of",
     "k_changed",
     "k_of_tag",
@@ -290,3 +291,10 @@ def config_of(tx: Any) -> Any:
       (4, None)
     """
     return getattr(getattr(tx, "update", None), CONFIG_ATTR, None)
+
+
+def closed_its_window(state: AccumulationState) -> jax.Array:
+    """Whether the ``update`` call that returned ``state`` closed its window (the window is
+    empty again), applied or not: the moment a loss scale adjusts and BatchNorm windows close
+    in a loop of the user's own."""
+    return state.window.micro_step == 0

@@ -63,7 +63,7 @@ from accumjax._batch_norm_windows import (
     warn_if_open,
     warn_plain_batch_norm,
 )
-from accumjax._state import unwrap
+from accumjax._state import closed_its_window, unwrap
 from accumjax._variables import is_variable, unwrap_variables
 from accumjax.batch_norm_convert import convert_batch_norm_variables
 
@@ -458,7 +458,7 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
         warn_plain_batch_norm(new_stats, "sync_batch_norm", k, before=old_stats)
     kept = optax.tree.where(state.added, new_stats, old_stats)
     closed = close_windows(kept, jnp.asarray(state.updated), None)
-    return optax.tree.where(state.window.micro_step == 0, closed, kept)
+    return optax.tree.where(closed_its_window(state), closed, kept)
 
 
 _SWAPPED = (

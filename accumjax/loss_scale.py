@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from accumjax._checks import check_int, check_real
-from accumjax._state import unwrap
+from accumjax._state import closed_its_window, unwrap
 from accumjax.accumulation_state import AccumulationState
 
 __all__ = [
@@ -241,7 +241,7 @@ def update_loss_scale(ls: DynamicLossScale, opt_state: Any, new_opt_state: Any) 
     """
     before = _accumulation_state("opt_state", opt_state)
     after = _accumulation_state("new_opt_state", new_opt_state)
-    closed = after.window.micro_step == 0
+    closed = closed_its_window(after)
     adjusted = adjust_loss_scale(ls, after.nonfinite_count == before.nonfinite_count)
     return jax.tree.map(lambda new, old: jnp.where(closed, new, old), adjusted, ls)
 
