@@ -20,10 +20,10 @@ FSDP ``window``   d          whole        d          reduce-scatter per window
 by the number of devices and no other mesh axis splits; a leaf with none stays replicated.
 
 A window kept per data shard between calls (`accumjax.window.DeviceWindow`) holds, per leaf,
-the sums its row's accumulator says (`sums_held`: one per device for a whole accumulator, one
-split over the devices for a split one) on a leading axis (`held_sums` reads it back). What
-reads a window's sums reads them so: ``accumjax.stats`` (`accumulator_bytes`) and
-``accumjax.restore_checkpoint``.
+as many partial sums as its row's accumulator says (`partial_sum_count`: one per device for a
+whole accumulator, one split over the devices for a split one), on a leading axis
+(`partial_sums_layout` reads a leaf's shape back). What reads a window's sums reads them so:
+``accumjax.stats`` (`accumulator_bytes`) and ``accumjax.restore_checkpoint``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ __all__ = [
     "Reduction",
     "accumulator_bytes",
     "check_optimizer_sharding",
-    "held_sums",
+    "partial_sums_layout",
     "leaf_layout",
-    "sums_held",
+    "partial_sum_count",
     "zero_dim",
 ]
 
@@ -124,25 +124,25 @@ def leaf_layout(
     )
 
 
-def sums_held(accumulator: int | None, shards: int) -> int:
+def partial_sum_count(accumulator: int | None, shards: int) -> int:
     """How many parameter-sized sums of one leaf the ``shards`` devices along the data axis
     hold together when its accumulator lies as ``accumulator`` (a `LeafLayout`'s): one per
     device when it is whole on each, one split over them when it is split. A
     `accumjax.window.DeviceWindow` holds them on its leading axis.
 
     Example:
-      >>> sums_held(None, 8), sums_held(0, 8), sums_held(None, 1)
+      >>> partial_sum_count(None, 8), partial_sum_count(0, 8), partial_sum_count(None, 1)
       (8, 1, 1)
     """
     return shards if accumulator is None else 1
 
 
-def held_sums(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+def partial_sums_layout(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """A `accumjax.window.DeviceWindow` leaf's shape read as the plan laid it out: how many
-    sums it holds (`sums_held`) and the parameter's shape.
+    sums it holds (`partial_sum_count`) and the parameter's shape.
 
     Example:
-      >>> held_sums((8, 4, 3))
+      >>> partial_sums_layout((8, 4, 3))
       (8, (4, 3))
     """
     return int(shape[0]), tuple(int(n) for n in shape[1:])
@@ -150,7 +150,7 @@ def held_sums(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
 
 def accumulator_bytes(shape: tuple[int, ...], itemsize: int, leaf: LeafLayout, shards: int) -> int:
     """The bytes of one leaf's window accumulator over the ``shards`` devices of the data axis,
-    every device's together (`sums_held` sums of the parameter's ``shape``, ``itemsize``
+    every device's together (`partial_sum_count` sums of the parameter's ``shape``, ``itemsize``
     bytes a scalar): each device holds ``1 / shards`` of it.
 
     Example:
@@ -159,4 +159,4 @@ def accumulator_bytes(shape: tuple[int, ...], itemsize: int, leaf: LeafLayout, s
       ...     reduction=Reduction.REDUCE_SCATTER_MICROBATCH), 8)
       (512, 64)
     """
-    return sums_held(leaf.accumulator, shards) * math.prod(shape) * itemsize
+    return partial_sum_count(leaf.accumulator, shards) * math.prod(shape) * itemsize

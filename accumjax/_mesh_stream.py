@@ -22,7 +22,7 @@ import accumjax._window as window_lib
 from accumjax import sharded
 from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
-from accumjax._layout import held_sums, sums_held
+from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
     Carry,
     Context,
@@ -90,8 +90,8 @@ def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None
     dims = (None,) * len(jax.tree.leaves(window.partial_sums))
     dims = dims if layout is None else layout.accumulator_dims
     for leaf, dim in zip(jax.tree.leaves(window.partial_sums), dims, strict=True):
-        held = held_sums(leaf.shape)[0]
-        if held != sums_held(dim, want):  # the sums the plan lays out for this leaf
+        held = partial_sums_layout(leaf.shape)[0]
+        if held != partial_sum_count(dim, want):  # the sums the plan lays out for this leaf
             where = "one device" if layout is None else f"{want} data shards ({layout.axis!r})"
             raise ValueError(
                 f"the state's stream window keeps {held} partial sums per parameter, "

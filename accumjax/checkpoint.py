@@ -9,8 +9,9 @@ number of devices, mid-window or at a window boundary, into the layout of ``targ
 to its sum, so moving them is exact up to the order of that addition: on 4 devices each
 shard takes the sum of two of 8; on 1 device the one shard takes all 8; from 1 to 8 the
 first shard takes the sum and the others start empty. How many sums a leaf holds, stored and
-wanted, is read as the layout plan lays them out (`accumjax._layout.held_sums`: one per
-device for an accumulator whole on each, one split over the devices under ZeRO-2 and FSDP);
+wanted, is read as the layout plan lays them out (`accumjax._layout.partial_sums_layout`:
+one per device for an accumulator whole on each, one split over the devices under ZeRO-2 and
+FSDP);
 the target's, and where they lie, are those its ``step.init`` laid out by that plan. It also
 moves a window between the layouts of ``TrainState.create`` (one parameter-shaped sum),
 ``step.init`` and scan mode (no window: only at a window boundary).
@@ -30,7 +31,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 import accumjax._window as window_lib
-from accumjax._layout import held_sums
+from accumjax._layout import partial_sums_layout
 from accumjax._state import k_changed, k_of_tag
 
 __all__ = ["restore_checkpoint"]
@@ -205,8 +206,9 @@ _COUNTS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
 
 def _held(shape: tuple[int, ...], per_shard: bool) -> tuple[int, tuple[int, ...]]:
     """How many sums a window's sum leaf holds and the parameter's shape: a per-shard
-    window's as the layout plan laid them out (`accumjax._layout.held_sums`), one otherwise."""
-    return held_sums(shape) if per_shard else (1, shape)
+    window's as the layout plan laid them out (`accumjax._layout.partial_sums_layout`), one
+    otherwise."""
+    return partial_sums_layout(shape) if per_shard else (1, shape)
 
 
 class _Attr:

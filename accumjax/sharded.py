@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax._checks import check_mesh_axis
-from accumjax._layout import LeafLayout, held_sums, leaf_layout, sums_held
+from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count, partial_sums_layout
 
 __all__ = [
     "Layout",
@@ -513,7 +513,7 @@ def device_window(
 ) -> window_lib.DeviceWindow:
     """An empty `accumjax.window.DeviceWindow` for ``params``, laid out by the layout plan:
     per leaf, on a leading axis, the sums its accumulator's row holds
-    (`accumjax._layout.sums_held`): one per data shard (the devices along ``axis`` of
+    (`accumjax._layout.partial_sum_count`): one per data shard (the devices along ``axis`` of
     ``mesh``; one without a mesh), each split like its parameter, or, for an accumulator
     split over the data axis (``dims``: the plan's `Layout.accumulator_dims`; by default
     `layout_of`'s without other choices: a parameter split over that axis), one split there.
@@ -536,7 +536,7 @@ def device_window(
         spec = spec + (None,) * (len(p.shape) - len(spec))
         if dim is not None and axis is not None:
             spec = tuple(axis if i == dim else e for i, e in enumerate(spec))
-        held = sums_held(dim, shards)  # the plan's sums of this leaf, on the leading axis
+        held = partial_sum_count(dim, shards)  # the plan's sums of this leaf, on the leading axis
         dtype = window_lib.sum_dtype(p.dtype, accumulator_dtype)
         lead = axis if held > 1 else None
         return _zeros((held, *p.shape), dtype, mesh, PartitionSpec(lead, *spec))
@@ -556,5 +556,5 @@ def device_window(
 def shards_of(window: window_lib.DeviceWindow) -> int:
     """How many data shards a `accumjax.window.DeviceWindow` was laid out for (the largest
     leading axis of its partial sums; 1 when every parameter is split over the data axis)."""
-    sums = (held_sums(x.shape)[0] for x in jax.tree.leaves(window.partial_sums))
+    sums = (partial_sums_layout(x.shape)[0] for x in jax.tree.leaves(window.partial_sums))
     return max(sums, default=1)
