@@ -576,7 +576,7 @@ def _build(
     config = config_of(tx)
     opt_state = _laid_out(opt_state_for(tx, params, "scan"), specs)  # no accumulator
     if mode == "stream" and config is not None:
-        window = sharded.device_window(params, config.policy.accumulator_dtype, *where)
+        window = sharded.device_window(params, config.accumulator_dtype, *where)
         opt_state = opt_state._replace(window=window)
     without_weak_types = lambda tree: jax.tree.map(
         lambda x: jnp.asarray(x, jnp.result_type(x)), tree

@@ -25,11 +25,12 @@ import optax
 import accumjax._window as window_lib
 from accumjax._agreement import MicrobatchDecision, device_decision, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
+from accumjax._config import Config
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._opt_state import count_update
 from accumjax._state import config_of
 from accumjax._step_checks import check_layout, check_step_inputs
-from accumjax._window_end import Config, check_state, close_and_apply, init_state, window_closes
+from accumjax._window_end import check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState
@@ -114,7 +115,7 @@ class Context(NamedTuple):
 
     Attributes:
       setup: the `Setup`.
-      config: the optimizer's `accumjax._window_end.Config` (K, policy, axis).
+      config: the optimizer's `accumjax._config.Config` (K, the window's policy, axis).
       accumulating: whether the optimizer is an ``accumulate`` (else a plain optimizer, run as a
         window of one microbatch whose counters are not kept).
       loss_scale: the dynamic loss scale (float16), or None.
@@ -174,7 +175,7 @@ class Context(NamedTuple):
         window's end (`accumjax._window.close_window`'s decisions): every policy that does not
         read the gradient's values, in a window of more than one microbatch (one microbatch's
         gradient is the window's sum: it is decided about as it comes)."""
-        return self.setup.mode == "scan" and not self.config.policy.reads and self.every_k > 1
+        return self.setup.mode == "scan" and not self.config.reads and self.every_k > 1
 
     @property
     def sum_can_decide(self) -> bool:
@@ -186,12 +187,12 @@ class Context(NamedTuple):
         device or under ``jit``, with an accumulator no wider than float32. A non-finite value
         in any added gradient makes the sum's norm non-finite; only such a window reads each
         microbatch's gradient, in a pass of its own (`accumjax._scan.decide_window`)."""
-        policy = self.config.policy
-        wide = window_lib.sum_dtype(jnp.float32, policy.accumulator_dtype) != jnp.float32
+        config = self.config
+        wide = window_lib.sum_dtype(jnp.float32, config.accumulator_dtype) != jnp.float32
         return (
             self.adds_before_deciding
-            and policy.on_nonfinite == "skip_microbatch"
-            and policy.scaling != "weighted"
+            and config.on_nonfinite == "skip_microbatch"
+            and config.scaling != "weighted"
             and self.setup.weight_fn is None  # the loss metric is weighted by it
             and self.axis_name is None  # on a mapped axis each device reads its rows' gradient
             and not wide  # the gradient is read where the sum was, in the same precision
@@ -258,7 +259,7 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
     accumulating = config is not None
     if config is None:
         inner = optax.with_extra_args_support(state.tx)
-        config = Config(inner=inner, every_k=1, policy=window_lib.Policy(), axis_name=None)
+        config = Config(inner=inner, every_k=1, axis_name=None)
     if config.axis_name not in (None, setup.axis_name):
         raise ValueError(
             f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
@@ -286,7 +287,7 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once.
     """
     config, accumulating = _config(setup, state)
-    check_step_inputs(state, config.policy, rng, setup.loss_positional, setup.f16)
+    check_step_inputs(state, config, rng, setup.loss_positional, setup.f16)
     if accumulating:
         acc = check_state(config, state.opt_state)
         acc = check_layout(setup.mode, setup.pmap_axis, acc)
@@ -327,7 +328,7 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
         model_state,
         batch,
         key,
-        device_loss_scale(ctx.loss_scale, ctx.config.policy.scaling, ctx.axis_name),
+        device_loss_scale(ctx.loss_scale, ctx.config.scaling, ctx.axis_name),
     )
     if model_state is not None and ctx.config.static_every_k != 1:
         k = ctx.config.static_every_k
@@ -339,7 +340,7 @@ def loss_share(ctx: Context) -> Any:
     """What a microbatch's loss counts for in the loss metric's denominator: on a mesh with
     ``"sum"`` (whose loss is each device's share of the whole) 1 over the devices' number, so
     that the metric is one device's loss; else 1."""
-    if ctx.axis_name is None or ctx.config.policy.scaling != "sum":
+    if ctx.axis_name is None or ctx.config.scaling != "sum":
         return 1.0
     return 1.0 / jax.lax.axis_size(ctx.axis_name)
 
@@ -377,27 +378,27 @@ def microbatch(
     loss, new_model_state, aux, grads, weight = gradient(
         ctx, params, carry.model_state, batch, index
     )
-    policy = ctx.config.policy
+    config = ctx.config
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
     more: dict[str, Any] = {} if first else {"reduce": ctx.reduce}
     mine = None
     if pool is not None:  # a policy that reads the gradient reads the whole one
-        axis = ctx.axis_name if policy.reads else None
+        axis = ctx.axis_name if config.reads else None
         m = window_lib.inspect_microbatch(
-            policy, grads, weight, params, axis, ctx.dims, keep_whole=False
+            config, grads, weight, params, axis, ctx.dims, keep_whole=False
         )
         m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
     elif (
         ctx.adds_before_deciding
     ):  # this device's decision about its rows; the devices decide at the window's end
-        m = window_lib.inspect_microbatch(policy, grads, weight, params)
+        m = window_lib.inspect_microbatch(config, grads, weight, params)
         w = jnp.ones((), jnp.float32) if weight is None else weight
-        mine = device_decision(policy.scaling, m.nonfinite, w)
+        mine = device_decision(config.scaling, m.nonfinite, w)
         gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
         m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
     else:
-        m = window_lib.inspect_microbatch(policy, grads, weight, params, ctx.axis_name, ctx.dims)
-    window, micro = add(policy, carry.window, grads, weight, params, m, gate=gate, **more)
+        m = window_lib.inspect_microbatch(config, grads, weight, params, ctx.axis_name, ctx.dims)
+    window, micro = add(config, carry.window, grads, weight, params, m, gate=gate, **more)
     carry, loss = follow_decision(
         ctx, carry, window, micro.added, weight, loss, new_model_state, pooled=pool is not None
     )
@@ -537,7 +538,7 @@ def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
     zero = jnp.zeros((), jnp.float32)
     window = acc.window
     if window.grad_sum is None:
-        dtype = cast(Config, config_of(state.tx)).policy.accumulator_dtype
+        dtype = cast(Config, config_of(state.tx)).accumulator_dtype
         window = window._replace(grad_sum=window_lib.init_window(state.params, dtype).grad_sum)
     return Carry(state.model_state, window=window, loss_sum=zero, loss_weight=zero)
 

@@ -22,6 +22,7 @@ import accumjax._window as window_lib
 from accumjax import sharded
 from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh
 from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
+from accumjax._config import Config
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
     Carry,
@@ -206,10 +207,10 @@ def _pool(
     already (its one gradient-sized all-reduce); otherwise, without a ``skip_fn``, a
     microbatch is refused only for being non-finite."""
     loss, new_state, aux = produced
-    policy = ctx.config.policy
+    config = ctx.config
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
-    mine = device_decision(policy.scaling, ~m.added, weighs)
-    m = _share(policy, m, layout)
+    mine = device_decision(config.scaling, ~m.added, weighs)
+    m = _share(config, m, layout)
     aux_rows, aux_means = split_aux(aux, 0, aux_tree) if aux is not None else ([], [])
     floats = [] if new_state is None else _floats(new_state)[1]
     bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
@@ -222,8 +223,8 @@ def _pool(
         layout.axis,
     )
     decision = MicrobatchDecision(rejected=parts[1], rejected_weightless=parts[2], weight=parts[3])
-    added = accepted(policy.scaling, decision)
-    nonfinite = m.nonfinite if policy.reads else ~added
+    added = accepted(config.scaling, decision)
+    nonfinite = m.nonfinite if config.reads else ~added
     m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, parts[0], 0.0))
     model_state = None
     if new_state is not None:
@@ -235,7 +236,7 @@ def _pool(
 
 
 def _share(
-    policy: window_lib.Policy, m: window_lib.Microbatch, layout: sharded.Layout
+    config: Config, m: window_lib.Microbatch, layout: sharded.Layout
 ) -> window_lib.Microbatch:
     """A device's decision about its rows, as its share of the whole microbatch: for losses
     that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight count 1/shards of
@@ -244,8 +245,8 @@ def _share(
     gradient is the whole microbatch's on every device: under ``"sum"`` each device adds
     1/shards of it too (``"weighted"``: its own weight's share, as its factor says)."""
     share = 1.0 / layout.shards
-    if policy.scaling not in ("mean", "sum_over_k"):
-        if m.transformed is None or policy.scaling != "sum":
+    if config.scaling not in ("mean", "sum_over_k"):
+        if m.transformed is None or config.scaling != "sum":
             return m
         return m._replace(factor=jnp.asarray(share, jnp.float32))
     factor = share if m.factor is None else m.factor * share
@@ -290,12 +291,12 @@ def _pooled_model_state(
 def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Carry) -> Carry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
-    policy = ctx.config.policy
+    config = ctx.config
 
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
         part = window_lib.local_window(window)
         return window_lib.close_window(
-            policy, part, every_k, layout.axis, layout.leaves, whole_counts=True
+            config, part, every_k, layout.axis, layout.leaves, whole_counts=True
         )
 
     closed = data_shard_map(

@@ -138,7 +138,6 @@ def sum_decided(
     `accumjax._window.count_microbatch`'s, the model state and the loss metric
     `accumjax._loop.follow_decision`'s, as for every other microbatch.
     """
-    policy = ctx.config.policy
     # No weight: `Context.sum_can_decide` holds only without a ``weight_fn``.
     loss, new_model_state, aux, grads, _ = loop_lib.gradient(
         ctx, params, carry.model_state, batch, index
@@ -163,7 +162,7 @@ def sum_decided(
     window = window_lib.count_microbatch(carry.window, written, counted)
     # Unweighted: each microbatch kept counts 1 in the loss metric.
     carry, loss = follow_decision(ctx, carry, window, kept, None, loss, new_model_state)
-    decision = device_decision(policy.scaling, nonfinite, jnp.ones((), jnp.float32))
+    decision = device_decision(ctx.config.scaling, nonfinite, jnp.ones((), jnp.float32))
     return Outcome(
         carry=carry, loss=loss, aux=aux, added=gate, decision=decision, nonfinite=nonfinite
     )
@@ -307,8 +306,7 @@ def decide_added(
     was refused runs again too (every policy), adding them all, its loss metric as read.
     """
     closed, model_state, extras = close(first.carry, first.decision, first.losses)
-    policy = ctx.config.policy
-    skips = policy.on_nonfinite == "skip_microbatch"
+    skips = ctx.config.on_nonfinite == "skip_microbatch"
     if first.decision is None or not (skips or read) or ctx.every_k == 1:
         return closed, model_state, extras
     none_refused = closed.nonfinite_count == 0
@@ -385,7 +383,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
         params = pvary(state.params, setup.pmap_axis)
-        axis, policy = ctx.config.axis_name, ctx.config.policy
+        axis, config = ctx.config.axis_name, ctx.config
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)
         # The state's K (traced): with a constant K, XLA:CPU moves the division by it into a
@@ -394,7 +392,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
 
         def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
             closed = window_lib.close_window(
-                policy, carry.window, every_k, axis, decisions=decisions
+                config, carry.window, every_k, axis, decisions=decisions
             )
             loss = window_loss(carry)
             if losses is not None:

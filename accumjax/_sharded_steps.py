@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
+from accumjax._config import Config
 from accumjax._layout import LeafLayout
 from accumjax._loop import Carry, Context, Setup, begin, close_model_state
 from accumjax._reduction import reduced_per_microbatch
@@ -264,7 +265,7 @@ def _local_window(
     microbatch (a policy that reads the gradient), then the window's one reduction (which
     also carries the loss and the aux means)."""
     zero = jnp.zeros((), jnp.float32)
-    policy = ctx.config.policy
+    config = ctx.config
     params = local.params
     ctx = local_context(ctx, layout, local)._replace(n_real=local.n_real)
     if ctx.setup.gather_params == "window":  # once, before the loop (more memory, one gather)
@@ -272,9 +273,9 @@ def _local_window(
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         ctx = ctx._replace(materialize=gather)
-    ctx, layouts, whole_counts, sum_dims = _sum_layout(ctx, layout, policy)
+    ctx, layouts, whole_counts, sum_dims = _sum_layout(ctx, layout, config)
     shapes = layout.local_sums(local.params, sum_dims)
-    like = window_lib.init_window(shapes, policy.accumulator_dtype)
+    like = window_lib.init_window(shapes, config.accumulator_dtype)
     start = Carry(window=like, model_state=local.model_state, loss_sum=zero, loss_weight=zero)
     run = window_loop(ctx, params, start, local.batch)
     first = run(None)
@@ -286,7 +287,7 @@ def _local_window(
         extras = [carry.loss_sum, carry.loss_weight, *aux_means]
         extras += [] if losses is None else [losses]
         closed = window_lib.close_window(
-            policy,
+            config,
             carry.window,
             every_k,
             layout.axis,
@@ -308,7 +309,7 @@ def _local_window(
 
 
 def _sum_layout(
-    ctx: Context, layout: sharded.Layout, policy: window_lib.Policy
+    ctx: Context, layout: sharded.Layout, config: Config
 ) -> tuple[Context, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
     """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, whole_counts,
     dims)``, ``ctx`` with the per-microbatch reduction it runs, ``layouts`` each leaf's
@@ -322,7 +323,7 @@ def _sum_layout(
     a full-size sum reduce-scattered once at the end, and the others are all-reduced once.
     """
     opt_dims = layout.optimizer_dims
-    if policy.reads:
+    if config.reads:
         layouts = tuple(reduced_per_microbatch(leaf) for leaf in layout.leaves)
         dims = jax.tree.unflatten(layout.treedef, list(opt_dims))
         return ctx._replace(dims=dims), layouts, True, opt_dims

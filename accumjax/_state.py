@@ -276,12 +276,12 @@ def unwrap(state: Any) -> AccumulationState:
 
 
 #: The attribute of an `accumjax.accumulate` transformation's ``update`` that holds its
-#: `accumjax._window_end.Config` (set by ``accumulate``).
+#: `accumjax._config.Config` (set by ``accumulate``).
 CONFIG_ATTR = "_accumjax_config"
 
 
 def config_of(tx: Any) -> Any:
-    """The `accumjax._window_end.Config` of an `accumjax.accumulate` transformation, or None
+    """The `accumjax._config.Config` of an `accumjax.accumulate` transformation, or None
     for any other transformation.
 
     Example:

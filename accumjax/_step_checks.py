@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
+from accumjax._config import Config
 from accumjax._multisteps import check_inner_state
 from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Found, config_of, locate, where
-from accumjax._window import DeviceWindow, Policy, window_sum
+from accumjax._window import DeviceWindow, window_sum
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
@@ -76,7 +77,7 @@ def check_layout(mode: str, pmap_axis: str | None, acc: AccumulationState) -> Ac
 
 
 def check_step_inputs(
-    state: Any, policy: Policy, rng: Any, loss_positional: int | None, f16: bool
+    state: Any, config: Config, rng: Any, loss_positional: int | None, f16: bool
 ) -> None:
     """Every trace-time check of a step's inputs (see the module docstring).
 
@@ -84,7 +85,8 @@ def check_step_inputs(
       >>> import jax, jax.numpy as jnp, optax, accumjax
       >>> state = accumjax.TrainState.create(
       ...     apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.MultiSteps(optax.sgd(0.1), 2))
-      >>> check_step_inputs(state, Policy(), None, 2, False)  # doctest: +ELLIPSIS
+      >>> config = Config(inner=optax.with_extra_args_support(optax.sgd(0.1)), every_k=1)
+      >>> check_step_inputs(state, config, None, 2, False)  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
       TypeError: tx is or contains optax.MultiSteps ...
@@ -96,7 +98,7 @@ def check_step_inputs(
         check_no_self_closing(state.model_state, "make_train_step")
     if f16:  # an accumjax.NNXTrainState keeps the model's graph: its step takes the model
         _check_float16(
-            state.loss_scale, policy, "model" if hasattr(state, "graphdef") else "params"
+            state.loss_scale, config, "model" if hasattr(state, "graphdef") else "params"
         )
 
 
@@ -112,7 +114,7 @@ def init_call(f16: bool, first: str = "params") -> str:
     return f"step.init({first}, tx{scale})"
 
 
-def _check_float16(loss_scale: Any, policy: Policy, first: str) -> None:
+def _check_float16(loss_scale: Any, config: Config, first: str) -> None:
     if loss_scale is None:
         raise ValueError(
             "mixed_precision='float16' keeps its dynamic loss scale in the state, but "
@@ -120,11 +122,11 @@ def _check_float16(loss_scale: Any, policy: Policy, first: str) -> None:
             f"{init_call(True, first)}: it makes one when loss_scale is left out (and lays "
             "the state out for the step's mode and mesh)."
         )
-    _check_detects(policy)
+    _check_detects(config)
 
 
-def _check_detects(policy: Policy) -> None:
-    if not policy.detects:
+def _check_detects(config: Config) -> None:
+    if not config.detects:
         raise ValueError(
             "mixed_precision='float16' with accumulate(..., on_nonfinite='propagate'): a "
             "float16 overflow would be applied to the parameters and the loss scale never "
@@ -169,7 +171,7 @@ def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
     if config is None:  # an accumulate inside: tx.init's state tells (abstractly)
         check_composition(jax.eval_shape(tx.init, params), accumulating=False)
     if f16 and config is not None:
-        _check_detects(config.policy)
+        _check_detects(config)
 
 
 def check_composition(opt_state: Any, accumulating: bool) -> None:

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 import accumjax._scaling as scaling_lib
 from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh, whole_gradient
+from accumjax._config import Config, transformed_gradient
 from accumjax._control import run_once
 from accumjax._norms import global_norm
-from accumjax._policy import ON_NONFINITE, OnNonfinite, Policy, SkipFn, transformed_gradient
 from accumjax._reduction import (
     REPLICATED,
     LeafLayout,
@@ -33,13 +33,9 @@ from accumjax._reduction import (
 )
 
 __all__ = [
-    "ON_NONFINITE",
     "Closed",
     "DeviceWindow",
     "Microbatch",
-    "OnNonfinite",
-    "Policy",
-    "SkipFn",
     "Window",
     "add_microbatch",
     "agreed",
@@ -250,7 +246,7 @@ def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
 
 
 def inspect_microbatch(
-    policy: Policy,
+    config: Config,
     grads: Any,
     weight: Any = None,
     params: Any = None,
@@ -265,10 +261,10 @@ def inspect_microbatch(
     (`agreed`: a NaN in any device's rows leaves the whole microbatch out).
 
     Args:
-      policy: the window's `Policy`.
+      config: the accumulation's `accumjax._config.Config` (its window's policy).
       grads: the microbatch gradient (on a mesh, of this device's rows).
       weight: the microbatch weight (``scaling="weighted"`` only; on a mesh, this device's).
-      params: the parameters, passed to ``policy.skip_fn``.
+      params: the parameters, passed to ``config.skip_fn``.
       axis_name: the mapped axis the microbatch's rows are split over, or None (one device).
       dims: with ``axis_name``, for a policy that reads the gradient: None, or a pytree like
         ``grads`` holding the dimension each parameter is split on over the axis (FSDP):
@@ -282,44 +278,46 @@ def inspect_microbatch(
       microbatch's when it carries the ``whole`` gradient.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp, optax
       >>> import accumjax._window as window
-      >>> m = window.inspect_microbatch(window.Policy(), {"w": jnp.array([1.0, jnp.nan])})
+      >>> from accumjax._config import Config
+      >>> config = Config(inner=optax.with_extra_args_support(optax.sgd(0.1)), every_k=2)
+      >>> m = window.inspect_microbatch(config, {"w": jnp.array([1.0, jnp.nan])})
       >>> bool(m.added), bool(m.nonfinite), float(m.weight)
       (False, True, 0.0)
     """
-    w, w_ok = scaling_lib.microbatch_weight(policy.scaling, weight)
+    w, w_ok = scaling_lib.microbatch_weight(config.scaling, weight)
     whole = None
     if axis_name is None:
         seen, norm, finite = grads, None, w_ok
-        if policy.detects or policy.max_norm is not None:
+        if config.detects or config.max_norm is not None:
             norm = global_norm(grads)
-            finite = finite & jnp.isfinite(norm) if policy.detects else finite
+            finite = finite & jnp.isfinite(norm) if config.detects else finite
     else:
-        seen, norm, finite, total, whole = agreed(policy, grads, w, w_ok, axis_name, dims)
+        seen, norm, finite, total, whole = agreed(config, grads, w, w_ok, axis_name, dims)
         if keep_whole and whole is not None:
             w = total
         else:
             whole = None
     added = finite
-    if policy.skip_fn is not None:
-        added = added & ~jnp.asarray(policy.skip_fn(seen, params), bool)
+    if config.skip_fn is not None:
+        added = added & ~jnp.asarray(config.skip_fn(seen, params), bool)
     transformed = None
-    if policy.microbatch_transform is not None:
-        transformed = transformed_gradient(policy.microbatch_transform, seen, params)
+    if config.microbatch_transform is not None:
+        transformed = transformed_gradient(config.microbatch_transform, seen, params)
         if whole is not None:  # in the whole gradient's layout: this device's shards
             whole, transformed = own_shard(transformed, axis_name, dims), None
-    factor = w if policy.scaling == "weighted" else None
-    if policy.max_norm is not None and norm is not None:
+    factor = w if config.scaling == "weighted" else None
+    if config.max_norm is not None and norm is not None:
         tiny = jnp.finfo(jnp.float32).tiny
-        clip = jnp.minimum(1.0, policy.max_norm / jnp.maximum(norm, tiny))
+        clip = jnp.minimum(1.0, config.max_norm / jnp.maximum(norm, tiny))
         factor = clip if factor is None else factor * clip
     weight_added = jnp.where(added, w, 0.0)
     return Microbatch(jnp.asarray(added), ~finite, weight_added, factor, whole, transformed)
 
 
 def agreed(
-    policy: Policy,
+    config: Config,
     grads: Any,
     weight: jax.Array,
     valid: jax.Array,
@@ -334,26 +332,26 @@ def agreed(
     the reduction of the whole gradient (`accumjax._agreement.whole_gradient`), which the window
     then adds and never reduces again. ``"propagate"`` without weights needs none.
     """
-    weighted, reads = policy.scaling == "weighted", policy.reads
-    if not (policy.detects or weighted or reads):
+    weighted, reads = config.scaling == "weighted", config.reads
+    if not (config.detects or weighted or reads):
         return grads, None, valid, weight, None
     own = valid
-    if policy.detects and (weighted or not reads):  # else the whole gradient's norm decides
+    if config.detects and (weighted or not reads):  # else the whole gradient's norm decides
         own = own & jnp.isfinite(global_norm(grads))
-    mine = device_decision(policy.scaling, ~own, weight)
+    mine = device_decision(config.scaling, ~own, weight)
     if not reads:
-        return grads, None, accepted(policy.scaling, jax.lax.psum(mine, axis_name)), weight, None
-    whole, summed = whole_gradient(policy.scaling, grads, weight, axis_name, mine, dims)
+        return grads, None, accepted(config.scaling, jax.lax.psum(mine, axis_name)), weight, None
+    whole, summed = whole_gradient(config.scaling, grads, weight, axis_name, mine, dims)
     norm = sharded_norm(whole, axis_name, dims)
-    reader = policy.skip_fn is not None or policy.microbatch_transform is not None
+    reader = config.skip_fn is not None or config.microbatch_transform is not None
     seen = gathered(whole, axis_name, dims) if reader else whole
-    finite = accepted(policy.scaling, summed)
-    finite = finite & jnp.isfinite(norm) if policy.detects else finite
+    finite = accepted(config.scaling, summed)
+    finite = finite & jnp.isfinite(norm) if config.detects else finite
     return seen, norm, finite, summed.weight if weighted else weight, whole
 
 
 def add_microbatch(
-    policy: Policy,
+    config: Config,
     window: Window,
     grads: Any,
     weight: Any = None,
@@ -366,15 +364,15 @@ def add_microbatch(
 ) -> tuple[Window, Microbatch]:
     """Adds one microbatch gradient to the window when it is usable.
 
-    A policy that waits for the decision (`Policy.waits`) selects between the sum with and
+    A policy that waits for the decision (`Config.waits`) selects between the sum with and
     without the gradient; otherwise each leaf is added as soon as it exists, and counted.
 
     Args:
-      policy: the window's `Policy`.
+      config: the accumulation's `accumjax._config.Config` (its window's policy).
       window: the open `Window`.
       grads: the microbatch gradient, structured like the accumulator.
       weight: the microbatch weight (``scaling="weighted"`` only).
-      params: the parameters, passed to ``policy.skip_fn``.
+      params: the parameters, passed to ``config.skip_fn``.
       inspected: the decision already taken by `inspect_microbatch` on this gradient, or
         None to inspect it here.
       reduce: inside ``shard_map``, maps the microbatch's scaled gradient before it is added
@@ -387,21 +385,21 @@ def add_microbatch(
         decided at its end): it is added as it comes, without waiting for ``inspected``.
       first: open a window with this microbatch (`first_microbatch`): ``window`` only gives
         the accumulator dtypes, and the gradient becomes the accumulator, without the zeros
-        of ``add_microbatch(policy, empty_like(window), ...)`` (XLA can reuse the
+        of ``add_microbatch(config, empty_like(window), ...)`` (XLA can reuse the
         gradient's buffer); ``reduce`` is not used.
 
     Returns:
       ``(window, microbatch)``: the new window and what was decided about the microbatch.
     """
     if inspected is None:
-        inspected = inspect_microbatch(policy, grads, weight, params, axis_name=axis_name)
+        inspected = inspect_microbatch(config, grads, weight, params, axis_name=axis_name)
     m = inspected
-    if gate is None and policy.waits:
+    if gate is None and config.waits:
         gate = m.added
     source = _source(m, grads)
     if first:
-        return _opened(policy, window, m, source, gate), m
-    part = lambda a, g: _scaled(policy, m, g.astype(a.dtype))
+        return _opened(config, window, m, source, gate), m
+    part = lambda a, g: _scaled(config, m, g.astype(a.dtype))
     if reduce is None or m.whole is not None:
         add = lambda a, g: a + part(a, g) if gate is None else jnp.where(gate, a + part(a, g), a)
         grad_sum = jax.tree.map(add, window.grad_sum, source)
@@ -435,12 +433,12 @@ def count_microbatch(window: Window, grad_sum: Any, m: Microbatch) -> Window:
 
 
 def _opened(
-    policy: Policy, like: Window, m: Microbatch, source: Any, gate: jax.Array | None
+    config: Config, like: Window, m: Microbatch, source: Any, gate: jax.Array | None
 ) -> Window:
     """A window opened with one microbatch (`add_microbatch`'s ``first``)."""
 
     def start(a: jax.Array, g: jax.Array) -> jax.Array:
-        g = _scaled(policy, m, g.astype(a.dtype))
+        g = _scaled(config, m, g.astype(a.dtype))
         return g if gate is None else jnp.where(gate, g, jnp.zeros_like(g))
 
     return empty_like(like)._replace(
@@ -464,11 +462,11 @@ def _source(m: Microbatch, grads: Any) -> Any:
     return grads if m.transformed is None else m.transformed
 
 
-def _scaled(policy: Policy, m: Microbatch, g: jax.Array) -> jax.Array:
+def _scaled(config: Config, m: Microbatch, g: jax.Array) -> jax.Array:
     """A microbatch's gradient times its factor (a weight of 0 adds exactly 0)."""
     if m.factor is None:
         return g
-    if policy.scaling == "weighted":
+    if config.scaling == "weighted":
         return weigh(m.factor, g)
     return m.factor.astype(g.dtype) * g
 
@@ -500,7 +498,7 @@ def denominator(
 
 
 def close_window(
-    policy: Policy,
+    config: Config,
     window: Window,
     every_k: Any,
     axis_name: str | None = None,
@@ -513,7 +511,7 @@ def close_window(
     """Reduces the window once across devices, scales it and decides whether it is usable.
 
     Args:
-      policy: the window's `Policy`.
+      config: the accumulation's `accumjax._config.Config` (its window's policy).
       window: the window to close.
       every_k: K of this window (``"sum_over_k"`` divides by K times the number of devices).
       axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
@@ -531,7 +529,7 @@ def close_window(
         values already (the devices agreed about each microbatch, or the window is one
         device's part of a `DeviceWindow`): they are not reduced, and ``"sum_over_k"``
         divides by K.
-      decisions: the window's microbatches were added as they came (`Policy.waits` is False,
+      decisions: the window's microbatches were added as they came (`Config.waits` is False,
         or a first pass of a policy that waits): each one's `accumjax._agreement.MicrobatchDecision`
         from this device, stacked. They travel in the reduction and decide the counts;
         `Closed.accepted` says which microbatches the devices accept.
@@ -541,7 +539,7 @@ def close_window(
       (when the policy detects non-finite values) and no microbatch was non-finite under
       ``"skip_window"`` (or in a first pass that added every microbatch as it came).
     """
-    if axis_name is not None and policy.reads and layouts is None:
+    if axis_name is not None and config.reads and layouts is None:
         # `add_microbatch` added each microbatch's whole gradient, its counts agreed on.
         every_microbatch = REPLICATED._replace(reduction=Reduction.ALL_REDUCE_MICROBATCH)
         layouts, whole_counts = (every_microbatch,) * len(jax.tree.leaves(window.grad_sum)), True
@@ -568,18 +566,18 @@ def close_window(
             )
         extras = None if extras is None else summed[-1]
     if decisions is not None:
-        ok = accepted(policy.scaling, decisions)
+        ok = accepted(config.scaling, decisions)
         nonfinite = skipped = jnp.sum(~ok).astype(jnp.int32)
-    denom = denominator(policy.scaling, every_k, weight_sum, devices)
+    denom = denominator(config.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
     dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
     dims = None if dims is None else jax.tree.unflatten(jax.tree.structure(grad_sum), dims)
     norm = sharded_norm(grad_sum, axis_name, dims) / safe
     apply = weight_sum > 0
-    if policy.detects:
+    if config.detects:
         apply = apply & jnp.isfinite(norm)
-    if policy.on_nonfinite == "skip_window" or (decisions is not None and policy.detects):
+    if config.on_nonfinite == "skip_window" or (decisions is not None and config.detects):
         apply = apply & (nonfinite == 0)
     return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras, ok)
 

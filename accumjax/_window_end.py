@@ -1,12 +1,12 @@
-"""The `accumulate` transformation's static `Config`, its state (`init_state`, `check_state`)
-and its window end: `close_and_update` (the transformation's ``update``) and
-`close_and_apply` (the train step's, which updates the parameters in the same loop), the one
-place that acts on a closed window."""
+"""The `accumulate` transformation's state (`init_state`, `check_state`) and its window end:
+`close_and_update` (the transformation's ``update``) and `close_and_apply` (the train step's,
+which updates the parameters in the same loop), the one place that acts on a closed window.
+It reads the transformation's static `accumjax._config.Config`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,16 +14,13 @@ import optax
 
 import accumjax._scaling as scaling_lib
 import accumjax._window as window_lib
-from accumjax._checks import INT32_MAX
+from accumjax._config import Config
 from accumjax._control import select_once
 from accumjax._multisteps import check_inner_state
 from accumjax._state import check_made_for, k_tag
-from accumjax._window import Policy
 from accumjax.accumulation_state import AccumulationState
 
 __all__ = [
-    "Config",
-    "Schedule",
     "check_state",
     "close_and_apply",
     "close_and_update",
@@ -31,39 +28,6 @@ __all__ = [
     "updates_placeholder",
     "window_closes",
 ]
-
-Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
-
-
-class Config(NamedTuple):
-    """Everything static about one `accumulate` transformation (read by `make_train_step`).
-
-    Attributes:
-      inner: the inner transformation (with extra-args support).
-      every_k: K as given: an int, or a schedule.
-      policy: the window `Policy`.
-      axis_name: the mapped axis of the once-per-window reduction and of the decisions about
-        each microbatch, or None.
-    """
-
-    inner: optax.GradientTransformationExtraArgs
-    every_k: int | Schedule
-    policy: Policy
-    axis_name: str | None
-
-    @property
-    def static_every_k(self) -> int | None:
-        """K when it is an int, else None (a schedule)."""
-        return self.every_k if isinstance(self.every_k, int) else None
-
-    def every_k_at(self, update_count: jax.Array) -> jax.Array:
-        """K of the window that starts after ``update_count`` updates, int32 (>= 1)."""
-        if isinstance(self.every_k, int):
-            return jnp.asarray(self.every_k, jnp.int32)
-        k = jnp.asarray(self.every_k(update_count))
-        if not jnp.issubdtype(k.dtype, jnp.integer):
-            raise TypeError(f"every_k schedule must return an integer K, got dtype {k.dtype}.")
-        return jnp.clip(k, 1, INT32_MAX).astype(jnp.int32)
 
 
 def check_state(config: Config, state: Any) -> AccumulationState:
@@ -80,7 +44,7 @@ def check_state(config: Config, state: Any) -> AccumulationState:
             "accumulate's update needs the AccumulationState made by its own init, got "
             f"{type(state).__name__} (a plain optax state? pass state=tx.init(params))."
         )
-    check_made_for(state, config.static_every_k, config.policy.scaling)
+    check_made_for(state, config.static_every_k, config.scaling)
     return state
 
 
@@ -104,9 +68,7 @@ def init_state(
     update_count = jnp.zeros((), jnp.int32)
     zero_f = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: donatable
     zero_i = lambda: jnp.zeros((), jnp.int32)
-    window = window_lib.init_window(
-        params if accumulator else None, config.policy.accumulator_dtype
-    )
+    window = window_lib.init_window(params if accumulator else None, config.accumulator_dtype)
     if inner_tx_state is None:
         inner_tx_state = config.inner.init(params)
         check_inner_state(inner_tx_state)
@@ -114,7 +76,7 @@ def init_state(
         window=window,
         every_k=config.every_k_at(update_count),
         every_k_tag=k_tag(config.static_every_k),
-        scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.policy.scaling), jnp.int32),
+        scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.scaling), jnp.int32),
         update_count=update_count,
         inner_tx_state=inner_tx_state,
         max_grad_norm=zero_f(),
@@ -159,7 +121,7 @@ def close_and_update(
       ``(updates, state)``: the updates are meaningful only when ``state.updated``; the new
       state has an empty window and updated counters.
     """
-    closed = window_lib.close_window(config.policy, state.window, state.every_k, config.axis_name)
+    closed = window_lib.close_window(config, state.window, state.every_k, config.axis_name)
     dtypes = jax.tree.map(_like, grads_like)
 
     def update(operand: Any) -> Any:
@@ -207,9 +169,7 @@ def close_and_apply(
       ``(params, state)``: the new parameters and the state with an empty window.
     """
     if closed is None:
-        closed = window_lib.close_window(
-            config.policy, state.window, state.every_k, config.axis_name
-        )
+        closed = window_lib.close_window(config, state.window, state.every_k, config.axis_name)
     dtypes = jax.tree.map(_like, params)
 
     def update(operand: Any) -> Any:

@@ -26,6 +26,15 @@ from accumjax._checks import (
     check_real,
     refuse_unknown,
 )
+from accumjax._config import (
+    ON_NONFINITE,
+    Config,
+    OnNonfinite,
+    Schedule,
+    SkipFn,
+    check_microbatch_transform,
+    transform_state,
+)
 from accumjax._moved import forward_moved
 from accumjax._multisteps import (
     MULTISTEPS_ARGS,
@@ -33,10 +42,8 @@ from accumjax._multisteps import (
     check_inner,
     check_skip_fn,
 )
-from accumjax._policy import check_microbatch_transform, transform_state
 from accumjax._state import CONFIG_ATTR
-from accumjax._window import ON_NONFINITE, OnNonfinite, Policy, SkipFn
-from accumjax._window_end import Schedule, updates_placeholder
+from accumjax._window_end import updates_placeholder
 from accumjax.accumulation_state import AccumulationState
 
 __all__ = ["AccumulationState", "accumulate", "with_every_k"]
@@ -46,7 +53,7 @@ __all__ = ["AccumulationState", "accumulate", "with_every_k"]
 __getattr__ = forward_moved(
     __name__,
     {
-        "Config": "_window_end",
+        "Config": "_config",
         "check_state": "_window_end",
         "close_and_apply": "_window_end",
         "close_and_update": "_window_end",
@@ -242,7 +249,10 @@ def accumulate(
         raise TypeError("accumulate needs every_k, K: accumulate(inner, every_k=K).")
     check_inner(inner)
     scaling = _check_policy(scaling, max_norm, on_nonfinite, skip_fn, microbatch_transform)
-    policy = Policy(
+    config = Config(
+        inner=optax.with_extra_args_support(inner),
+        every_k=_check_every_k(every_k),
+        axis_name=axis_name,
         scaling=scaling,
         max_norm=max_norm,
         on_nonfinite=on_nonfinite,
@@ -250,19 +260,13 @@ def accumulate(
         accumulator_dtype=accumulator_dtype,
         microbatch_transform=microbatch_transform,
     )
-    config = window_end.Config(
-        inner=optax.with_extra_args_support(inner),
-        every_k=_check_every_k(every_k),
-        policy=policy,
-        axis_name=axis_name,
-    )
     return _transformation(config)
 
 
-def _transformation(config: window_end.Config) -> optax.GradientTransformationExtraArgs:
+def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
     def init_fn(params: Any) -> AccumulationState:
         _check_params(params)
-        transform = config.policy.microbatch_transform
+        transform = config.microbatch_transform
         if transform is not None:
             jax.eval_shape(lambda p: transform_state(transform, p), params)
         return window_end.init_state(config, params)
@@ -271,7 +275,7 @@ def _transformation(config: window_end.Config) -> optax.GradientTransformationEx
         state = window_end.check_state(config, state)
         _check_grads(grads, state.window)
         window, micro = window_lib.add_microbatch(
-            config.policy, state.window, grads, weight, params, axis_name=config.axis_name
+            config, state.window, grads, weight, params, axis_name=config.axis_name
         )
         state = state._replace(window=window, updated=jnp.zeros((), bool), added=micro.added)
         placeholder = updates_placeholder(config, grads, state, params, extra_args)

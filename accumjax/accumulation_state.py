@@ -298,7 +298,7 @@ def _sizes(window: Any, params: Any, tx: Any, layout: Any) -> dict[str, int | No
     leaves = jax.tree.leaves(params)
     plan = (REPLICATED,) * len(leaves) if layout is None else tuple(layout.leaves)
     shards = 1 if layout is None else int(layout.shards)
-    dtype = config.policy.accumulator_dtype
+    dtype = config.accumulator_dtype
     itemsize = lambda p: jnp.dtype(window_lib.sum_dtype(p.dtype, dtype)).itemsize
     return {
         "num_parameters": sum(math.prod(p.shape) for p in leaves),

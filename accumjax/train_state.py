@@ -188,7 +188,7 @@ def with_mode(state: TrainState, mode: str) -> TrainState:
             "with_mode takes an unreplicated state (its window's micro_step is a scalar); "
             "convert it before accumjax.replicate."
         )
-    dtype = config.policy.accumulator_dtype
+    dtype = config.accumulator_dtype
     if mode == "stream":
         window = window_lib.init_window(state.params, dtype)
         return state.replace(opt_state=opt._replace(window=window, added=jnp.zeros((), bool)))

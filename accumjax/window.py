@@ -16,7 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
 
+from accumjax._config import Config
 from accumjax._moved import forward_moved
 from accumjax._window import DeviceWindow, Window
 
@@ -31,14 +34,37 @@ def _reduced_scatter(dims: Any, like: Any) -> Any:
     return jax.tree.unflatten(treedef, [-2 if d is None else -1 for d in split])
 
 
+def _policy(
+    scaling: Any = "mean",
+    max_norm: float | None = None,
+    on_nonfinite: Any = "skip_microbatch",
+    skip_fn: Any = None,
+    accumulator_dtype: Any = jnp.float32,
+    microbatch_transform: Any = None,
+) -> Config:
+    """0.4's ``Policy(...)``, taking its arguments: the window's functions now take a config
+    holding the policy, so this returns an `accumjax._config.Config` with these fields,
+    ``inner=optax.identity()`` (with extra-args support) and ``every_k=1`` (the window's
+    functions read neither)."""
+    return Config(
+        inner=optax.with_extra_args_support(optax.identity()),
+        every_k=1,
+        scaling=scaling,
+        max_norm=max_norm,
+        on_nonfinite=on_nonfinite,
+        skip_fn=skip_fn,
+        accumulator_dtype=accumulator_dtype,
+        microbatch_transform=microbatch_transform,
+    )
+
+
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
 __getattr__ = forward_moved(
     __name__,
     {
-        "ON_NONFINITE": "_window",
+        "ON_NONFINITE": "_config",
         "Closed": "_window",
         "Microbatch": "_window",
-        "Policy": "_window",
         "add_microbatch": "_window",
         "agreed": "_window",
         "close_window": "_window",
@@ -55,5 +81,10 @@ __getattr__ = forward_moved(
         "sum_dtype": "_window",
         "window_sum": "_window",
     },
-    retired={"REDUCED": -1, "WHOLE": -2, "reduced_scatter": _reduced_scatter},
+    retired={
+        "Policy": _policy,
+        "REDUCED": -1,
+        "WHOLE": -2,
+        "reduced_scatter": _reduced_scatter,
+    },
 )

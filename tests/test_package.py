@@ -99,6 +99,7 @@ def test_each_module_imports_only_what_the_design_map_allows_from_above(row):
 #: The modules a train step runs through (BatchNorm's own records are BatchNorm's).
 STEP_PATH = [
     "_agreement",
+    "_config",
     "_host",
     "_layout",
     "_loop",
@@ -106,7 +107,6 @@ STEP_PATH = [
     "_mesh_stream",
     "_multisteps",
     "_opt_state",
-    "_policy",
     "_reduction",
     "_scan",
     "_sharded_steps",
@@ -148,7 +148,7 @@ def _design_records() -> set[str]:
 def test_the_step_path_records_are_the_design_notes_table():
     records = set().union(*(_named_tuples(m) for m in STEP_PATH))
     assert records == _design_records()
-    assert len(records) <= 12
+    assert len(records) <= 11
 
 
 def test_one_version_from_one_source():
@@ -172,7 +172,7 @@ CORE = (
     "window",
     "_window",
     "_reduction",
-    "_policy",
+    "_config",
     "_agreement",
     "_control",
     "_norms",
@@ -308,3 +308,21 @@ def test_the_0_4_scatter_markers_of_accumjax_window_resolve_with_a_deprecation_w
     assert scatter({"b": None, "w": 0}, like) == {"b": -2, "w": -1}
     with pytest.raises(AttributeError):
         importlib.import_module("accumjax.scaling").REDUCED  # noqa: B018
+
+
+def test_the_0_4_policy_of_accumjax_window_resolves_with_a_warning_and_builds_a_config():
+    import jax.numpy as jnp
+
+    from accumjax._config import Config
+
+    window = importlib.import_module("accumjax.window")
+    with pytest.warns(DeprecationWarning, match=r"accumjax\.window\.Policy .*0\.6"):
+        policy = window.Policy
+    config = policy(scaling="sum", max_norm=1.0, on_nonfinite="skip_window")
+    assert isinstance(config, Config) and config.every_k == 1 and config.axis_name is None
+    assert (config.scaling, config.max_norm, config.on_nonfinite) == ("sum", 1.0, "skip_window")
+    assert config.reads and config.detects and policy().scaling == "mean"
+    with pytest.warns(DeprecationWarning, match=r"accumjax\.window\.inspect_microbatch"):
+        inspect = window.inspect_microbatch
+    m = inspect(policy(), {"w": jnp.array([1.0, jnp.nan])})
+    assert not bool(m.added) and bool(m.nonfinite)

@@ -178,7 +178,7 @@ def test_scan_step_for_k_is_the_step_the_planner_measures(setup):
     wrapped = state.replace(tx=accumjax.accumulate(optax.sgd(0.1), 2, scaling="sum"))
     _, state_8 = scan_step_for_k(_loss, wrapped, 8)
     assert config_of(state_8.tx).every_k == 8
-    assert config_of(state_8.tx).policy.scaling == "sum"
+    assert config_of(state_8.tx).scaling == "sum"
     # Initialised by the step, it runs: one window of 4 microbatches is one optimizer update.
     new_state, metrics = step(step.init(state.params, state_4.tx), batch)
     assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))

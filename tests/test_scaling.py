@@ -21,7 +21,7 @@ def test_count_is_a_deprecated_name_of_mean():
     names "mean", and gives a transformation whose policy is "mean"."""
     with pytest.warns(DeprecationWarning, match="scaling='mean'.*0.6|0.6.*scaling='mean'"):
         tx = accumjax.accumulate(optax.sgd(0.1), 2, scaling="count")
-    assert config_of(tx).policy.scaling == "mean"
+    assert config_of(tx).scaling == "mean"
 
 
 def test_the_state_codes_keep_their_meaning():

@@ -1,8 +1,9 @@
-"""The window's policy (internal): how a window treats its microbatches, and the
-per-microbatch transformation it may apply.
+"""An `accumulate`'s static config (internal): the inner transformation, K, the window's
+policy, the data axis; and the per-microbatch transformation the policy may apply.
 
-A `Policy` is static: part of the program, never of the state. `accumjax.accumulate` builds
-it from its arguments; every entry point's window (`accumjax._window`) reads it.
+A `Config` is static: part of the program, never of the state. `accumjax.accumulate` builds
+it from its arguments; every entry point's window (`accumjax._window`) and window end
+(`accumjax._window_end`) read it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import jax.numpy as jnp
 import optax
 
 import accumjax._scaling as scaling_lib
+from accumjax._checks import INT32_MAX
 
 __all__ = [
     "ON_NONFINITE",
+    "Config",
     "OnNonfinite",
-    "Policy",
+    "Schedule",
     "SkipFn",
     "check_microbatch_transform",
     "transform_state",
@@ -29,12 +32,19 @@ __all__ = [
 OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
 ON_NONFINITE: tuple[str, ...] = ("skip_microbatch", "skip_window", "propagate")
 SkipFn = Callable[[Any, Any], Any]
+Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
 
 
-class Policy(NamedTuple):
-    """How a window treats its microbatches (static: part of the program, not of the state).
+class Config(NamedTuple):
+    """Everything static about one `accumulate` transformation: its inner transformation, K,
+    how its window treats the microbatches (the policy), its data axis. Read by the window,
+    the window end and `make_train_step`.
 
     Attributes:
+      inner: the inner transformation (with extra-args support).
+      every_k: K as given: an int, or a schedule.
+      axis_name: the mapped axis of the once-per-window reduction and of the decisions about
+        each microbatch, or None.
       scaling: ``"mean"``, ``"sum"``, ``"weighted"`` or ``"sum_over_k"`` (see
         `accumjax.scaling`).
       max_norm: clip each microbatch gradient's global norm to this before adding, or None.
@@ -45,14 +55,37 @@ class Policy(NamedTuple):
         gradient before it is added (`transformed_gradient`), or None. It sees what
         ``max_norm`` and ``skip_fn`` see: the microbatch's gradient as the loss gives it (on
         a mesh the whole microbatch's), before its weight and the window's division.
+
+    Example:
+      >>> import optax
+      >>> config = Config(inner=optax.with_extra_args_support(optax.sgd(0.1)), every_k=4)
+      >>> config.static_every_k, config.scaling, config.detects, config.reads
+      (4, 'mean', True, False)
     """
 
+    inner: optax.GradientTransformationExtraArgs
+    every_k: int | Schedule
+    axis_name: str | None = None
     scaling: scaling_lib.Scaling = "mean"
     max_norm: float | None = None
     on_nonfinite: OnNonfinite = "skip_microbatch"
     skip_fn: SkipFn | None = None
     accumulator_dtype: Any = jnp.float32
     microbatch_transform: optax.GradientTransformation | None = None
+
+    @property
+    def static_every_k(self) -> int | None:
+        """K when it is an int, else None (a schedule)."""
+        return self.every_k if isinstance(self.every_k, int) else None
+
+    def every_k_at(self, update_count: jax.Array) -> jax.Array:
+        """K of the window that starts after ``update_count`` updates, int32 (>= 1)."""
+        if isinstance(self.every_k, int):
+            return jnp.asarray(self.every_k, jnp.int32)
+        k = jnp.asarray(self.every_k(update_count))
+        if not jnp.issubdtype(k.dtype, jnp.integer):
+            raise TypeError(f"every_k schedule must return an integer K, got dtype {k.dtype}.")
+        return jnp.clip(k, 1, INT32_MAX).astype(jnp.int32)
 
     @property
     def detects(self) -> bool:
@@ -68,7 +101,7 @@ class Policy(NamedTuple):
 
     @property
     def waits(self) -> bool:
-        """Whether a gradient waits for the decision about it before it is added (a policy
+        """Whether a gradient waits for the decision about it before it is added (a config
         that detects or skips): its window stays clean of what it leaves out. Scan mode adds
         each gradient as it comes instead and decides at the window's end (`close_window`'s
         decisions)."""
