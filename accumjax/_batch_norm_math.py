@@ -5,10 +5,12 @@
 - a call's statistics merged into the window's count, mean and ``M2`` (sum of squared
   deviations) with the parallel update of Chan, Golub & LeVeque (:func:`chan_merge`,
   :func:`add_moments`); a closed window moves the running averages once (:func:`ema`,
-  :func:`close_stats_window`); windows of several devices pool in one all-reduce
-  (:func:`window_sums`, :func:`pooled_windows`);
+  :func:`close_stats_window`);
 - the configuration checks, the canonical axes, the dtypes and the names of the statistics
   (:data:`ACCUMULATOR_NAMES`).
+
+It works on one layer's arrays; a model state's windows, and their pooling across devices,
+are `accumjax._batch_norm_windows`'s.
 
 References:
   - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
@@ -64,10 +66,8 @@ __all__ = [
     "empty_stats_window",
     "normalize",
     "normalize_and_accumulate",
-    "pooled_windows",
     "running_dtype",
     "stats_dtype",
-    "window_sums",
 ]
 
 #: Names of the accumulator entries that ``AccumBatchNorm`` keeps in ``batch_stats`` next to
@@ -490,44 +490,6 @@ def close_stats_window(
     return new_running, empty_stats_window(
         window.count.shape, window.count.dtype, window.mean.dtype
     )
-
-
-def window_sums(shifts: list[Array], windows: list[StatsWindow]) -> Array:
-    """Every layer's window as shifted sums ``(n, n * (mean - s), M2 + n * |mean - s|^2)`` in
-    one flat array (complex if any mean is), with a shift ``s`` equal on every device (the
-    running mean): what adds exactly across devices in one ``psum`` before `pooled_windows`.
-
-    Args:
-      shifts: per layer, an array equal on every device (the running mean).
-      windows: per layer, this device's window.
-    """
-    parts: list[Array] = []
-    for shift, window in zip(shifts, windows, strict=True):
-        delta = window.mean - shift.astype(window.mean.dtype)
-        parts += [window.count, window.count * delta, window.m2 + window.count * abs_squared(delta)]
-    dtype = jnp.result_type(*parts) if parts else jnp.float32
-    return jnp.concatenate([p.astype(dtype).ravel() for p in parts] or [jnp.zeros(0, dtype)])
-
-
-def pooled_windows(
-    flat: Array, shifts: list[Array], windows: list[StatsWindow]
-) -> list[StatsWindow]:
-    """The windows whose `window_sums` summed across devices are ``flat``, in the order of
-    ``windows`` (each keeps its own ``step``)."""
-    sums, offset = [], 0
-    for window in windows:
-        for part in (window.count, window.mean, window.m2):
-            value = flat[offset : offset + part.size].reshape(part.shape)
-            sums.append((value if jnp.iscomplexobj(part) else jnp.real(value)).astype(part.dtype))
-            offset += part.size
-    pooled = []
-    for i, (shift, window) in enumerate(zip(shifts, windows, strict=True)):
-        count, s1, s2 = sums[3 * i : 3 * i + 3]
-        offset_mean = s1 / jnp.maximum(count, 1)
-        mean = shift.astype(offset_mean.dtype) + offset_mean
-        m2 = jnp.maximum(s2 - jnp.real(s1 * jnp.conj(offset_mean)), 0)
-        pooled.append(StatsWindow(count, mean, m2, window.step))
-    return pooled
 
 
 # ---------------------------------------------------------------------------------------------

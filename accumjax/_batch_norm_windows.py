@@ -1,4 +1,4 @@
-"""Which BatchNorm windows an optimizer closes (internal).
+"""A model state's BatchNorm windows: which an optimizer closes, and their pooling (internal).
 
 A state's BatchNorm statistics are recognized by their names: a step-driven layer
 (``accum_steps=None``) keeps ``momentum`` beside its accumulators, and its window is closed by
@@ -9,6 +9,12 @@ windows. An evaluation of a step-driven window that was never closed warns, so a
 forgets to close it is never silently wrong; so do the statistics of a plain ``BatchNorm``
 (``mean`` and ``var`` without the window's accumulators) where microbatches are accumulated
 (`warn_plain_batch_norm`). `close_windows` closes the step-driven windows of a tree.
+
+It is the one module that pools a model state across devices: windows as shifted sums that
+add exactly in one all-reduce (`window_sums`, `pooled_windows`), summed when a window closes
+under ``pmap`` (`close_windows`) or, in stream mode on a mesh, with each call's other
+floating model state in the call's one small all-reduce (`model_state_sums`,
+`pooled_model_state`). The per-layer arithmetic is `accumjax._batch_norm_math`'s.
 """
 
 from __future__ import annotations
@@ -29,9 +35,8 @@ from accumjax._batch_norm_math import (
     StatsWindow,
     chan_merge,
     close_stats_window,
-    pooled_windows,
-    window_sums,
 )
+from accumjax._norms import abs_squared
 from accumjax._variables import is_variable, variable_value
 
 __all__ = [
@@ -42,11 +47,15 @@ __all__ = [
     "emptied",
     "is_step_driven",
     "merge_pooled",
+    "model_state_sums",
     "plain_batch_norm_paths",
+    "pooled_model_state",
+    "pooled_windows",
     "replace_leaves",
     "self_closing_paths",
     "warn_if_open",
     "warn_plain_batch_norm",
+    "window_sums",
 ]
 
 
@@ -218,12 +227,57 @@ def replace_leaves(node: Mapping[str, Any], values: Mapping[str, Array]) -> Any:
     return mapping_type({**node, **new})
 
 
-# A stream-mode step on a mesh pools each call's BatchNorm statistics across devices in the
-# call's one small all-reduce (with its loss and counts): every device runs the call from
-# empty windows (`emptied`), the windows it leaves are this device's statistics of the call
+# ---------------------------------------------------------------------------------------------
+# A model state pooled across devices
+# ---------------------------------------------------------------------------------------------
+
+
+def window_sums(shifts: list[Array], windows: list[StatsWindow]) -> Array:
+    """Every layer's window as shifted sums ``(n, n * (mean - s), M2 + n * |mean - s|^2)`` in
+    one flat array (complex if any mean is), with a shift ``s`` equal on every device (the
+    running mean): what adds exactly across devices in one ``psum`` before `pooled_windows`.
+
+    Args:
+      shifts: per layer, an array equal on every device (the running mean).
+      windows: per layer, this device's window.
+    """
+    parts: list[Array] = []
+    for shift, window in zip(shifts, windows, strict=True):
+        delta = window.mean - shift.astype(window.mean.dtype)
+        parts += [window.count, window.count * delta, window.m2 + window.count * abs_squared(delta)]
+    dtype = jnp.result_type(*parts) if parts else jnp.float32
+    return jnp.concatenate([p.astype(dtype).ravel() for p in parts] or [jnp.zeros(0, dtype)])
+
+
+def pooled_windows(
+    flat: Array, shifts: list[Array], windows: list[StatsWindow]
+) -> list[StatsWindow]:
+    """The windows whose `window_sums` summed across devices are ``flat``, in the order of
+    ``windows`` (each keeps its own ``step``)."""
+    sums, offset = [], 0
+    for window in windows:
+        for part in (window.count, window.mean, window.m2):
+            value = flat[offset : offset + part.size].reshape(part.shape)
+            sums.append((value if jnp.iscomplexobj(part) else jnp.real(value)).astype(part.dtype))
+            offset += part.size
+    pooled = []
+    for i, (shift, window) in enumerate(zip(shifts, windows, strict=True)):
+        count, s1, s2 = sums[3 * i : 3 * i + 3]
+        offset_mean = s1 / jnp.maximum(count, 1)
+        mean = shift.astype(offset_mean.dtype) + offset_mean
+        m2 = jnp.maximum(s2 - jnp.real(s1 * jnp.conj(offset_mean)), 0)
+        pooled.append(StatsWindow(count, mean, m2, window.step))
+    return pooled
+
+
+# A stream-mode step on a mesh pools each call's model state across devices in the call's
+# one small all-reduce (with its loss and counts): every device runs the call from empty
+# windows (`emptied`), the windows it leaves are this device's statistics of the call
 # (`call_sums`, shifted by the running mean, equal everywhere), and their sum across devices
 # is merged into the state's windows (`merge_pooled`), as one device would merge the whole
-# microbatch's. The windows then need no per-device copy between calls.
+# microbatch's; the other floating leaves are averaged. `model_state_sums` is what the call
+# puts into the all-reduce, `pooled_model_state` the global model state from its sums. The
+# windows then need no per-device copy between calls.
 
 
 def _nodes(tree: Any) -> tuple[list[Any], Any, list[int]]:
@@ -283,6 +337,74 @@ def merge_pooled(before: Any, flat: Array) -> Any:
         )
         nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, merged, strict=True)))
     return jax.tree.unflatten(treedef, nodes)
+
+
+def _float_leaves(tree: Any) -> tuple[list[int], list[Any]]:
+    """The floating leaves of a model state beside its step-driven BatchNorm layers (each
+    layer one node), by position among ``jax.tree.flatten(tree, is_leaf=is_step_driven)``."""
+    leaves = _nodes(tree)[0]
+    where = [
+        i
+        for i, x in enumerate(leaves)
+        if not is_step_driven(x)
+        and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        and not jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+    ]
+    return where, [leaves[i] for i in where]
+
+
+def model_state_sums(called: Any) -> list[Array]:
+    """What a stream call's model state puts into the call's one all-reduce on a mesh, to
+    sum across devices for `pooled_model_state`: its BatchNorm statistics (`call_sums`) and
+    its other floating leaves.
+
+    Args:
+      called: this device's model state after the call, run from `emptied` windows (None:
+        no model state, which pools one zero).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bn = {**{name: jnp.zeros(2) for name in STEP_DRIVEN_NAMES}, "acc_step": jnp.ones((), int)}
+      >>> [s.shape for s in model_state_sums({"bn": bn, "scale": jnp.ones(3)})]
+      [(7,), (3,)]
+    """
+    if called is None:
+        return [jnp.zeros(1)]
+    return [call_sums(called), *_float_leaves(called)[1]]
+
+
+def pooled_model_state(
+    before: Any, called: Any, summed: list[Array], added: Array, shards: int
+) -> Any:
+    """The global model state after a stream call on a mesh (None without a model state).
+
+    Args:
+      before: the model state the call started from (equal on every device).
+      called: this device's model state after the call.
+      summed: `model_state_sums` of ``called``, summed across the devices.
+      added: whether the microbatch was added (a bool scalar, equal on every device).
+      shards: how many devices ``summed`` adds up.
+
+    Returns:
+      ``before`` with each step-driven BatchNorm window merged with the call's statistics
+      pooled over the devices (`merge_pooled`; nothing when the microbatch was not
+      ``added``); every other leaf changed only when the microbatch was ``added`` (as on one
+      device): floating leaves to their mean over the devices, others (counts, keys: the
+      same on every device) to this device's.
+    """
+    if called is None:
+        return None
+    bn = jnp.where(added, summed[0], jnp.zeros_like(summed[0]))
+    merged, treedef = jax.tree.flatten(merge_pooled(before, bn), is_leaf=is_step_driven)
+    ours = _nodes(called)[0]
+    where, _ = _float_leaves(called)
+    for i, total in zip(where, summed[1:], strict=True):
+        ours[i] = (total / shards).astype(jnp.result_type(ours[i]))
+    out = [
+        m if is_step_driven(m) else jnp.where(added, o, m)
+        for m, o in zip(merged, ours, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
 
 
 def close_windows(stats_tree: Any, apply: Array, axis_name: str | None) -> Any:

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh
-from accumjax._batch_norm_windows import call_sums, emptied, is_step_driven, merge_pooled
+from accumjax._agreement import accepted, device_decision, weigh
+from accumjax._batch_norm_windows import emptied, model_state_sums, pooled_model_state
 from accumjax._config import Config
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
@@ -201,37 +201,32 @@ def _pool(
     produced: tuple[Any, Any, Any],
 ) -> tuple[window_lib.Microbatch, tuple[jax.Array, Any, tuple[Any, Any]]]:
     """The `accumjax._loop.Pool` of a stream call on a mesh: this device's decision ``m``
-    about its rows as its share (`_share`), summed with the loss, BatchNorm statistics, other
-    floating model state and aux means in one all-reduce; ``before``: the model state the
-    call started from. A policy that reads the gradient decided about the whole microbatch
-    already (its one gradient-sized all-reduce); otherwise, without a ``skip_fn``, a
-    microbatch is refused only for being non-finite."""
+    about its rows as its share (`_share`), summed with the loss, the model state's sums
+    (`accumjax._batch_norm_windows.model_state_sums`: BatchNorm statistics, other floating
+    leaves) and aux means in one all-reduce; ``before``: the model state the call started
+    from (`accumjax._batch_norm_windows.pooled_model_state` makes it global). A policy that
+    reads the gradient decided about the whole microbatch already (its one gradient-sized
+    all-reduce); otherwise, without a ``skip_fn``, a microbatch is refused only for being
+    non-finite."""
     loss, new_state, aux = produced
     config = ctx.config
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
     mine = device_decision(config.scaling, ~m.added, weighs)
     m = _share(config, m, layout)
     aux_rows, aux_means = split_aux(aux, 0, aux_tree) if aux is not None else ([], [])
-    floats = [] if new_state is None else _floats(new_state)[1]
-    bn = jnp.zeros(1) if new_state is None else call_sums(new_state)
-    parts = jnp.stack([m.weight, *mine])
+    sums = model_state_sums(new_state)
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
     weighted_loss = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
     losses = jnp.stack([weighted_loss, weighs * loss_share(ctx)])
-    loss_parts, parts, bn, *rest = psum_together(
-        [losses, parts, bn, *floats, *aux_means],
-        layout.axis,
+    loss_parts, weight_sum, decision, *rest = psum_together(
+        [losses, m.weight, mine, *sums, *aux_means], layout.axis
     )
-    decision = MicrobatchDecision(rejected=parts[1], rejected_weightless=parts[2], weight=parts[3])
     added = accepted(config.scaling, decision)
     nonfinite = m.nonfinite if config.reads else ~added
-    m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, parts[0], 0.0))
-    model_state = None
-    if new_state is not None:
-        bn = jnp.where(added, bn, jnp.zeros_like(bn))
-        means = [total / layout.shards for total in rest[: len(floats)]]
-        model_state = _pooled_model_state(before, new_state, bn, means, added)
-    pooled_aux = (aux_rows, rest[len(floats) :])
+    m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, weight_sum, 0.0))
+    summed = rest[: len(sums)]
+    model_state = pooled_model_state(before, new_state, summed, added, layout.shards)
+    pooled_aux = (aux_rows, rest[len(sums) :])
     return m, (loss_parts[0] / loss_parts[1], model_state, pooled_aux)
 
 
@@ -251,41 +246,6 @@ def _share(
         return m._replace(factor=jnp.asarray(share, jnp.float32))
     factor = share if m.factor is None else m.factor * share
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
-
-
-def _floats(tree: Any) -> tuple[list[int], list[Any]]:
-    """The floating leaves of a model state beside its step-driven BatchNorm layers (each
-    layer one node), by position among ``jax.tree.flatten(tree, is_leaf=is_step_driven)``."""
-    leaves = jax.tree.flatten(tree, is_leaf=is_step_driven)[0]
-    where = [
-        i
-        for i, x in enumerate(leaves)
-        if not is_step_driven(x)
-        and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-        and not jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
-    ]
-    return where, [leaves[i] for i in where]
-
-
-def _pooled_model_state(
-    before: Any, called: Any, bn: jax.Array, means: list[Any], added: jax.Array
-) -> Any:
-    """The global model state after a stream call on a mesh, ``called`` this device's model
-    state after the call: each step-driven BatchNorm window merged with the call's
-    statistics pooled over the devices (``bn``: zeros when the microbatch was not added);
-    every other leaf changed only when the microbatch was ``added`` (as on one device):
-    floating leaves to their mean over the devices, others (counts, keys: the same on every
-    device) to this device's."""
-    merged, treedef = jax.tree.flatten(merge_pooled(before, bn), is_leaf=is_step_driven)
-    ours = jax.tree.flatten(called, is_leaf=is_step_driven)[0]
-    where, _ = _floats(called)
-    for i, mean in zip(where, means, strict=True):
-        ours[i] = mean.astype(jnp.result_type(ours[i]))
-    out = [
-        m if is_step_driven(m) else jnp.where(added, o, m)
-        for m, o in zip(merged, ours, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, out)
 
 
 def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Carry) -> Carry:

@@ -163,19 +163,20 @@ def local_context(ctx: Context, layout: sharded.Layout, local: Local) -> Context
     )
 
 
-def psum_together(parts: list[Any], axis: str) -> list[jax.Array]:
-    """Sums ``parts`` (arrays of any shapes) across ``axis`` in one all-reduce: they travel
-    as one flat vector of their common type (at least float32, so counts below 2**24 stay
-    exact), and come back in their own (floating) types.
+def psum_together(parts: list[Any], axis: str) -> list[Any]:
+    """Sums ``parts`` (pytrees of arrays of any shapes) across ``axis`` in one all-reduce:
+    their leaves travel as one flat vector of their common type (at least float32, so counts
+    below 2**24 stay exact), and come back in their own structures and (floating) types.
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> summed = jax.vmap(lambda x: psum_together([x, 2 * x], "i"), axis_name="i")(
+      >>> summed = jax.vmap(lambda x: psum_together([x, {"y": 2 * x}], "i"), axis_name="i")(
       ...     jnp.arange(3.0))
-      >>> [s[0].tolist() for s in summed]
-      [3.0, 6.0]
+      >>> summed[0][0].tolist(), summed[1]["y"][0].tolist()
+      (3.0, 6.0)
     """
-    arrays = [jnp.asarray(p) for p in parts]
+    leaves, treedef = jax.tree.flatten(parts)
+    arrays = [jnp.asarray(p) for p in leaves]
     dtype = jnp.result_type(jnp.float32, *arrays)
     flat = jax.lax.psum(jnp.concatenate([a.ravel().astype(dtype) for a in arrays]), axis)
     out, offset = [], 0
@@ -185,7 +186,7 @@ def psum_together(parts: list[Any], axis: str) -> list[jax.Array]:
         part = part if jnp.issubdtype(own, jnp.complexfloating) else jnp.real(part)
         out.append(part.astype(own))
         offset += a.size
-    return out
+    return jax.tree.unflatten(treedef, out)
 
 
 def split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> tuple[list[Any], list[Any]]:

@@ -460,12 +460,11 @@ class _BatchNormNet(nn.Module):
         return nn.Dense(4)(nn.relu(x))
 
 
-def test_stream_with_batch_norm_pools_statistics_per_call_and_reduces_gradients_once():
-    # BatchNorm windows are pooled with each call's loss in its one small all-reduce, so the
-    # running statistics move at the close with the whole window's pooled statistics, as on
-    # one device; the gradient is reduced once per window.
+def _batch_norm_stream_window(batch):
+    """One stream window (K calls of N rows) of `_BatchNormNet` on the 8-device mesh, from
+    ``step.init``: the state after it, each call's metrics, the compiled call and the
+    initial variables."""
     model = _BatchNormNet()
-    _, batch = _problem()
     variables = jax.jit(model.init)(jax.random.key(0), batch["x"][:N])  # one program
 
     def loss(params, model_state, b):
@@ -479,22 +478,55 @@ def test_stream_with_batch_norm_pools_statistics_per_call_and_reduces_gradients_
     state = step.init(params, tx, model_state={"batch_stats": variables["batch_stats"]})
     micro = _micro(batch, mesh)[:K]  # one window: the parameters are the same throughout
     compiled = step.lower(state, micro[0]).compile()
+    metrics = []
     for mb in micro:
-        state, _ = step(state, mb)
+        state, m = step(state, mb)
+        metrics.append(m)
+    return state, metrics, compiled, variables
+
+
+def _pooled_running_stats(variables, x):
+    """The reference of a window's close, float64 NumPy: the running statistics moved by
+    the first Dense layer's outputs over the rows ``x`` (momentum 0.5 from (0, 1))."""
+    dense = {k: np.asarray(v, np.float64) for k, v in variables["params"]["Dense_0"].items()}
+    h = x @ dense["kernel"] + dense["bias"]
+    return {"mean": 0.5 * h.mean(0), "var": 0.5 + 0.5 * h.var(0)}
+
+
+def test_stream_with_batch_norm_pools_statistics_per_call_and_reduces_gradients_once():
+    # BatchNorm windows are pooled with each call's loss in its one small all-reduce, so the
+    # running statistics move at the close with the whole window's pooled statistics, as on
+    # one device; the gradient is reduced once per window.
+    _, batch = _problem()
+    state, _, compiled, variables = _batch_norm_stream_window(batch)
     stats_mesh = state.model_state["batch_stats"]["AccumBatchNorm_0"]
     # The running statistics move once by the pooled window's statistics (Chan et al.), as on
-    # one device (the updates differ: each device normalizes its own rows). The reference,
-    # float64 NumPy: the first Dense layer's outputs over the window's K * N rows, momentum
-    # 0.5 from the initial (0, 1). float32 sums of 32 rows: 1e-6.
-    dense = {k: np.asarray(v, np.float64) for k, v in variables["params"]["Dense_0"].items()}
-    h = batch["x"][: K * N] @ dense["kernel"] + dense["bias"]
-    want = {"mean": 0.5 * h.mean(0), "var": 0.5 + 0.5 * h.var(0)}
+    # one device (the updates differ: each device normalizes its own rows). The reference:
+    # the window's K * N rows. float32 sums of 32 rows: 1e-6.
+    want = _pooled_running_stats(variables, batch["x"][: K * N])
     for name in ("mean", "var"):
         np.testing.assert_allclose(stats_mesh[name], want[name], rtol=1e-5, atol=1e-6)
     assert int(stats_mesh["acc_step"]) == 0 and stats_mesh["acc_mean"].shape == (8,)
     assert _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"] == 0
     assert _counts(compiled, 1, GRADIENT_BYTES)["all-reduce"] == 1
     assert _counts(compiled, 0)["all-reduce"] == 1  # loss, counts and statistics together
+
+
+def test_a_skipped_stream_microbatch_on_a_mesh_leaves_its_batch_norm_statistics_out():
+    # A NaN target in one device's row of microbatch 1 makes that call's gradient non-finite:
+    # every device skips it, and its BatchNorm statistics (finite: BatchNorm sees only x) are
+    # not merged into the pooled window. The running statistics move by the other three
+    # microbatches' rows alone, as on one device.
+    _, batch = _problem()
+    batch["y"][1 * N + 3] = np.nan  # microbatch 1, device 3's row
+    state, metrics, _, variables = _batch_norm_stream_window(batch)
+    assert [int(m["skipped_microbatches"]) for m in metrics] == [0, 1, 0, 0]
+    stats_mesh = state.model_state["batch_stats"]["AccumBatchNorm_0"]
+    kept = np.concatenate([batch["x"][:N], batch["x"][2 * N : K * N]])
+    want = _pooled_running_stats(variables, kept)
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(stats_mesh[name], want[name], rtol=1e-5, atol=1e-6)
+    assert int(stats_mesh["acc_step"]) == 0 and bool(metrics[-1]["updated"])
 
 
 def test_stream_mode_resumes_a_mid_window_orbax_checkpoint_bit_for_bit(tmp_path):
