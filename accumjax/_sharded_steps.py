@@ -6,7 +6,7 @@ say, stay automatic), so each device adds the gradient of its rows to a sum of i
 mode (`sharded_scan_step`) runs the K microbatches of one call, then the window's one
 reduction (an all-reduce, and a reduce-scatter per parameter split over the data axis), which
 also carries the loss and the per-microbatch aux means; the update runs in the global view.
-The pieces a stream call on a mesh shares with it (the ``shard_map``, one device's inputs,
+The pieces a stream call on a mesh shares with it (the ``shard_map`` and its inputs' specs,
 the pooled all-reduce, the aux split) are here too.
 
 Every value a step returns is global: metrics are scalars, aux leaves with rows have the rows
