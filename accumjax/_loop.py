@@ -120,7 +120,8 @@ class Context(NamedTuple):
         window of one microbatch whose counters are not kept).
       loss_scale: the dynamic loss scale (float16), or None.
       rng: the step's PRNG key, or None.
-      step_count: ``state.step``, folded into every microbatch key.
+      step_count: ``state.step``, folded into every microbatch key (the loss scale, key
+        and step count: `reading`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
       materialize: ``(params, microbatch index) -> params`` a microbatch computes with
@@ -138,9 +139,9 @@ class Context(NamedTuple):
     setup: Setup
     config: Config
     accumulating: bool
-    loss_scale: DynamicLossScale | None
-    rng: Any
-    step_count: Any
+    loss_scale: DynamicLossScale | None = None
+    rng: Any = None
+    step_count: Any = None
     n_real: Any = None
     materialize: Callable[[Any, Any], Any] | None = None
     reduce: Callable[[Any], Any] | None = None
@@ -154,6 +155,13 @@ class Context(NamedTuple):
         is folded into keys, and the devices along it agree about each microbatch
         (`accumjax._window.inspect_microbatch`)."""
         return self.config.axis_name
+
+    def reading(self, state: Any, rng: Any) -> Context:
+        """This context with the call's traced values read from the train ``state`` (its loss
+        scale under float16, its step count) and ``rng``: `begin` reads them so, and a mesh
+        step's ``shard_map`` again, as one device sees them."""
+        loss_scale = state.loss_scale if self.setup.f16 else None
+        return self._replace(loss_scale=loss_scale, rng=rng, step_count=state.step)
 
     def key(self, index: Any) -> Any:
         """A key distinct for every step, device and microbatch, reproducible from ``rng``."""
@@ -293,16 +301,8 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
         acc = check_layout(setup.mode, setup.pmap_axis, acc)
     else:
         acc = init_state(config, state.params, state.opt_state)
-    loss_scale = state.loss_scale if setup.f16 else None
-    context = Context(
-        setup=setup,
-        config=config,
-        accumulating=accumulating,
-        loss_scale=loss_scale,
-        rng=rng,
-        step_count=state.step,
-    )
-    return context, acc
+    context = Context(setup=setup, config=config, accumulating=accumulating)
+    return context.reading(state, rng), acc
 
 
 # ----------------------------------------------------------------------------- one microbatch

@@ -39,16 +39,14 @@ from accumjax._loop import (
 )
 from accumjax._sharded_steps import (
     WHOLE,
-    Local,
     data_shard_map,
     field_specs,
     join_aux,
     local_context,
-    local_inputs,
-    local_specs,
     psum_together,
     reduce_gradient,
     split_aux,
+    step_specs,
 )
 from accumjax._window_end import window_closes
 from accumjax._zero import laid_back, optimizer_side, zero_close
@@ -140,14 +138,14 @@ def _mesh_call(
         window_specs = layout.window_specs()
     else:
         window_specs = field_specs(window_lib.Window, layout.accumulator_specs())
-    local = local_inputs(state, batch, rng, ctx, window=acc.window)
+    local_state = state.replace(opt_state=None)
     aux_specs = (PartitionSpec(layout.axis), WHOLE)  # `split_aux`'s rows and means
     window, model_state, loss, aux, added, nonfinite = data_shard_map(
         partial(_local_call, ctx, layout, aux_tree, per_shard),
         layout,
-        in_specs=(local_specs(layout, n_real=WHOLE, window=window_specs),),
+        in_specs=(step_specs(layout, local_state, window_specs),),
         out_specs=(window_specs, WHOLE, WHOLE, aux_specs, WHOLE, WHOLE),
-    )(local)
+    )((local_state, batch, rng, acc.window))
     opt = acc._replace(window=window, updated=jnp.zeros((), bool), added=added)
     fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
     if per_shard:
@@ -169,25 +167,31 @@ def _mesh_call(
 
 
 def _local_call(
-    ctx: Context, layout: sharded.Layout, aux_tree: list[Any], per_shard: bool, local: Local
+    ctx: Context,
+    layout: sharded.Layout,
+    aux_tree: list[Any],
+    per_shard: bool,
+    inputs: tuple[Any, ...],
 ) -> tuple[Any, Any, jax.Array, tuple[Any, Any], jax.Array, jax.Array]:
-    """One device's part of a stream call: the loop's microbatch, its gradient added to this
+    """One device's part of a stream call, from its ``(state, batch, rng, window)``
+    (`accumjax._sharded_steps.step_specs`): the loop's microbatch, its gradient added to this
     device's partial sum (``per_shard``: a leading axis of one, which the gradient broadcasts
     to) or reduced and added to the window's one sum, the rest pooled (`_pool`). Returns the
     window (of the type it came in, its counters advanced by
     `accumjax._window.add_microbatch`), and the global model state, loss, aux, whether the
     microbatch was added and whether it was non-finite."""
-    ctx = local_context(ctx, layout, local)
+    state, batch, rng, open_window = inputs
+    ctx = local_context(ctx, layout, state, rng)
     reduce = reduce_gradient(layout, whole=not per_shard)
     ctx = ctx._replace(reduce=reduce)
-    params = sharded.gather(local.params, layout)
-    window = _retyped(local.window, window_lib.Window)
-    start = None if local.model_state is None else emptied(local.model_state)
+    params = sharded.gather(state.params, layout)
+    window = _retyped(open_window, window_lib.Window)
+    start = None if state.model_state is None else emptied(state.model_state)
     zero = jnp.zeros((), jnp.float32)
     carry = Carry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
-    pool = partial(_pool, ctx, layout, aux_tree, local.model_state)
-    out = microbatch(ctx, carry, params, local.batch, window.micro_step, pool=pool)
-    window = _retyped(out.carry.window, type(local.window))
+    pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
+    out = microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
+    window = _retyped(out.carry.window, type(open_window))
     return window, out.carry.model_state, out.loss, out.aux, out.added, out.nonfinite
 
 

@@ -6,7 +6,7 @@ say, stay automatic), so each device adds the gradient of its rows to a sum of i
 mode (`sharded_scan_step`) runs the K microbatches of one call, then the window's one
 reduction (an all-reduce, and a reduce-scatter per parameter split over the data axis), which
 also carries the loss and the per-microbatch aux means; the update runs in the global view.
-The pieces a stream call on a mesh shares with it (the ``shard_map``, one device's inputs,
+The pieces a stream call on a mesh shares with it (the ``shard_map`` and its inputs' specs,
 the pooled all-reduce, the aux split) are here too.
 
 Every value a step returns is global: metrics are scalars, aux leaves with rows have the rows
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,60 +43,29 @@ from accumjax.train_state import TrainState
 
 __all__ = [
     "WHOLE",
-    "Local",
     "data_shard_map",
     "field_specs",
     "join_aux",
     "local_context",
-    "local_inputs",
-    "local_specs",
     "psum_together",
     "reduce_gradient",
     "sharded_scan_step",
     "split_aux",
+    "step_specs",
 ]
 
 WHOLE = PartitionSpec()
 T = TypeVar("T")
 
 
-class Local(NamedTuple):
-    """One device's inputs to a sharded step's ``shard_map`` (its one argument): the state's
-    parameters and model state, the call's batch, key, step count and loss scale, scan mode's
-    real microbatches, stream mode's open window."""
-
-    params: Any
-    model_state: Any
-    batch: Any
-    rng: Any
-    step_count: Any
-    loss_scale: Any
-    n_real: Any = None
-    window: Any = None
-
-
-def local_inputs(state: Any, batch: Any, rng: Any, ctx: Context, **more: Any) -> Local:
-    """A call's `Local`: the train state's parameters, model state and step count, the call's
-    batch and key, the context's loss scale, and ``more`` (``n_real``, ``window``)."""
-    return Local(
-        params=state.params,
-        model_state=state.model_state,
-        batch=batch,
-        rng=rng,
-        step_count=state.step,
-        loss_scale=ctx.loss_scale,
-        **more,
-    )
-
-
-def local_specs(layout: sharded.Layout, **more: Any) -> Local:
-    """The ``shard_map`` specs of `Local`: the batch split, parameters as they lie."""
-    return Local(
-        params=layout.param_specs(),
-        batch=PartitionSpec(layout.axis),
-        **dict.fromkeys(("model_state", "rng", "step_count", "loss_scale"), WHOLE),
-        **more,
-    )
+def step_specs(layout: sharded.Layout, state: Any, more: Any) -> tuple[Any, ...]:
+    """The ``shard_map`` specs of a step's inputs ``(state, batch, rng, more)``, whose part on
+    one device is the mapped function's one argument: the train ``state``'s parameters as
+    they lie and every other field of it whole (one spec per field, so a subclass's fields
+    match too), the batch split over the data axis, the key whole, and ``more``'s specs
+    (what the mode adds: scan mode's real microbatches, stream mode's open window)."""
+    specs = jax.tree.map(lambda _: WHOLE, state, is_leaf=lambda x: x is not state)
+    return specs.replace(params=layout.param_specs()), PartitionSpec(layout.axis), WHOLE, more
 
 
 def field_specs(cls: type[T], first: Any, rest: Any = WHOLE) -> T:
@@ -152,15 +121,12 @@ def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
     )
 
 
-def local_context(ctx: Context, layout: sharded.Layout, local: Local) -> Context:
-    """``ctx`` inside the ``shard_map``: the call's traced values as one device sees them, and
-    its config's axis the layout's data axis, the one the devices decide along."""
-    return ctx._replace(
-        config=ctx.config._replace(axis_name=layout.axis),
-        loss_scale=local.loss_scale,
-        rng=local.rng,
-        step_count=local.step_count,
-    )
+def local_context(ctx: Context, layout: sharded.Layout, state: Any, rng: Any) -> Context:
+    """``ctx`` inside the ``shard_map``: the call's traced values read again from the train
+    ``state`` and key as one device sees them (`accumjax._loop.Context.reading`), and its
+    config's axis the layout's data axis, the one the devices decide along."""
+    config = ctx.config._replace(axis_name=layout.axis)
+    return ctx._replace(config=config).reading(state, rng)
 
 
 def psum_together(parts: list[Any], axis: str) -> list[Any]:
@@ -235,15 +201,15 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(n, ctx.every_k))
         aux_tree: list[Any] = []
-        local = local_inputs(state, batch, rng, ctx, n_real=ctx.n_real)
+        local_state = state.replace(opt_state=None)
         closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
         row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
         closed, model_state, loss, aux = data_shard_map(
             partial(_local_window, ctx, layout, aux_tree),
             layout,
-            in_specs=(local_specs(layout, n_real=WHOLE),),
+            in_specs=(step_specs(layout, local_state, WHOLE),),
             out_specs=(closed_specs, WHOLE, WHOLE, (row_spec, WHOLE)),
-        )(local)
+        )((local_state, batch, rng, ctx.n_real))
         aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
         if layout.zero:
             _, acc = optimizer_side(layout, state.params, acc)
@@ -259,26 +225,28 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 
 
 def _local_window(
-    ctx: Context, layout: sharded.Layout, aux_tree: list[Any], local: Local
+    ctx: Context, layout: sharded.Layout, aux_tree: list[Any], inputs: tuple[Any, ...]
 ) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
-    """One device's part of a window: its rows' gradients summed as they come (decided at
-    the window's end, with the reduction) or decided by all devices together microbatch by
-    microbatch (a policy that reads the gradient), then the window's one reduction (which
-    also carries the loss and the aux means)."""
+    """One device's part of a window, from its ``(state, batch, rng, n_real)`` (`step_specs`):
+    its rows' gradients summed as they come (decided at the window's end, with the
+    reduction) or decided by all devices together microbatch by microbatch (a policy that
+    reads the gradient), then the window's one reduction (which also carries the loss and
+    the aux means)."""
+    state, batch, rng, n_real = inputs
     zero = jnp.zeros((), jnp.float32)
     config = ctx.config
-    params = local.params
-    ctx = local_context(ctx, layout, local)._replace(n_real=local.n_real)
+    params = state.params
+    ctx = local_context(ctx, layout, state, rng)._replace(n_real=n_real)
     if ctx.setup.gather_params == "window":  # once, before the loop (more memory, one gather)
         params = sharded.gather(params, layout)
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
         gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
         ctx = ctx._replace(materialize=gather)
     ctx, layouts, whole_counts, sum_dims = _sum_layout(ctx, layout, config)
-    shapes = layout.local_sums(local.params, sum_dims)
+    shapes = layout.local_sums(state.params, sum_dims)
     like = window_lib.init_window(shapes, config.accumulator_dtype)
-    start = Carry(window=like, model_state=local.model_state, loss_sum=zero, loss_weight=zero)
-    run = window_loop(ctx, params, start, local.batch)
+    start = Carry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
+    run = window_loop(ctx, params, start, batch)
     first = run(None)
     rows = ctx.setup.aux_rows ^ 1
     aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)

@@ -148,7 +148,7 @@ def _design_records() -> set[str]:
 def test_the_step_path_records_are_the_design_notes_table():
     records = set().union(*(_named_tuples(m) for m in STEP_PATH))
     assert records == _design_records()
-    assert len(records) <= 11
+    assert len(records) <= 10
 
 
 def test_one_version_from_one_source():

@@ -7,6 +7,7 @@ and the collectives in the compiled HLO. Every metric is a scalar equal to the o
 value; the gradient is reduced once per window in both modes.
 """
 
+import dataclasses
 import functools
 import re
 from typing import Any, cast
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -407,6 +408,43 @@ def test_stream_states_from_create_train_on_a_mesh_reducing_every_call():
     for key in ref:
         np.testing.assert_allclose(state.params[key], ref[key], rtol=1e-5, atol=1e-6)
     assert _counts(compiled, 0, GRADIENT_BYTES)["all-reduce"] == 1
+
+
+class _Tagged(accumjax.TrainState):
+    """A train state of the user's own: a traced field and a static one besides the step's."""
+
+    seen: Any = None
+    tag: str = struct.field(pytree_node=False, default="mine")
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_a_train_state_subclass_trains_on_a_mesh_as_a_train_state_does(mode):
+    # The step's shard_map takes the train state as it is (FSDP parameters as they lie, every
+    # other field whole): a subclass's own fields pass through untouched, and its windows
+    # are a TrainState's, bit for bit.
+    mesh = _mesh()
+    params, batch = _problem()
+    step = accumjax.make_train_step(_loss, mode=mode)
+    tx = accumjax.accumulate(optax.sgd(0.5), K)
+    whole = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    calls = _micro(batch, mesh) if mode == "stream" else [whole, whole]
+    runs = []
+    for cls in (accumjax.TrainState, _Tagged):
+        state = step.init(_put(params, mesh, True), tx)
+        if cls is _Tagged:
+            fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+            state = _Tagged(**fields, seen=jnp.arange(3.0))
+        losses = []
+        for batch_of_call in calls:
+            state, metrics = step(state, batch_of_call)
+            losses.append(float(metrics["loss"]))
+        runs.append((state, losses))
+    (base, base_losses), (mine, losses) = runs
+    assert isinstance(mine, _Tagged) and mine.tag == "mine"
+    np.testing.assert_array_equal(mine.seen, [0.0, 1.0, 2.0])
+    assert int(mine.step) == int(base.step) == 2 and losses == base_losses
+    for key in base.params:
+        np.testing.assert_array_equal(mine.params[key], base.params[key])
 
 
 def test_stream_on_a_2d_mesh_reduces_once_per_window_over_the_data_axis():
