@@ -117,7 +117,9 @@ def pinned(layout: sharded.Layout, params: Any) -> Any:
     leaves = layout.treedef.flatten_up_to(params)
     constrain = partial(jax.lax.with_sharding_constraint, shardings=shardings)
     if jax.sharding.AxisType.Explicit in tuple(layout.mesh.axis_types):
-        constrain = cast(Any, jax.sharding.auto_axes)(constrain, out_sharding=shardings)
+        # Inside `auto_axes` the mesh's axes are Auto: the constraint names them by spec.
+        by_spec = partial(jax.lax.with_sharding_constraint, shardings=specs)
+        constrain = cast(Any, jax.sharding.auto_axes)(by_spec, out_sharding=shardings)
     return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 

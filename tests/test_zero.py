@@ -292,3 +292,28 @@ def test_a_zero_layout_under_pmap_is_refused_naming_the_mesh():
     with pytest.raises(ValueError, match=r"optimizer_sharding='zero1'.*pmap.*mesh"):
         accumjax.make_train_step(reference.loss, axis_name="data", optimizer_sharding="zero1")
     accumjax.make_train_step(reference.loss, axis_name="data")  # replicated under pmap: fine
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_zero1_beside_a_parameter_split_over_the_data_axis_keeps_both_layouts(kind, mode):
+    """FSDP's ``w`` and a replicated ``b`` whose optimizer state ZeRO-1 splits, on 2 devices:
+    both pinned where they lie in the update's loop (on an Explicit mesh by spec, inside
+    ``auto_axes``)."""
+    params, batch = _nan_problem()
+    expected = reference.window(params, reference.microbatches(batch, K))
+    mesh = _mesh(2, kind)
+    placed = {
+        "w": jax.device_put(params["w"], NamedSharding(mesh, P("data"))),
+        "b": jax.device_put(params["b"], NamedSharding(mesh, P())),
+    }
+    step = accumjax.make_train_step(reference.loss, mode=mode, optimizer_sharding="zero1")
+    state = step.init(placed, accumjax.accumulate(optax.sgd(LR, momentum=0.9), K))
+    assert state.opt_state.inner_tx_state[0].trace["b"].sharding.spec[:1] == ("data",)
+    before = _specs(state)
+    state = _window(mesh, mode, state, step, batch)
+    _same_layout(before, _specs(state))
+    want = expected.params_after(params, LR)
+    for key in params:
+        scale = np.abs(want[key]).max()
+        np.testing.assert_allclose(state.params[key], want[key], rtol=FLOAT32, atol=FLOAT32 * scale)
