@@ -23,9 +23,15 @@ import jax.numpy as jnp
 import optax
 
 import accumjax._window as window_lib
-from accumjax._agreement import MicrobatchDecision, device_decision, weigh
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._config import Config
+from accumjax._decision import (
+    Microbatch,
+    MicrobatchDecision,
+    gated_decision,
+    inspect_microbatch,
+    weigh,
+)
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._opt_state import count_update
 from accumjax._state import config_of
@@ -153,7 +159,7 @@ class Context(NamedTuple):
         """The axis the step's microbatches are mapped over, as its ``config`` names it: the
         ``pmap`` axis, inside a mesh step's ``shard_map`` its data axis, else None. Its index
         is folded into keys, and the devices along it agree about each microbatch
-        (`accumjax._window.inspect_microbatch`)."""
+        (`accumjax._decision.inspect_microbatch`)."""
         return self.config.axis_name
 
     def reading(self, state: Any, rng: Any) -> Context:
@@ -242,7 +248,7 @@ class Outcome(NamedTuple):
         None.
       added: one microbatch: whether it was added to the window.
       decision: added as it came (`Context.adds_before_deciding`): this device's
-        `accumjax._agreement.MicrobatchDecision` about it (a pass: about each microbatch,
+        `accumjax._decision.MicrobatchDecision` about it (a pass: about each microbatch,
         stacked); else None.
       nonfinite: one microbatch: whether it was found non-finite.
       losses: a pass with ``decision``: each microbatch's weighted loss and weight on this
@@ -346,11 +352,11 @@ def loss_share(ctx: Context) -> Any:
 
 
 #: A stream call's pooling on a mesh (`accumjax._mesh_stream`): ``pool(microbatch, weight,
-#: (loss, model state, aux))`` takes this device's `accumjax._window.Microbatch` about its rows,
+#: (loss, model state, aux))`` takes this device's `accumjax._decision.Microbatch` about its rows,
 #: its weight (or None) and what its rows produced, and returns the whole microbatch's decision
 #: (its ``weight`` the whole microbatch's) with the loss metric, the model state (following
 #: the decision) and the aux made global, all in one all-reduce.
-Pool = Callable[[window_lib.Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
+Pool = Callable[[Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
 
 
 def microbatch(
@@ -369,7 +375,7 @@ def microbatch(
     In scan mode (`Context.adds_before_deciding`) it is added as it comes where ``gate`` (a
     decision taken before, True in a window's first pass) and decided about at the window's
     end from its `Outcome.decision`; otherwise decided first
-    (`accumjax._window.inspect_microbatch`; on a mesh about the whole microbatch). ``first``
+    (`accumjax._decision.inspect_microbatch`; on a mesh about the whole microbatch). ``first``
     opens the window with it (`accumjax._window.first_microbatch`). With ``pool`` (a stream
     call on a mesh) this device decides about its rows and ``pool`` makes the decision, the
     loss metric, the model state and the aux the whole microbatch's; ``carry.model_state`` is
@@ -384,20 +390,16 @@ def microbatch(
     mine = None
     if pool is not None:  # a policy that reads the gradient reads the whole one
         axis = ctx.axis_name if config.reads else None
-        m = window_lib.inspect_microbatch(
-            config, grads, weight, params, axis, ctx.dims, keep_whole=False
-        )
+        m = inspect_microbatch(config, grads, weight, params, axis, ctx.dims, keep_whole=False)
         m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
     elif (
         ctx.adds_before_deciding
     ):  # this device's decision about its rows; the devices decide at the window's end
-        m = window_lib.inspect_microbatch(config, grads, weight, params)
-        w = jnp.ones((), jnp.float32) if weight is None else weight
-        mine = device_decision(config.scaling, m.nonfinite, w)
+        m = inspect_microbatch(config, grads, weight, params)
         gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
-        m = m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0))
+        m, mine = gated_decision(config, m, weight, gate)
     else:
-        m = window_lib.inspect_microbatch(config, grads, weight, params, ctx.axis_name, ctx.dims)
+        m = inspect_microbatch(config, grads, weight, params, ctx.axis_name, ctx.dims)
     window, micro = add(config, carry.window, grads, weight, params, m, gate=gate, **more)
     carry, loss = follow_decision(
         ctx, carry, window, micro.added, weight, loss, new_model_state, pooled=pool is not None

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax._agreement import accepted, device_decision, weigh
 from accumjax._batch_norm_windows import emptied, model_state_sums, pooled_model_state
 from accumjax._config import Config
+from accumjax._decision import Microbatch, device_decision, pooled_decision, weigh
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
     Carry,
@@ -200,10 +200,10 @@ def _pool(
     layout: sharded.Layout,
     aux_tree: list[Any],
     before: Any,
-    m: window_lib.Microbatch,
+    m: Microbatch,
     weight: jax.Array | None,
     produced: tuple[Any, Any, Any],
-) -> tuple[window_lib.Microbatch, tuple[jax.Array, Any, tuple[Any, Any]]]:
+) -> tuple[Microbatch, tuple[jax.Array, Any, tuple[Any, Any]]]:
     """The `accumjax._loop.Pool` of a stream call on a mesh: this device's decision ``m``
     about its rows as its share (`_share`), summed with the loss, the model state's sums
     (`accumjax._batch_norm_windows.model_state_sums`: BatchNorm statistics, other floating
@@ -225,18 +225,14 @@ def _pool(
     loss_parts, weight_sum, decision, *rest = psum_together(
         [losses, m.weight, mine, *sums, *aux_means], layout.axis
     )
-    added = accepted(config.scaling, decision)
-    nonfinite = m.nonfinite if config.reads else ~added
-    m = m._replace(added=added, nonfinite=nonfinite, weight=jnp.where(added, weight_sum, 0.0))
+    m = pooled_decision(config, m, weight_sum, decision)
     summed = rest[: len(sums)]
-    model_state = pooled_model_state(before, new_state, summed, added, layout.shards)
+    model_state = pooled_model_state(before, new_state, summed, m.added, layout.shards)
     pooled_aux = (aux_rows, rest[len(sums) :])
     return m, (loss_parts[0] / loss_parts[1], model_state, pooled_aux)
 
 
-def _share(
-    config: Config, m: window_lib.Microbatch, layout: sharded.Layout
-) -> window_lib.Microbatch:
+def _share(config: Config, m: Microbatch, layout: sharded.Layout) -> Microbatch:
     """A device's decision about its rows, as its share of the whole microbatch: for losses
     that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight count 1/shards of
     the microbatch's, so that a `accumjax.window.DeviceWindow` holds what one device's window

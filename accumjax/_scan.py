@@ -19,7 +19,7 @@ import optax
 
 import accumjax._loop as loop_lib
 import accumjax._window as window_lib
-from accumjax._agreement import MicrobatchDecision, device_decision, weigh
+from accumjax._decision import MicrobatchDecision, sum_decision, weigh
 from accumjax._loop import (
     Carry,
     Context,
@@ -97,7 +97,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
     for all) and decided about at the window's end from its decision
     (`Context.adds_before_deciding`), or,
     for a policy that reads the gradient's values, decided as it comes (on a mesh the
-    devices agree about each one: `accumjax._window.inspect_microbatch`). With
+    devices agree about each one: `accumjax._decision.inspect_microbatch`). With
     `Context.sum_can_decide` the passes that add read no gradient, and ``over`` (a sum no
     longer needed) gives a pass that adds nothing: each gradient is written over it and read
     there (`sum_decided`). The loop body is traced once, however many times ``run`` is called.
@@ -150,19 +150,11 @@ def sum_decided(
 
     written = jax.tree.map(put, carry.window.grad_sum, grads)
     norm = window_lib.global_norm(written)
-    # Reading: the gradient's own norm, as `accumjax._loop.microbatch` reads it. Adding: the
-    # sum so far, no larger than 2**62, tells that each gradient in it, a difference of two
-    # such sums, had a finite norm (at most 2**63: its squares sum below float32's 2**128).
-    # Only a window with a larger sum reads its gradients.
-    nonfinite = jnp.where(reading, ~jnp.isfinite(norm), ~(norm <= 2.0**62))
-    kept = gate | (reading & ~nonfinite)  # its model state and loss count
-    counted = window_lib.Microbatch(
-        added=gate, nonfinite=nonfinite, weight=jnp.where(gate, 1.0, 0.0)
-    )
+    counted, kept, decision = sum_decision(ctx.config, norm, gate, reading)
     window = window_lib.count_microbatch(carry.window, written, counted)
     # Unweighted: each microbatch kept counts 1 in the loss metric.
     carry, loss = follow_decision(ctx, carry, window, kept, None, loss, new_model_state)
-    decision = device_decision(ctx.config.scaling, nonfinite, jnp.ones((), jnp.float32))
+    nonfinite = counted.nonfinite
     return Outcome(
         carry=carry, loss=loss, aux=aux, added=gate, decision=decision, nonfinite=nonfinite
     )

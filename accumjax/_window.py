@@ -3,7 +3,8 @@
 1. `init_window`: an empty accumulator created like the parameters (same sharding).
 2. `add_microbatch`: adds ``w_i * c_i * T(g_i)`` (``T`` the policy's
    ``microbatch_transform``); a policy that reads the gradient or skips one microbatch
-   decides first (`inspect_microbatch`), the others add each gradient as it comes.
+   decides first (`accumjax._decision.inspect_microbatch`, the one home of a microbatch's
+   decision), the others add each gradient as it comes.
 3. `close_window`: at most one cross-device reduction, then the decision: a window is
    usable when its weight sum is > 0, its scaled sum is finite and the policy allows it.
 """
@@ -18,27 +19,24 @@ import jax
 import jax.numpy as jnp
 
 import accumjax._scaling as scaling_lib
-from accumjax._agreement import MicrobatchDecision, accepted, device_decision, weigh, whole_gradient
-from accumjax._config import Config, transformed_gradient
+from accumjax._config import Config
 from accumjax._control import run_once
-from accumjax._norms import global_norm
-from accumjax._reduction import (
-    REPLICATED,
-    LeafLayout,
-    Reduction,
-    cross_device_reduce,
-    gathered,
-    own_shard,
-    sharded_norm,
+from accumjax._decision import (
+    Microbatch,
+    MicrobatchDecision,
+    add_condition,
+    inspect_microbatch,
+    weigh,
+    window_decisions,
 )
+from accumjax._norms import global_norm
+from accumjax._reduction import REPLICATED, LeafLayout, Reduction, cross_device_reduce, sharded_norm
 
 __all__ = [
     "Closed",
     "DeviceWindow",
-    "Microbatch",
     "Window",
     "add_microbatch",
-    "agreed",
     "close_window",
     "count_microbatch",
     "denominator",
@@ -46,7 +44,6 @@ __all__ = [
     "first_microbatch",
     "global_norm",
     "init_window",
-    "inspect_microbatch",
     "local_window",
     "run_once",
     "saturating_add",
@@ -99,30 +96,6 @@ class DeviceWindow(NamedTuple):
     micro_step: jax.Array
     window_nonfinite: jax.Array
     window_skipped: jax.Array
-
-
-class Microbatch(NamedTuple):
-    """What the policy decided about one microbatch (`inspect_microbatch`).
-
-    Attributes:
-      added: whether its gradient goes into the window; model state follows this.
-      nonfinite: whether its gradient (or weight) was not finite.
-      weight: what it adds to the window's weight sum (0 when not added), float32.
-      factor: what its gradient is multiplied by (weight times clip factor), or None for 1.
-      whole: the whole microbatch's gradient, reduced while deciding (a policy that reads it,
-        on a mesh; transformed by its ``microbatch_transform``), added instead of this
-        device's own and never reduced again; or None.
-      transformed: without ``whole``, the policy's ``microbatch_transform`` of the gradient
-        it read (on a mesh the whole microbatch's, full-size), added instead of ``grads``
-        (through ``add_microbatch``'s ``reduce``); or None.
-    """
-
-    added: jax.Array
-    nonfinite: jax.Array
-    weight: jax.Array
-    factor: jax.Array | None = None
-    whole: Any = None
-    transformed: Any = None
 
 
 class Closed(NamedTuple):
@@ -245,111 +218,6 @@ def _count(window_count: jax.Array, flag: jax.Array) -> jax.Array:
     return saturating_add(window_count, flag.astype(jnp.int32))
 
 
-def inspect_microbatch(
-    config: Config,
-    grads: Any,
-    weight: Any = None,
-    params: Any = None,
-    axis_name: str | None = None,
-    dims: Any = None,
-    keep_whole: bool = True,
-) -> Microbatch:
-    """The policy's decision about one microbatch gradient, without adding it.
-
-    `add_microbatch` inspects and adds in one go. On a mesh (``axis_name``) a microbatch is one
-    thing: every device takes the decision one device holding all its rows would take
-    (`agreed`: a NaN in any device's rows leaves the whole microbatch out).
-
-    Args:
-      config: the accumulation's `accumjax._config.Config` (its window's policy).
-      grads: the microbatch gradient (on a mesh, of this device's rows).
-      weight: the microbatch weight (``scaling="weighted"`` only; on a mesh, this device's).
-      params: the parameters, passed to ``config.skip_fn``.
-      axis_name: the mapped axis the microbatch's rows are split over, or None (one device).
-      dims: with ``axis_name``, for a policy that reads the gradient: None, or a pytree like
-        ``grads`` holding the dimension each parameter is split on over the axis (FSDP):
-        those leaves of the whole gradient are reduce-scattered into this device's shard.
-      keep_whole: with ``axis_name``, a policy that reads the gradient hands the whole
-        gradient it reduced to the window (`Microbatch.whole`); False keeps this device's
-        own gradient and weight (a window whose partial sums are reduced at its end).
-
-    Returns:
-      A `Microbatch`. Its ``weight`` and ``factor`` are this device's, or the whole
-      microbatch's when it carries the ``whole`` gradient.
-
-    Example:
-      >>> import jax.numpy as jnp, optax
-      >>> import accumjax._window as window
-      >>> from accumjax._config import Config
-      >>> config = Config(inner=optax.with_extra_args_support(optax.sgd(0.1)), every_k=2)
-      >>> m = window.inspect_microbatch(config, {"w": jnp.array([1.0, jnp.nan])})
-      >>> bool(m.added), bool(m.nonfinite), float(m.weight)
-      (False, True, 0.0)
-    """
-    w, w_ok = scaling_lib.microbatch_weight(config.scaling, weight)
-    whole = None
-    if axis_name is None:
-        seen, norm, finite = grads, None, w_ok
-        if config.detects or config.max_norm is not None:
-            norm = global_norm(grads)
-            finite = finite & jnp.isfinite(norm) if config.detects else finite
-    else:
-        seen, norm, finite, total, whole = agreed(config, grads, w, w_ok, axis_name, dims)
-        if keep_whole and whole is not None:
-            w = total
-        else:
-            whole = None
-    added = finite
-    if config.skip_fn is not None:
-        added = added & ~jnp.asarray(config.skip_fn(seen, params), bool)
-    transformed = None
-    if config.microbatch_transform is not None:
-        transformed = transformed_gradient(config.microbatch_transform, seen, params)
-        if whole is not None:  # in the whole gradient's layout: this device's shards
-            whole, transformed = own_shard(transformed, axis_name, dims), None
-    factor = w if config.scaling == "weighted" else None
-    if config.max_norm is not None and norm is not None:
-        tiny = jnp.finfo(jnp.float32).tiny
-        clip = jnp.minimum(1.0, config.max_norm / jnp.maximum(norm, tiny))
-        factor = clip if factor is None else factor * clip
-    weight_added = jnp.where(added, w, 0.0)
-    return Microbatch(jnp.asarray(added), ~finite, weight_added, factor, whole, transformed)
-
-
-def agreed(
-    config: Config,
-    grads: Any,
-    weight: jax.Array,
-    valid: jax.Array,
-    axis_name: str,
-    dims: Any = None,
-) -> tuple[Any, jax.Array | None, jax.Array, jax.Array, Any]:
-    """Inside a map over ``axis_name``: what one device holding all of a microbatch's rows
-    would see, the same on every device: ``(gradient the policy reads, its norm, whether the
-    microbatch is finite, the weight to add, the whole gradient or None)``.
-
-    The devices' decisions meet in one all-reduce; for a policy that reads the gradient it is
-    the reduction of the whole gradient (`accumjax._agreement.whole_gradient`), which the window
-    then adds and never reduces again. ``"propagate"`` without weights needs none.
-    """
-    weighted, reads = config.scaling == "weighted", config.reads
-    if not (config.detects or weighted or reads):
-        return grads, None, valid, weight, None
-    own = valid
-    if config.detects and (weighted or not reads):  # else the whole gradient's norm decides
-        own = own & jnp.isfinite(global_norm(grads))
-    mine = device_decision(config.scaling, ~own, weight)
-    if not reads:
-        return grads, None, accepted(config.scaling, jax.lax.psum(mine, axis_name)), weight, None
-    whole, summed = whole_gradient(config.scaling, grads, weight, axis_name, mine, dims)
-    norm = sharded_norm(whole, axis_name, dims)
-    reader = config.skip_fn is not None or config.microbatch_transform is not None
-    seen = gathered(whole, axis_name, dims) if reader else whole
-    finite = accepted(config.scaling, summed)
-    finite = finite & jnp.isfinite(norm) if config.detects else finite
-    return seen, norm, finite, summed.weight if weighted else weight, whole
-
-
 def add_microbatch(
     config: Config,
     window: Window,
@@ -373,8 +241,8 @@ def add_microbatch(
       grads: the microbatch gradient, structured like the accumulator.
       weight: the microbatch weight (``scaling="weighted"`` only).
       params: the parameters, passed to ``config.skip_fn``.
-      inspected: the decision already taken by `inspect_microbatch` on this gradient, or
-        None to inspect it here.
+      inspected: the decision already taken by `accumjax._decision.inspect_microbatch` on
+        this gradient, or None to inspect it here.
       reduce: inside ``shard_map``, maps the microbatch's scaled gradient before it is added
         (zero when not added): a per-microbatch reduce-scatter into the shards the window
         keeps; None adds the gradient as it is. Unused when the decision carries the
@@ -382,7 +250,8 @@ def add_microbatch(
       axis_name: the mapped axis the microbatch's rows are split over: the decision is the
         whole microbatch's (`inspect_microbatch`); None on one device.
       gate: whether to add the gradient, decided before it exists (a scan window's passes,
-        decided at its end): it is added as it comes, without waiting for ``inspected``.
+        decided at its end): it is added as it comes, without waiting for ``inspected``
+        (`accumjax._decision.add_condition`).
       first: open a window with this microbatch (`first_microbatch`): ``window`` only gives
         the accumulator dtypes, and the gradient becomes the accumulator, without the zeros
         of ``add_microbatch(config, empty_like(window), ...)`` (XLA can reuse the
@@ -394,8 +263,7 @@ def add_microbatch(
     if inspected is None:
         inspected = inspect_microbatch(config, grads, weight, params, axis_name=axis_name)
     m = inspected
-    if gate is None and config.waits:
-        gate = m.added
+    gate = add_condition(config, m, gate)
     source = _source(m, grads)
     if first:
         return _opened(config, window, m, source, gate), m
@@ -530,7 +398,7 @@ def close_window(
         device's part of a `DeviceWindow`): they are not reduced, and ``"sum_over_k"``
         divides by K.
       decisions: the window's microbatches were added as they came (`Config.waits` is False,
-        or a first pass of a policy that waits): each one's `accumjax._agreement.MicrobatchDecision`
+        or a first pass of a policy that waits): each one's `accumjax._decision.MicrobatchDecision`
         from this device, stacked. They travel in the reduction and decide the counts;
         `Closed.accepted` says which microbatches the devices accept.
 
@@ -554,10 +422,10 @@ def close_window(
         )
         if not whole_counts:
             devices = jax.lax.axis_size(axis_name)
-            # Every device decided the same about each microbatch (`agreed`), so each counted
-            # the same: the sum is the devices' number times the count (rounded up, so a
-            # window whose devices counted only their own rows comes back the same on every
-            # device).
+            # Every device decided the same about each microbatch
+            # (`accumjax._decision.agreed`), so each counted the same: the sum is the devices'
+            # number times the count (rounded up, so a window whose devices counted only their
+            # own rows comes back the same on every device).
             weight_sum = summed[0]
             nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
         if decisions is not None:
@@ -566,8 +434,8 @@ def close_window(
             )
         extras = None if extras is None else summed[-1]
     if decisions is not None:
-        ok = accepted(config.scaling, decisions)
-        nonfinite = skipped = jnp.sum(~ok).astype(jnp.int32)
+        ok, refused = window_decisions(config.scaling, decisions)
+        nonfinite = skipped = refused
     denom = denominator(config.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.

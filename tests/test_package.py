@@ -98,8 +98,8 @@ def test_each_module_imports_only_what_the_design_map_allows_from_above(row):
 
 #: The modules a train step runs through (BatchNorm's own records are BatchNorm's).
 STEP_PATH = [
-    "_agreement",
     "_config",
+    "_decision",
     "_host",
     "_layout",
     "_loop",
@@ -173,7 +173,7 @@ CORE = (
     "_window",
     "_reduction",
     "_config",
-    "_agreement",
+    "_decision",
     "_control",
     "_norms",
     "_state",
