@@ -134,7 +134,8 @@ def sum_decided(
     over the carry's sum (no longer needed) and read there as `accumjax._loop.microbatch`
     reads it: found non-finite, it keeps no model state and counts in no loss.
 
-    Only the write is this function's own; the window's counters are
+    Only the write is this function's own; the decision is
+    `accumjax._decision.sum_decision`'s, the window's counters
     `accumjax._window.count_microbatch`'s, the model state and the loss metric
     `accumjax._loop.follow_decision`'s, as for every other microbatch.
     """
