@@ -35,14 +35,13 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax._checks import check_mesh_axis
-from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count, partial_sums_layout
+from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count
 
 __all__ = [
     "Layout",
     "check_one_mesh",
     "data_axis",
     "device_window",
-    "expand",
     "gather",
     "layout_of",
     "mesh_difference",
@@ -51,8 +50,6 @@ __all__ = [
     "optimizer_state_specs",
     "place",
     "sharding_of",
-    "shards_of",
-    "split_dims",
     "state_specs",
 ]
 
@@ -415,11 +412,6 @@ def gather(params: Any, layout: Layout) -> Any:
     return jax.tree.unflatten(layout.treedef, whole)
 
 
-def expand(tree: Any) -> Any:
-    """A leading axis of one, so per-device values concatenate along the data axis."""
-    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
-
-
 # ----------------------------------------------------------------------------- stream mode
 
 
@@ -495,15 +487,6 @@ def state_specs(
     return tuple(getattr(x.sharding, "spec", None) for x in jax.tree.leaves(shapes))
 
 
-def split_dims(params: Any, axis: str | None) -> tuple[int | None, ...]:
-    """Per parameter leaf, the dimension split over the data axis ``axis`` (None:
-    replicated over it), as far as the leaves' shardings say."""
-    paths = jax.tree_util.tree_flatten_with_path(params)[0]
-    if axis is None:
-        return (None,) * len(paths)
-    return tuple(_split_dim(jax.tree_util.keystr(p), leaf, axis) for p, leaf in paths)
-
-
 def device_window(
     params: Any,
     accumulator_dtype: Any,
@@ -551,10 +534,3 @@ def device_window(
         window_nonfinite=whole(jnp.int32),
         window_skipped=whole(jnp.int32),
     )
-
-
-def shards_of(window: window_lib.DeviceWindow) -> int:
-    """How many data shards a `accumjax.window.DeviceWindow` was laid out for (the largest
-    leading axis of its partial sums; 1 when every parameter is split over the data axis)."""
-    sums = (partial_sums_layout(x.shape)[0] for x in jax.tree.leaves(window.partial_sums))
-    return max(sums, default=1)
