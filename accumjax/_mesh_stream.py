@@ -37,13 +37,13 @@ from accumjax._loop import (
     microbatch,
     stream_step,
 )
+from accumjax._reduction import psum_together
 from accumjax._sharded_steps import (
     WHOLE,
     data_shard_map,
     field_specs,
     join_aux,
     local_context,
-    psum_together,
     reduce_gradient,
     split_aux,
     step_specs,

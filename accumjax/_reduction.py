@@ -22,8 +22,11 @@ __all__ = [
     "gathered",
     "global_norm",
     "own_shard",
+    "pack",
+    "psum_together",
     "reduced_per_microbatch",
     "sharded_norm",
+    "unpack",
 ]
 
 
@@ -80,6 +83,44 @@ def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
     return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
 
 
+def pack(parts: Any, dtype: Any) -> jax.Array:
+    """The leaves of ``parts`` (a pytree of arrays) as one flat ``dtype`` vector: what travels
+    in one all-reduce (`unpack` cuts it back)."""
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(parts)]
+    return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves] or [jnp.zeros(0, dtype)])
+
+
+def unpack(flat: jax.Array, like: Any, dtype: Any = None) -> Any:
+    """`pack` undone: ``flat`` cut into the structure and shapes of ``like``, each leaf in
+    ``dtype`` (None: its own type, at least float32), real unless that type is complex."""
+    leaves, treedef = jax.tree.flatten(like)
+    out, offset = [], 0
+    for x in leaves:
+        size, shape = int(jnp.size(x)), jnp.shape(x)
+        own = jnp.result_type(jnp.float32, x) if dtype is None else jnp.dtype(dtype)
+        part = flat[offset : offset + size].reshape(shape)
+        part = part if jnp.issubdtype(own, jnp.complexfloating) else jnp.real(part)
+        out.append(part.astype(own))
+        offset += size
+    return jax.tree.unflatten(treedef, out)
+
+
+def psum_together(parts: list[Any], axis: str) -> list[Any]:
+    """Sums ``parts`` (pytrees of arrays of any shapes) across ``axis`` in one all-reduce:
+    their leaves travel as one flat vector of their common type (at least float32, so counts
+    below 2**24 stay exact), and come back in their own structures and (floating) types.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> summed = jax.vmap(lambda x: psum_together([x, {"y": 2 * x}], "i"), axis_name="i")(
+      ...     jnp.arange(3.0))
+      >>> summed[0][0].tolist(), summed[1]["y"][0].tolist()
+      (3.0, 6.0)
+    """
+    dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(parts))
+    return unpack(jax.lax.psum(pack(parts, dtype), axis), parts)
+
+
 def cross_device_reduce(
     grad_sum: Any, scalars: list[jax.Array], axis_name: str, layouts: Sequence[LeafLayout] | None
 ) -> tuple[Any, list[jax.Array]]:
@@ -98,20 +139,13 @@ def cross_device_reduce(
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
-    parts = [jnp.ravel(x).astype(dtype) for x in scalars]
-    stacked = jnp.concatenate(parts or [jnp.zeros(0, dtype)])
-    reduced, stacked = jax.lax.psum(([leaves[i] for i in summed], stacked), axis_name)
+    reduced, stacked = jax.lax.psum(([leaves[i] for i in summed], pack(scalars, dtype)), axis_name)
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
     for i in scattered:
         dim = cast(int, plan[i].optimizer)
         leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=dim, tiled=True)
-    out, offset = [], 0
-    for x in scalars:
-        size = int(jnp.size(x))
-        out.append(stacked[offset : offset + size].reshape(jnp.shape(x)).astype(jnp.float32))
-        offset += size
-    return jax.tree.unflatten(treedef, leaves), out
+    return jax.tree.unflatten(treedef, leaves), unpack(stacked, scalars, jnp.float32)
 
 
 def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:

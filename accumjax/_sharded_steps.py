@@ -28,7 +28,7 @@ from accumjax import sharded
 from accumjax._config import Config
 from accumjax._layout import LeafLayout
 from accumjax._loop import Carry, Context, Setup, begin, close_model_state
-from accumjax._reduction import reduced_per_microbatch
+from accumjax._reduction import pack, reduced_per_microbatch, unpack
 from accumjax._scan import (
     accepted_loss,
     decide_window,
@@ -47,7 +47,6 @@ __all__ = [
     "field_specs",
     "join_aux",
     "local_context",
-    "psum_together",
     "reduce_gradient",
     "sharded_scan_step",
     "split_aux",
@@ -127,32 +126,6 @@ def local_context(ctx: Context, layout: sharded.Layout, state: Any, rng: Any) ->
     config's axis the layout's data axis, the one the devices decide along."""
     config = ctx.config._replace(axis_name=layout.axis)
     return ctx._replace(config=config).reading(state, rng)
-
-
-def psum_together(parts: list[Any], axis: str) -> list[Any]:
-    """Sums ``parts`` (pytrees of arrays of any shapes) across ``axis`` in one all-reduce:
-    their leaves travel as one flat vector of their common type (at least float32, so counts
-    below 2**24 stay exact), and come back in their own structures and (floating) types.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> summed = jax.vmap(lambda x: psum_together([x, {"y": 2 * x}], "i"), axis_name="i")(
-      ...     jnp.arange(3.0))
-      >>> summed[0][0].tolist(), summed[1]["y"][0].tolist()
-      (3.0, 6.0)
-    """
-    leaves, treedef = jax.tree.flatten(parts)
-    arrays = [jnp.asarray(p) for p in leaves]
-    dtype = jnp.result_type(jnp.float32, *arrays)
-    flat = jax.lax.psum(jnp.concatenate([a.ravel().astype(dtype) for a in arrays]), axis)
-    out, offset = [], 0
-    for a in arrays:
-        part = flat[offset : offset + a.size].reshape(a.shape)
-        own = jnp.result_type(jnp.float32, a)
-        part = part if jnp.issubdtype(own, jnp.complexfloating) else jnp.real(part)
-        out.append(part.astype(own))
-        offset += a.size
-    return jax.tree.unflatten(treedef, out)
 
 
 def split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -261,11 +234,11 @@ def _local_window(
             every_k,
             layout.axis,
             layouts,
-            extras=jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in extras]),
+            extras=pack(extras, jnp.float32),
             whole_counts=whole_counts,
             decisions=decisions,
         )
-        out = _unflatten(closed.extras, extras)
+        out = unpack(cast(jax.Array, closed.extras), extras, jnp.float32)
         if losses is None:
             loss = jnp.where(out[1] > 0, out[0] / out[1], jnp.nan)
         else:
@@ -300,16 +273,6 @@ def _sum_layout(
     if any(d is not None for d in acc_dims):
         ctx = ctx._replace(reduce=reduce_gradient(layout, whole=False))
     return ctx, layout.leaves, False, acc_dims
-
-
-def _unflatten(flat: Any, like: list[Any]) -> list[jax.Array]:
-    """``flat`` cut back into arrays shaped as ``like``'s."""
-    out, offset = [], 0
-    for x in like:
-        size = int(jnp.size(x))
-        out.append(flat[offset : offset + size].reshape(jnp.shape(x)))
-        offset += size
-    return out
 
 
 def reduce_gradient(layout: sharded.Layout, whole: bool) -> Callable[[Any], Any] | None:
