@@ -70,7 +70,14 @@ def step_specs(layout: sharded.Layout, state: Any, more: Any) -> tuple[Any, ...]
 def field_specs(cls: type[T], first: Any, rest: Any = WHOLE) -> T:
     """The ``shard_map`` specs of a NamedTuple ``cls`` whose first field is a sum (a
     `accumjax._window.Window`, `accumjax._window.DeviceWindow` or `accumjax._window.Closed`):
-    ``first`` for it, ``rest`` for every other field, by name."""
+    ``first`` for it, ``rest`` for every other field, by name.
+
+    Example:
+      >>> from accumjax._window import Window
+      >>> field_specs(Window, "split", "whole")  # doctest: +NORMALIZE_WHITESPACE
+      Window(grad_sum='split', weight_sum='whole', micro_step='whole',
+             window_nonfinite='whole', window_skipped='whole')
+    """
     fields = cast(Any, cls)._fields
     return cls(**{fields[0]: first}, **dict.fromkeys(fields[1:], rest))
 
