@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import accumjax._scaling as scaling_lib
 from accumjax._config import Config, transformed_gradient
 from accumjax._norms import global_norm
-from accumjax._reduction import gathered, own_shard, sharded_norm
+from accumjax._reduction import gathered, own_shard, reduce_leaves, sharded_norm
 from accumjax._scaling import Scaling
 
 __all__ = [
@@ -253,12 +253,8 @@ def whole_gradient(
     leaves, treedef = jax.tree.flatten(part)
     split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
     summed = [i for i, d in enumerate(split) if d is None]
-    reduced, summed_decision = jax.lax.psum(([leaves[i] for i in summed], own), axis_name)
-    for i, x in zip(summed, reduced, strict=True):
-        leaves[i] = x
-    for i, d in enumerate(split):
-        if d is not None:
-            leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=d, tiled=True)
+    into = {i: d for i, d in enumerate(split) if d is not None}
+    leaves, summed_decision = reduce_leaves(leaves, axis_name, summed, into, own)
     devices = jax.lax.axis_size(axis_name)
     by = summed_decision.weight if weighted else jnp.float32(1 if scaling == "sum" else devices)
     by = jnp.where(by > 0, by, 1.0)

@@ -6,7 +6,7 @@ a sum whose leaves are shards, and the gathers between shards and whole leaves.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -24,6 +24,7 @@ __all__ = [
     "own_shard",
     "pack",
     "psum_together",
+    "reduce_leaves",
     "reduced_per_microbatch",
     "sharded_norm",
     "unpack",
@@ -139,13 +140,40 @@ def cross_device_reduce(
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
-    reduced, stacked = jax.lax.psum(([leaves[i] for i in summed], pack(scalars, dtype)), axis_name)
+    into = {i: cast(int, plan[i].optimizer) for i in scattered}
+    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack(scalars, dtype))
+    return jax.tree.unflatten(treedef, leaves), unpack(stacked, scalars, jnp.float32)
+
+
+def reduce_leaves(
+    leaves: list[Any],
+    axis_name: str,
+    summed: Sequence[int],
+    scattered: Mapping[int, int],
+    riders: Any = None,
+) -> tuple[list[Any], Any]:
+    """One device's ``leaves`` reduced across ``axis_name``: those at the indices ``summed``
+    all-reduced in one grouped ``psum`` with ``riders`` (a pytree that travels with them),
+    those in ``scattered`` (index: dimension) reduce-scattered on that dimension into this
+    device's shard, the others left as they are. Every cross-device reduction of a gradient
+    goes through it. Returns the leaves and the summed riders.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def on_device(x):
+      ...     (total, shard), count = reduce_leaves([x, x], "i", [0], {1: 0}, jnp.ones(()))
+      ...     return total, shard, count
+      >>> total, shard, count = jax.vmap(on_device, axis_name="i")(jnp.ones((2, 4)))
+      >>> total[0].tolist(), shard[0].tolist(), float(count[0])
+      ([2.0, 2.0, 2.0, 2.0], [2.0, 2.0], 2.0)
+    """
+    leaves = list(leaves)
+    reduced, riders = jax.lax.psum(([leaves[i] for i in summed], riders), axis_name)
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
-    for i in scattered:
-        dim = cast(int, plan[i].optimizer)
+    for i, dim in scattered.items():
         leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=dim, tiled=True)
-    return jax.tree.unflatten(treedef, leaves), unpack(stacked, scalars, jnp.float32)
+    return leaves, riders
 
 
 def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:

@@ -28,7 +28,7 @@ from accumjax import sharded
 from accumjax._config import Config
 from accumjax._layout import LeafLayout
 from accumjax._loop import Carry, Context, Setup, begin, close_model_state
-from accumjax._reduction import pack, reduced_per_microbatch, unpack
+from accumjax._reduction import pack, reduce_leaves, reduced_per_microbatch, unpack
 from accumjax._scan import (
     accepted_loss,
     decide_window,
@@ -290,18 +290,12 @@ def reduce_gradient(layout: sharded.Layout, whole: bool) -> Callable[[Any], Any]
     if not whole and all(d is None for d in dims):
         return None
 
+    summed = [i for i, d in enumerate(dims) if d is None and whole]
+    into = {i: d for i, d in enumerate(dims) if d is not None}
+
     def reduce(tree: Any) -> Any:
         leaves = layout.treedef.flatten_up_to(tree)
-        summed = [i for i, d in enumerate(dims) if d is None and whole]
-        for i, x in zip(
-            summed, jax.lax.psum([leaves[i] for i in summed], layout.axis), strict=True
-        ):
-            leaves[i] = x  # one all-reduce for all of them
-        for i, d in enumerate(dims):
-            if d is not None:
-                leaves[i] = jax.lax.psum_scatter(
-                    leaves[i], layout.axis, scatter_dimension=d, tiled=True
-                )
+        leaves, _ = reduce_leaves(leaves, layout.axis, summed, into)
         return jax.tree.unflatten(layout.treedef, leaves)
 
     return reduce
