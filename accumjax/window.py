@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from accumjax._config import Config
@@ -34,28 +33,23 @@ def _reduced_scatter(dims: Any, like: Any) -> Any:
     return jax.tree.unflatten(treedef, [-2 if d is None else -1 for d in split])
 
 
-def _policy(
-    scaling: Any = "mean",
-    max_norm: float | None = None,
-    on_nonfinite: Any = "skip_microbatch",
-    skip_fn: Any = None,
-    accumulator_dtype: Any = jnp.float32,
-    microbatch_transform: Any = None,
-) -> Config:
-    """0.4's ``Policy(...)``, taking its arguments: the window's functions now take a config
-    holding the policy, so this returns an `accumjax._config.Config` with these fields,
+def _policy(*args: Any, **kwargs: Any) -> Config:
+    """0.4's ``Policy(...)``, taking its arguments (positional in 0.4's order, or by name):
+    the window's functions now take a config holding the policy, so this returns an
+    `accumjax._config.Config` with these fields (the others at their defaults),
     ``inner=optax.identity()`` (with extra-args support) and ``every_k=1`` (the window's
     functions read neither)."""
-    return Config(
-        inner=optax.with_extra_args_support(optax.identity()),
-        every_k=1,
-        scaling=scaling,
-        max_norm=max_norm,
-        on_nonfinite=on_nonfinite,
-        skip_fn=skip_fn,
-        accumulator_dtype=accumulator_dtype,
-        microbatch_transform=microbatch_transform,
+    names = (
+        "scaling",
+        "max_norm",
+        "on_nonfinite",
+        "skip_fn",
+        "accumulator_dtype",
+        "microbatch_transform",
     )
+    given = dict(zip(names, args, strict=False))
+    inner = optax.with_extra_args_support(optax.identity())
+    return Config(inner=inner, every_k=1, **given, **kwargs)
 
 
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
