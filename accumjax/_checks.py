@@ -24,6 +24,7 @@ __all__ = [
     "check_int",
     "check_mesh_axis",
     "check_real",
+    "is_transformation",
     "refuse_unknown",
 ]
 
@@ -188,3 +189,14 @@ def check_axis_bound(axis_name: str) -> None:
             "NamedSharding(mesh, P('data')), where make_train_step binds the data axis as on N "
             "devices."
         ) from err
+
+
+def is_transformation(value: Any) -> bool:
+    """Whether ``value`` is an optax transformation (it has callable ``init`` and ``update``).
+
+    Example:
+      >>> import optax
+      >>> is_transformation(optax.sgd(0.1)), is_transformation({"w": 1.0})
+      (True, False)
+    """
+    return all(callable(getattr(value, name, None)) for name in ("init", "update"))

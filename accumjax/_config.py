@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 import accumjax._scaling as scaling_lib
-from accumjax._checks import INT32_MAX
+from accumjax._checks import INT32_MAX, is_transformation
 
 __all__ = [
     "ON_NONFINITE",
@@ -119,7 +119,7 @@ def check_microbatch_transform(transform: Any, max_norm: Any) -> None:
     """
     if transform is None:
         return
-    if not all(callable(getattr(transform, f, None)) for f in ("init", "update")):
+    if not is_transformation(transform):
         raise TypeError(
             "microbatch_transform must be an optax GradientTransformation (init and update), "
             f"e.g. accumjax.adaptive_clip(0.01), got {transform!r}."

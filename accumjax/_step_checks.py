@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from accumjax._batch_norm_windows import check_no_self_closing
+from accumjax._checks import is_transformation
 from accumjax._config import Config
 from accumjax._multisteps import check_inner_state
 from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Found, config_of, locate, where
@@ -134,10 +135,6 @@ def _check_detects(config: Config) -> None:
         )
 
 
-def _is_optimizer(value: Any) -> bool:
-    return callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))
-
-
 def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
     """What ``step.init(params, tx, loss_scale=...)`` refuses (see the module docstring).
 
@@ -149,8 +146,8 @@ def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
       ...
       TypeError: step.init takes the parameters first ...: call step.init(params, tx) (...
     """
-    if _is_optimizer(params) or not _is_optimizer(tx):
-        given = "an optimizer" if _is_optimizer(params) else f"a {type(params).__name__}"
+    if is_transformation(params) or not is_transformation(tx):
+        given = "an optimizer" if is_transformation(params) else f"a {type(params).__name__}"
         raise TypeError(
             "step.init takes the parameters first and the optimizer second: call "
             f"{init_call(f16)} (it was given {given} as params and a {type(tx).__name__} as tx)."
