@@ -13,6 +13,7 @@ import importlib.util
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from accumjax._moved import REMOVED_IN
 from accumjax.accumulation import accumulate, with_every_k
 from accumjax.accumulation_state import (
     AccumulationState,
@@ -106,7 +107,8 @@ def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         path = f"accumjax.{_DEPRECATED[name]}.{name}"
         warnings.warn(
-            f"accumjax.{name} is deprecated and will be removed in accumjax 0.6; use {path}.",
+            f"accumjax.{name} is deprecated and will be removed in accumjax {REMOVED_IN}; "
+            f"use {path}.",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -8,7 +8,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["forward_moved"]
+__all__ = ["REMOVED_IN", "forward_moved"]
+
+#: The release that removes what 0.5 deprecated.
+REMOVED_IN = "0.6"
 
 
 def forward_moved(
@@ -39,8 +42,8 @@ def forward_moved(
     def __getattr__(name: str) -> Any:
         if retired is not None and name in retired:
             warnings.warn(
-                f"{module}.{name} is no longer read by accumjax. It leaves {module} in 0.6; "
-                "pin accumjax<0.6 if you build on it.",
+                f"{module}.{name} is no longer read by accumjax. It leaves {module} in "
+                f"{REMOVED_IN}; pin accumjax<{REMOVED_IN} if you build on it.",
                 DeprecationWarning,
                 stacklevel=2,
             )
@@ -49,8 +52,8 @@ def forward_moved(
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warnings.warn(
             f"{module}.{name} is internal since accumjax 0.5 (accumjax.{moved[name]}, not "
-            f"public API) and leaves {module} in 0.6: build on accumjax.accumulate and the "
-            "public state readers instead, or pin accumjax<0.6.",
+            f"public API) and leaves {module} in {REMOVED_IN}: build on accumjax.accumulate and "
+            f"the public state readers instead, or pin accumjax<{REMOVED_IN}.",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -11,6 +11,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from accumjax._moved import REMOVED_IN
+
 __all__ = [
     "SCALINGS",
     "Scaling",
@@ -39,7 +41,7 @@ def validate_scaling(scaling: str) -> Scaling:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}.")
     if scaling == "count":
         warnings.warn(
-            "accumulate(scaling='count') is deprecated and will be removed in 0.6: write "
+            f"accumulate(scaling='count') is deprecated and will be removed in {REMOVED_IN}: write "
             "scaling='mean', which since 0.5 divides by the microbatches a window used, as "
             "'count' did.",
             DeprecationWarning,
