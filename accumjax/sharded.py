@@ -1,27 +1,11 @@
-"""Where a train step runs on a mesh: its data axis, and the layout of its state there.
+"""Where a train step runs on a mesh: its data axis and the `Layout` of one call.
 
-Under ``jit`` a batch split over a mesh axis (``P("data")``) makes XLA reduce the gradient of
-every microbatch across devices: the partial sums of a window cannot stay unreduced between
-microbatches in the global view. So the train step runs its microbatches in a
-``jax.shard_map`` that is manual over the *data axis* only (other mesh axes, a tensor-parallel
-``"model"`` axis say, stay automatic): each device adds its rows' gradients locally and the
-window is reduced once, when it closes: an all-reduce for parameters replicated over the data
-axis, a reduce-scatter for parameters sharded over it (FSDP / ZeRO), so the reduced gradient
-has the parameters' sharding and the update runs in the global view on sharded state.
-
-A `Layout` says where one call runs: the mesh, its data axis, and which dimension of each
-parameter is split over that axis. It comes from the step's ``mesh=``/``axis_name=``, or from
-the arrays themselves (`layout_of`): the batch's sharding names the data axis, or, where the
-arrays do not say (inside another ``jit`` on an ``Auto`` mesh), the mesh's only axis of more
-than one device (a one-device mesh's only axis: the step takes the same path on 1 device as
-on N). A stream-mode window stays open between calls, so its partial sums live in
-the state, one per data shard (`accumjax.window.DeviceWindow`, `device_window`).
-
-Memory: parameters sharded over the data axis are all-gathered once per window in scan mode
-(XLA keeps the gathered copy for the whole loop), and each device's window accumulator holds
-full-size partial sums until the window closes: that is the price of one reduction per window
-(see JAX's "sharding in autodiff" notes on unreduced accumulation and MaxText's gradient
-accumulation for the same trade-off).
+A `Layout` holds the mesh, its data axis (the batch's leading dimension is split over it) and
+each parameter leaf's row of the layout plan (`accumjax._layout`), from the step's
+``mesh=``/``axis_name=`` or from the arrays themselves (`layout_of`). This module also lays
+out what the plan says: partition specs, the parameters gathered or placed inside a trace,
+the optimizer state under ZeRO, and a stream-mode window kept per data shard
+(`device_window`).
 """
 
 from __future__ import annotations
