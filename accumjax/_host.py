@@ -36,7 +36,7 @@ from accumjax._mesh_stream import sharded_stream_step
 from accumjax._opt_state import opt_state_for, unalias
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step
-from accumjax._split import split
+from accumjax._split import split, split_advice
 from accumjax._state import config_of
 from accumjax._step_checks import check_init_inputs, init_call
 from accumjax._window_end import check_state
@@ -221,14 +221,12 @@ def _check_rows(batch: Any, layout: sharded.Layout, k: int | None) -> None:
     scan mode, into ``k`` microbatches on each device), stating the global rule with the
     numbers; for a batch off the mesh, that accumjax puts it there."""
     n = layout.shards
-    need = n * (k or 1)
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        if not shape or shape[0] % need == 0:
+        advice = split_advice(shape[0], k or 1, n) if shape else None
+        if advice is None:
             continue
         rows, name = shape[0], f"batch{jax.tree_util.keystr(path)}"
-        lower = rows // need * need
-        fix = " or ".join(str(r) for r in (lower, lower + need) if r) + " rows"
         if k is None:
             what = f"{rows} rows on {n} devices"
             rule = f"each call's rows are split over the {n} devices: they must divide by {n}"
@@ -236,10 +234,8 @@ def _check_rows(batch: Any, layout: sharded.Layout, k: int | None) -> None:
             what = f"{rows} rows on {n} devices with K={k}"
             rule = (
                 f"scan mode needs the batch's rows to divide by devices x K = {n} x {k} = "
-                f"{need} (each device splits its rows into K microbatches)"
+                f"{n * k} (each device splits its rows into K microbatches)"
             )
-            if rows % n == 0:
-                fix += f", or a K that divides {rows // n} (the rows each device gets)"
         now = sharded.sharding_of(leaf)
         if isinstance(now, NamedSharding) and now.mesh == layout.mesh:
             where = f"{name}: {what} (the mesh axis {layout.axis!r})"
@@ -248,7 +244,7 @@ def _check_rows(batch: Any, layout: sharded.Layout, k: int | None) -> None:
                 f"{name} is not on the mesh, so accumjax puts it there, split over the mesh "
                 f"axis {layout.axis!r} of {dict(layout.mesh.shape)}: {what}"
             )
-        raise ValueError(f"{where} do not split: {rule}. Use {fix}.")
+        raise ValueError(f"{where} do not split: {rule}. Use {advice}.")
 
 
 class TrainStep:

@@ -220,16 +220,20 @@ def _pool(
     aux_rows, aux_means = split_aux(aux, 0, aux_tree) if aux is not None else ([], [])
     sums = model_state_sums(new_state)
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
-    weighted_loss = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
-    losses = jnp.stack([weighted_loss, weighs * loss_share(ctx)])
-    loss_parts, weight_sum, decision, *rest = psum_together(
-        [losses, m.weight, mine, *sums, *aux_means], layout.axis
-    )
-    m = pooled_decision(config, m, weight_sum, decision)
-    summed = rest[: len(sums)]
-    model_state = pooled_model_state(before, new_state, summed, m.added, layout.shards)
-    pooled_aux = (aux_rows, rest[len(sums) :])
-    return m, (loss_parts[0] / loss_parts[1], model_state, pooled_aux)
+    loss_sum = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
+    parts = {
+        "loss_sum": loss_sum,
+        "loss_weight": (weighs * loss_share(ctx)).astype(loss_sum.dtype),
+        "weight": m.weight,
+        "decision": mine,
+        "sums": sums,
+        "aux_means": aux_means,
+    }
+    pooled = psum_together(parts, layout.axis)
+    m = pooled_decision(config, m, pooled["weight"], pooled["decision"])
+    model_state = pooled_model_state(before, new_state, pooled["sums"], m.added, layout.shards)
+    loss = pooled["loss_sum"] / pooled["loss_weight"]
+    return m, (loss, model_state, (aux_rows, pooled["aux_means"]))
 
 
 def _share(config: Config, m: Microbatch, layout: sharded.Layout) -> Microbatch:

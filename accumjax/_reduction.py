@@ -106,31 +106,43 @@ def unpack(flat: jax.Array, like: Any, dtype: Any = None) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def psum_together(parts: list[Any], axis: str) -> list[Any]:
-    """Sums ``parts`` (pytrees of arrays of any shapes) across ``axis`` in one all-reduce:
-    their leaves travel as one flat vector of their common type (at least float32, so counts
-    below 2**24 stay exact), and come back in their own structures and (floating) types.
+def psum_together(parts: dict[str, Any], axis: str) -> dict[str, Any]:
+    """Sums the named ``parts`` (pytrees of arrays of any shapes) across ``axis`` in one
+    all-reduce: their leaves travel as one flat vector of their common type (at least
+    float32, so counts below 2**24 stay exact), in the dict's order, and come back under
+    their names in their own structures and (floating) types.
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> summed = jax.vmap(lambda x: psum_together([x, {"y": 2 * x}], "i"), axis_name="i")(
+      >>> summed = jax.vmap(lambda x: psum_together({"x": x, "y": [2 * x]}, "i"), axis_name="i")(
       ...     jnp.arange(3.0))
-      >>> summed[0][0].tolist(), summed[1]["y"][0].tolist()
+      >>> summed["x"][0].tolist(), summed["y"][0][0].tolist()
       (3.0, 6.0)
     """
-    dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(parts))
-    return unpack(jax.lax.psum(pack(parts, dtype), axis), parts)
+    values = list(parts.values())
+    dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(values))
+    return dict(zip(parts, unpack(jax.lax.psum(pack(values, dtype), axis), values), strict=True))
 
 
 def cross_device_reduce(
-    grad_sum: Any, scalars: list[jax.Array], axis_name: str, layouts: Sequence[LeafLayout] | None
-) -> tuple[Any, list[jax.Array]]:
+    grad_sum: Any, riders: Any, axis_name: str, layouts: Sequence[LeafLayout] | None
+) -> tuple[Any, Any]:
     """The window's one reduction: a grouped ``psum`` of the leaves still partial on each
-    device and the scalars (which travel in the accumulator's dtype when it is float32 or
-    float64, so counts stay exact below 2**24), and a ``psum_scatter`` of the leaves reduced
-    into shards once a window. ``layouts``: each leaf's `LeafLayout`, in the order of
-    ``jax.tree.leaves(grad_sum)`` (None: every leaf all-reduced). Returns the reduced sum and
-    the summed scalars (float32, their shapes)."""
+    device and the ``riders`` (a pytree of scalars and small arrays, which travel in the
+    accumulator's dtype when it is float32 or float64, so counts stay exact below 2**24),
+    and a ``psum_scatter`` of the leaves reduced into shards once a window. ``layouts``:
+    each leaf's `LeafLayout`, in the order of ``jax.tree.leaves(grad_sum)`` (None: every leaf
+    all-reduced). Returns the reduced sum and the summed riders (their structure and shapes,
+    float32).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def on_device(x):
+      ...     return cross_device_reduce({"g": x}, {"count": jnp.ones(())}, "i", None)
+      >>> total, riders = jax.vmap(on_device, axis_name="i")(jnp.ones((2, 3)))
+      >>> total["g"][0].tolist(), float(riders["count"][0])
+      ([2.0, 2.0, 2.0], 2.0)
+    """
     leaves, treedef = jax.tree.flatten(grad_sum)
     plan = [REPLICATED] * len(leaves) if layouts is None else list(layouts)
     kinds = [leaf.reduction for leaf in plan]
@@ -141,8 +153,8 @@ def cross_device_reduce(
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
     into = {i: cast(int, plan[i].optimizer) for i in scattered}
-    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack(scalars, dtype))
-    return jax.tree.unflatten(treedef, leaves), unpack(stacked, scalars, jnp.float32)
+    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack(riders, dtype))
+    return jax.tree.unflatten(treedef, leaves), unpack(stacked, riders, jnp.float32)
 
 
 def reduce_leaves(

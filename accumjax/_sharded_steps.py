@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from accumjax import sharded
 from accumjax._config import Config
 from accumjax._layout import LeafLayout
 from accumjax._loop import Carry, Context, Setup, begin, close_model_state
-from accumjax._reduction import pack, reduce_leaves, reduced_per_microbatch, unpack
+from accumjax._reduction import reduce_leaves, reduced_per_microbatch
 from accumjax._scan import (
     accepted_loss,
     decide_window,
@@ -37,6 +37,7 @@ from accumjax._scan import (
     scan_step,
     window_every_k,
     window_loop,
+    window_loss,
 )
 from accumjax._zero import optimizer_side, parameter_side, split_params
 from accumjax.train_state import TrainState
@@ -204,6 +205,17 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
     return step
 
 
+class _Riders(NamedTuple):
+    """What a scan window on a mesh sums across devices with its gradient, float32: its loss
+    metric's parts, its aux means and, after a pass that decided each microbatch, each one's
+    loss parts (`accumjax._loop.Outcome.losses`; else None)."""
+
+    loss_sum: jax.Array
+    loss_weight: jax.Array
+    aux_means: list[Any]
+    losses: jax.Array | None
+
+
 def _local_window(
     ctx: Context, layout: sharded.Layout, aux_tree: list[Any], inputs: tuple[Any, ...]
 ) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
@@ -233,25 +245,25 @@ def _local_window(
     every_k = window_every_k(ctx, ctx.every_k)
 
     def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
-        extras = [carry.loss_sum, carry.loss_weight, *aux_means]
-        extras += [] if losses is None else [losses]
+        riders = _Riders(carry.loss_sum, carry.loss_weight, aux_means, losses)
         closed = window_lib.close_window(
             config,
             carry.window,
             every_k,
             layout.axis,
             layouts,
-            extras=pack(extras, jnp.float32),
+            extras=jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), riders),
             whole_counts=whole_counts,
             decisions=decisions,
         )
-        out = unpack(cast(jax.Array, closed.extras), extras, jnp.float32)
-        if losses is None:
-            loss = jnp.where(out[1] > 0, out[0] / out[1], jnp.nan)
+        summed: _Riders = closed.extras
+        if summed.losses is None:  # the window's loss metric, from the devices' parts
+            parts = {"loss_sum": summed.loss_sum, "loss_weight": summed.loss_weight}
+            loss = window_loss(carry._replace(**parts))
         else:
-            loss = accepted_loss(out[-1], cast(jax.Array, closed.accepted))
+            loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-        return closed._replace(extras=None), model_state, [loss, *out[2 : 2 + len(aux_means)]]
+        return closed._replace(extras=None), model_state, [loss, *summed.aux_means]
 
     closed, model_state, extras = decide_window(ctx, first, run, close)
     return closed._replace(accepted=None), model_state, extras[0], (aux_rows, extras[1:])

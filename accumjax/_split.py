@@ -6,6 +6,9 @@ Microbatch ``i`` of a batch of ``B`` rows is rows ``i, i + K, i + 2K, ...`` (str
 every microbatch is spread over the data-parallel devices as the batch is. A leaf's batch
 axis need not be the leading one (``batch_axis``, per leaf or for the whole batch), and a leaf
 with ``None`` is not batched: every microbatch sees it whole (optax's ``argnums``).
+
+The split rule (`split_advice`): a batch's rows must divide by K, and on a mesh by the
+devices x K (each device splits its rows into K microbatches).
 """
 
 from __future__ import annotations
@@ -16,11 +19,41 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BatchAxis", "check_batch_axis", "rows_in_order", "split"]
+__all__ = ["BatchAxis", "check_batch_axis", "rows_in_order", "split", "split_advice"]
 
 # An int (the batch axis of every leaf), or a pytree prefix of the batch with an int or None
 # (not batched) at each leaf.
 BatchAxis = Any
+
+
+def split_advice(rows: int, every_k: int = 1, shards: int = 1) -> str | None:
+    """None if ``rows`` rows split over ``shards`` devices and then into ``every_k``
+    microbatches on each (they divide by ``shards x every_k``), else the sizes that would:
+    the nearest row counts, and, when the devices split the rows, the K that would.
+
+    Args:
+      rows: the batch's rows (all devices' together).
+      every_k: the number of microbatches each device splits its rows into.
+      shards: the number of devices the rows are split over.
+
+    Returns:
+      None, or the advice that follows "use" in the caller's message.
+
+    Example:
+      >>> split_advice(72, 4, 8)
+      '64 or 96 rows, or a K that divides 9 (the rows each device gets)'
+      >>> split_advice(9, 4), split_advice(3, 1, 8), split_advice(8, 4)
+      ('8 or 12 rows, or a K that divides 9', '8 rows', None)
+    """
+    need = shards * every_k
+    if rows % need == 0:
+        return None
+    lower = rows // need * need
+    advice = " or ".join(str(r) for r in (lower, lower + need) if r) + " rows"
+    if rows % shards == 0:
+        each = " (the rows each device gets)" if shards > 1 else ""
+        advice += f", or a K that divides {rows // shards}{each}"
+    return advice
 
 
 def check_batch_axis(batch_axis: BatchAxis) -> BatchAxis:
@@ -101,13 +134,12 @@ def split(batch: Any, k: int, batch_axis: BatchAxis = 0) -> Callable[[jax.Array]
             f"(batch_axis={batch_axis!r}); got shapes {shapes}."
         )
     size = sizes.pop()
-    if size % k:
-        near = " or ".join(str(r) for r in (size // k * k, size // k * k + k) if r)
+    advice = split_advice(size, k)
+    if advice is not None:
         raise ValueError(
             f"scan mode splits the batch's {size} rows (a device's, under pmap) into K={k} "
-            f"microbatches, but {size} is not divisible by K={k}: use {near} rows, or a K "
-            f"that divides {size}. (On a mesh the rule is global: the batch's rows must "
-            "divide by devices x K.)"
+            f"microbatches, but {size} is not divisible by K={k}: use {advice}. (On a mesh "
+            "the rule is global: the batch's rows must divide by devices x K.)"
         )
 
     def strided(x: jax.Array, a: int | None) -> jax.Array:

@@ -110,7 +110,7 @@ class Closed(NamedTuple):
       skipped_count: the window's skipped microbatches (as ``nonfinite_count``).
       norm: the global norm of the scaled gradient (float32).
       extras: the caller's values that travelled in the window's reduction
-        (`close_window`'s ``extras``), summed over devices, or None.
+        (`close_window`'s ``extras``, a pytree), summed over devices, float32, or None.
       accepted: with `close_window`'s ``decisions``, whether each microbatch is accepted.
     """
 
@@ -120,7 +120,7 @@ class Closed(NamedTuple):
     nonfinite_count: jax.Array
     skipped_count: jax.Array
     norm: jax.Array
-    extras: jax.Array | None = None
+    extras: Any = None
     accepted: jax.Array | None = None
 
 
@@ -365,6 +365,15 @@ def denominator(
     return jnp.asarray(weight_sum, jnp.float32)
 
 
+class _Counts(NamedTuple):
+    """A window's counts as they travel in its reduction (`close_window`), summed over the
+    devices that each counted the window."""
+
+    weight_sum: jax.Array
+    nonfinite: jax.Array
+    skipped: jax.Array
+
+
 def close_window(
     config: Config,
     window: Window,
@@ -372,7 +381,7 @@ def close_window(
     axis_name: str | None = None,
     layouts: Sequence[LeafLayout] | None = None,
     *,
-    extras: jax.Array | None = None,
+    extras: Any = None,
     whole_counts: bool = False,
     decisions: MicrobatchDecision | None = None,
 ) -> Closed:
@@ -391,8 +400,9 @@ def close_window(
         every microbatch, a shard where its ``optimizer`` dimension is set). None: every
         leaf all-reduced (all-reduced every microbatch already with a policy that reads the
         gradient, whose microbatches `add_microbatch` added reduced).
-      extras: with ``axis_name``, a float vector of the caller's own per-device values
-        (a loss sum, say) that travels in the same ``psum`` (`Closed.extras`).
+      extras: with ``axis_name``, a pytree of the caller's own per-device values (a loss
+        sum, say) that travels in the same ``psum`` and comes back summed, in its structure,
+        float32 (`Closed.extras`).
       whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
         values already (the devices agreed about each microbatch, or the window is one
         device's part of a `DeviceWindow`): they are not reduced, and ``"sum_over_k"``
@@ -415,24 +425,20 @@ def close_window(
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices, ok = 1, None
     if axis_name is not None:
-        counts = [] if whole_counts else [weight_sum, nonfinite, skipped]
-        own = [*counts, *([] if decisions is None else decisions)]
-        grad_sum, summed = cross_device_reduce(
-            grad_sum, [*own, *([] if extras is None else [extras])], axis_name, layouts
-        )
+        counts = None if whole_counts else _Counts(weight_sum, nonfinite, skipped)
+        riders = {"counts": counts, "decisions": decisions, "extras": extras}
+        grad_sum, summed = cross_device_reduce(grad_sum, riders, axis_name, layouts)
         if not whole_counts:
             devices = jax.lax.axis_size(axis_name)
             # Every device decided the same about each microbatch
             # (`accumjax._decision.agreed`), so each counted the same: the sum is the devices'
             # number times the count (rounded up, so a window whose devices counted only their
             # own rows comes back the same on every device).
-            weight_sum = summed[0]
-            nonfinite, skipped = (jnp.ceil(x / devices).astype(jnp.int32) for x in summed[1:3])
-        if decisions is not None:
-            decisions = jax.tree.unflatten(
-                jax.tree.structure(decisions), summed[len(counts) : len(own)]
-            )
-        extras = None if extras is None else summed[-1]
+            counted: _Counts = summed["counts"]
+            weight_sum = counted.weight_sum
+            per_device = lambda x: jnp.ceil(x / devices).astype(jnp.int32)
+            nonfinite, skipped = per_device(counted.nonfinite), per_device(counted.skipped)
+        decisions, extras = summed["decisions"], summed["extras"]
     if decisions is not None:
         ok, refused = window_decisions(config.scaling, decisions)
         nonfinite = skipped = refused

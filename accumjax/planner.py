@@ -29,6 +29,7 @@ import numpy as np
 from accumjax import sharded
 from accumjax._checks import check_callable, check_int
 from accumjax._layout import check_optimizer_sharding
+from accumjax._split import split_advice
 from accumjax._state import config_of
 from accumjax._step_checks import POSITIONAL, signature_parameters
 from accumjax.accumulation import accumulate, with_every_k
@@ -509,15 +510,16 @@ def plan_microbatches(
     batch_size = _batch_size(batch)
     abstract_batch = _abstract(batch)
     shards = _data_shards(state, abstract_batch, make_train_step_kwargs)
-    if batch_size % shards:
+    advice = split_advice(batch_size, 1, shards)
+    if advice is not None:
         raise ValueError(
             f"the batch's {batch_size} rows do not split over the {shards} devices the step "
-            f"runs on: use a multiple of {shards} rows."
+            f"runs on: use {advice}."
         )
     if candidates is None:
         candidates = _divisors(batch_size // shards)
     ks = _check_candidates(candidates)
-    bad = [k for k in ks if batch_size % (shards * k)]
+    bad = [k for k in ks if split_advice(batch_size, k, shards) is not None]
     if bad:
         raise ValueError(
             f"candidates {bad} do not divide the batch: {batch_size} rows on {shards} "
