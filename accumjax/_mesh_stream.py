@@ -49,7 +49,7 @@ from accumjax._sharded_steps import (
     step_specs,
 )
 from accumjax._window_end import window_closes
-from accumjax._zero import laid_back, optimizer_side, zero_close
+from accumjax._zero import optimizer_side, restore_layout, zero_close
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
@@ -157,7 +157,7 @@ def _mesh_call(
         fields = fields._replace(opt=optimizer_side(layout, fields.params, fields.opt)[1])
     fields = window_lib.run_once(window_closes(opt), close, fields)
     if layout.zero:  # GSPMD may lay the loop's outputs out otherwise (an Auto mesh)
-        fields = laid_back(layout, fields)
+        fields = restore_layout(layout, fields)
     aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
     zero = jnp.zeros(())
     carry = Carry(window=window, model_state=fields.model_state, loss_sum=zero, loss_weight=zero)
