@@ -128,8 +128,7 @@ def _microbatch_weights(
 ) -> jax.Array:
     """Each of the ``every_k`` strided microbatches' ``weight_fn``, float32 ``(every_k,)``."""
     rows = split(batch, every_k, batch_axis)
-    weigh = lambda i: jnp.asarray(weight_fn(rows(i)), jnp.float32)
-    return jax.lax.map(weigh, jnp.arange(every_k))
+    return jax.lax.map(lambda i: jnp.asarray(weight_fn(rows(i)), jnp.float32), jnp.arange(every_k))
 
 
 def _real_rows_left_out(weights: np.ndarray, n: int, every_k: int) -> str | None:
