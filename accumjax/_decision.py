@@ -2,9 +2,11 @@
 the devices that hold its rows agree about it, written once.
 
 This device's decision is `inspect_microbatch` (the non-finite check, the ``max_norm`` clip
-factor, ``skip_fn``, ``microbatch_transform``), a `Microbatch`. On a mesh every device decides
-the same about each whole microbatch, as one device holding all its rows would (`agreed`):
-each device gives its `MicrobatchDecision` on its rows (`device_decision`); the decisions are
+factor, ``skip_fn``, ``microbatch_transform``), a `Microbatch`; `decide_microbatch` takes it as
+the caller's devices agree about it (at once, in a stream call's pool, or at the window's
+end). On a mesh every device decides the same about each whole microbatch, as one device
+holding all its rows would (`agreed`): each device gives its `MicrobatchDecision` on its rows
+(`device_decision`; from its `Microbatch`, `rows_decision`); the decisions are
 summed over the devices (per microbatch, or K at once with the window's reduction) and
 `accepted` reads the sum, on one device as on many. A policy that reads the gradient's values
 reads the `whole_gradient`. The callers' own readings of a decision are here too: a stream
@@ -32,10 +34,12 @@ __all__ = [
     "accepted",
     "add_condition",
     "agreed",
+    "decide_microbatch",
     "device_decision",
     "gated_decision",
     "inspect_microbatch",
     "pooled_decision",
+    "rows_decision",
     "sum_decision",
     "weigh",
     "whole_gradient",
@@ -155,6 +159,52 @@ def inspect_microbatch(
     return Microbatch(jnp.asarray(added), ~finite, weight_added, factor, whole, transformed)
 
 
+def decide_microbatch(
+    config: Config,
+    grads: Any,
+    weight: Any,
+    params: Any,
+    axis_name: str | None = None,
+    dims: Any = None,
+    *,
+    agree: str = "now",
+    gate: Any = None,
+) -> tuple[Microbatch, MicrobatchDecision | None]:
+    """This device's decision about one microbatch, taken as the devices that hold its rows
+    agree about it (``agree``).
+
+    Args:
+      config, grads, weight, params, axis_name, dims: as `inspect_microbatch` takes them.
+      agree: ``"now"``: every device decides about the whole microbatch at once
+        (`inspect_microbatch` over ``axis_name``). ``"pool"``: a stream call's pool agrees
+        afterwards (`pooled_decision`): this device decides about its rows, and a policy that
+        reads the gradient reads the whole one now, keeping this device's own gradient and
+        weight. ``"window_end"``: a scan window that adds as it comes agrees at its end:
+        this device decides about its rows (`gated_decision`).
+      gate: with ``"window_end"``, whether it is added, decided by an earlier pass.
+
+    Returns:
+      ``(m, mine)``: the `Microbatch`, and with ``"window_end"`` this device's
+      `MicrobatchDecision` that travels to the window's end (else None).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from accumjax._config import Config
+      >>> config = Config(inner=optax.with_extra_args_support(optax.sgd(0.1)), every_k=2)
+      >>> grads = {"w": jnp.array([1.0, jnp.nan])}
+      >>> m, mine = decide_microbatch(config, grads, None, None, agree="window_end", gate=True)
+      >>> bool(m.added), float(mine.rejected)
+      (False, 1.0)
+    """
+    if agree == "window_end":
+        m = inspect_microbatch(config, grads, weight, params)
+        return gated_decision(config, m, weight, jnp.asarray(gate))
+    if agree == "pool":  # only a policy that reads the gradient reads the whole one now
+        axis = axis_name if config.reads else None
+        return inspect_microbatch(config, grads, weight, params, axis, dims, keep_whole=False), None
+    return inspect_microbatch(config, grads, weight, params, axis_name, dims), None
+
+
 def agreed(
     config: Config,
     grads: Any,
@@ -197,6 +247,22 @@ def device_decision(scaling: Scaling, rejected: jax.Array, weight: jax.Array) ->
     return MicrobatchDecision(
         f32(rejected & ~rejected_weightless), f32(rejected & rejected_weightless), f32(weight)
     )
+
+
+def rows_decision(scaling: Scaling, m: Microbatch, weight: jax.Array | None) -> MicrobatchDecision:
+    """This device's `MicrobatchDecision` about its rows of a microbatch from its `Microbatch`
+    ``m``: it rejected them where ``m`` did not add them (non-finite, an invalid weight, or a
+    ``skip_fn`` skip), weighing ``weight`` (None: 1).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> skipped = Microbatch(jnp.bool_(False), jnp.bool_(False), jnp.float32(0.0))
+      >>> mine = rows_decision("mean", skipped, None)
+      >>> float(mine.rejected), float(mine.weight)
+      (1.0, 1.0)
+    """
+    w = jnp.ones((), jnp.float32) if weight is None else weight
+    return device_decision(scaling, ~m.added, w)
 
 
 def accepted(scaling: Scaling, summed: MicrobatchDecision) -> jax.Array:
@@ -298,10 +364,11 @@ def gated_decision(
 
     Returns:
       ``(m, mine)``: ``m`` neither added nor weighing anything where ``gate`` is False, and
-      the decision that travels to the window's end (`window_decisions`).
+      the decision that travels to the window's end (`window_decisions`, `rows_decision`:
+      such a window's policy reads no gradient, no ``skip_fn``: ``m`` left out exactly the
+      rows it found non-finite).
     """
-    w = jnp.ones((), jnp.float32) if weight is None else weight
-    mine = device_decision(config.scaling, m.nonfinite, w)
+    mine = rows_decision(config.scaling, m, weight)
     return m._replace(added=m.added & gate, weight=jnp.where(gate, m.weight, 0.0)), mine
 
 

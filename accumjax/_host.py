@@ -124,26 +124,26 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
 
 
 def _microbatch_weights(
-    weight_fn: Callable[[Any], Any], k: int, batch_axis: Any, batch: Any
+    weight_fn: Callable[[Any], Any], every_k: int, batch_axis: Any, batch: Any
 ) -> jax.Array:
-    """Each of the ``k`` strided microbatches' ``weight_fn``, float32 ``(k,)``."""
-    rows = split(batch, k, batch_axis)
-    return jax.lax.map(lambda i: jnp.asarray(weight_fn(rows(i)), jnp.float32), jnp.arange(k))
+    """Each of the ``every_k`` strided microbatches' ``weight_fn``, float32 ``(every_k,)``."""
+    rows = split(batch, every_k, batch_axis)
+    return jax.lax.map(lambda i: jnp.asarray(weight_fn(rows(i)), jnp.float32), jnp.arange(every_k))
 
 
-def _real_rows_left_out(weights: np.ndarray, n: int, k: int) -> str | None:
-    """Why a batch with ``n`` real microbatches of ``k`` does not fit the strided rule (a
+def _real_rows_left_out(weights: np.ndarray, n: int, every_k: int) -> str | None:
+    """Why a batch with ``n`` real microbatches of ``every_k`` does not fit the strided rule (a
     microbatch after the first ``n`` weighs more than 0: real rows the step leaves out), or
     None."""
     heavy = [int(i) for i in np.flatnonzero(weights[n:] > 0) + n]
     if not heavy:
         return None
     return (
-        f"num_real_microbatches={n}, but microbatches {heavy} of the K={k} (after the first "
+        f"num_real_microbatches={n}, but microbatches {heavy} of the K={every_k} (after the first "
         f"{n}) weigh more than 0 (weight_fn): their rows are real and the step would leave "
         f"them out. Microbatch i holds the rows i, i + K, i + 2K, ... (strided), so a short "
-        f"batch holds its real rows in the first {n} of every {k} rows and padding in the "
-        f"other {k - n}: interleave them (docs/guides/modes.md, 'A short batch'), not "
+        f"batch holds its real rows in the first {n} of every {every_k} rows and padding in "
+        f"the other {every_k - n}: interleave them (docs/guides/modes.md, 'A short batch'), not "
         "padding appended at the end."
     )
 

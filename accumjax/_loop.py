@@ -25,13 +25,7 @@ import optax
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
 from accumjax._config import Config
-from accumjax._decision import (
-    Microbatch,
-    MicrobatchDecision,
-    gated_decision,
-    inspect_microbatch,
-    weigh,
-)
+from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._opt_state import count_update
 from accumjax._state import config_of
@@ -58,6 +52,7 @@ __all__ = [
     "microbatch",
     "pvary",
     "start_carry",
+    "stream_close",
     "stream_step",
 ]
 
@@ -387,19 +382,12 @@ def microbatch(
     config = ctx.config
     add = window_lib.first_microbatch if first else window_lib.add_microbatch
     more: dict[str, Any] = {} if first else {"reduce": ctx.reduce}
-    mine = None
-    if pool is not None:  # a policy that reads the gradient reads the whole one
-        axis = ctx.axis_name if config.reads else None
-        m = inspect_microbatch(config, grads, weight, params, axis, ctx.dims, keep_whole=False)
+    agree = "pool" if pool is not None else "window_end" if ctx.adds_before_deciding else "now"
+    m, mine = decide_microbatch(
+        config, grads, weight, params, ctx.axis_name, ctx.dims, agree=agree, gate=gate
+    )
+    if pool is not None:
         m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
-    elif (
-        ctx.adds_before_deciding
-    ):  # this device's decision about its rows; the devices decide at the window's end
-        m = inspect_microbatch(config, grads, weight, params)
-        gate = jnp.asarray(gate)  # the window's pass decided it (True in a first pass)
-        m, mine = gated_decision(config, m, weight, gate)
-    else:
-        m = inspect_microbatch(config, grads, weight, params, ctx.axis_name, ctx.dims)
     window, micro = add(config, carry.window, grads, weight, params, m, gate=gate, **more)
     carry, loss = follow_decision(
         ctx, carry, window, micro.added, weight, loss, new_model_state, pooled=pool is not None
@@ -552,30 +540,42 @@ def stream_step(setup: Setup) -> Step:
     def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
         params = pvary(state.params, setup.pmap_axis)
-        outcome = microbatch(
-            ctx,
-            start_carry(state, acc),
-            params,
-            batch,
-            acc.window.micro_step,
-            first=not ctx.accumulating,
-        )
-        opt = acc._replace(
-            window=outcome.carry.window, updated=jnp.zeros((), bool), added=outcome.added
-        )
-        fields = Carry(
-            outcome.carry.model_state, params=state.params, opt=opt, loss_scale=ctx.loss_scale
-        )
-        close = lambda f: close_fields(ctx, f)
-        if ctx.accumulating:
-            fields = window_lib.run_once(window_closes(opt), close, fields)
-        else:
-            fields = close(fields)
-        one = lambda flag: jnp.asarray(flag).astype(jnp.int32)
-        skipped, nonfinite = one(~outcome.added), one(outcome.nonfinite)
-        return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
+        first = not ctx.accumulating
+        carry = start_carry(state, acc)
+        outcome = microbatch(ctx, carry, params, batch, acc.window.micro_step, first=first)
+        return stream_close(ctx, state, acc, outcome)
 
     return step
+
+
+def stream_close(
+    ctx: Context,
+    state: TrainState,
+    acc: AccumulationState,
+    outcome: Outcome,
+    *,
+    close: Callable[[Carry], Carry] | None = None,
+    laid_out: Callable[[Carry], Carry] | None = None,
+    at_once: bool | None = None,
+) -> tuple[TrainState, dict[str, Any]]:
+    """A stream call's end, after its one microbatch (``outcome``): the window closed when it
+    is full by ``close`` (`close_fields` by default), then the new state and metrics
+    (`finish`). ``acc``: the state's `AccumulationState`; ``laid_out`` (ZeRO on a mesh): the
+    closed fields laid out where they lie again (GSPMD may lay the close's loop outputs out
+    otherwise); ``at_once``: close without the condition (default: a plain optimizer's
+    window of one microbatch, which `microbatch` opened with ``first``)."""
+    added = outcome.added
+    opt = acc._replace(window=outcome.carry.window, updated=jnp.zeros((), bool), added=added)
+    fields = Carry(
+        outcome.carry.model_state, params=state.params, opt=opt, loss_scale=ctx.loss_scale
+    )
+    close = close or (lambda f: close_fields(ctx, f))
+    at_once = not ctx.accumulating if at_once is None else at_once
+    fields = close(fields) if at_once else window_lib.run_once(window_closes(opt), close, fields)
+    fields = fields if laid_out is None else laid_out(fields)
+    one = lambda flag: jnp.asarray(flag).astype(jnp.int32)
+    skipped, nonfinite = one(~added), one(outcome.nonfinite)
+    return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
 
 
 # ----------------------------------------------------------------------------- device variance

@@ -22,7 +22,7 @@ import accumjax._window as window_lib
 from accumjax import sharded
 from accumjax._batch_norm_windows import emptied, model_state_sums, pooled_model_state
 from accumjax._config import Config
-from accumjax._decision import Microbatch, device_decision, pooled_decision, weigh
+from accumjax._decision import Microbatch, pooled_decision, rows_decision, weigh
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
     Carry,
@@ -32,9 +32,9 @@ from accumjax._loop import (
     begin,
     close_fields,
     close_model_state,
-    finish,
     loss_share,
     microbatch,
+    stream_close,
     stream_step,
 )
 from accumjax._reduction import psum_together
@@ -48,8 +48,7 @@ from accumjax._sharded_steps import (
     split_aux,
     step_specs,
 )
-from accumjax._window_end import window_closes
-from accumjax._zero import laid_back, optimizer_side, zero_close
+from accumjax._zero import optimizer_side, restore_layout, zero_close
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
@@ -146,24 +145,20 @@ def _mesh_call(
         in_specs=(step_specs(layout, local_state, window_specs),),
         out_specs=(window_specs, WHOLE, WHOLE, aux_specs, WHOLE, WHOLE),
     )((local_state, batch, rng, acc.window))
-    opt = acc._replace(window=window, updated=jnp.zeros((), bool), added=added)
-    fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
     if per_shard:
         close = partial(_close_device_window, ctx, layout)
     else:  # the sum is reduced already: the window closes in the global view
         close = lambda f: close_fields(ctx, f)
-    if layout.zero:
+    laid_out = None
+    if layout.zero:  # the close's loop carries the optimizer state as planned
         close = partial(zero_close, layout, ctx.accumulating, close)
-        fields = fields._replace(opt=optimizer_side(layout, fields.params, fields.opt)[1])
-    fields = window_lib.run_once(window_closes(opt), close, fields)
-    if layout.zero:  # GSPMD may lay the loop's outputs out otherwise (an Auto mesh)
-        fields = laid_back(layout, fields)
+        acc = optimizer_side(layout, state.params, acc)[1]
+        laid_out = partial(restore_layout, layout)
     aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-    zero = jnp.zeros(())
-    carry = Carry(window=window, model_state=fields.model_state, loss_sum=zero, loss_weight=zero)
-    one = lambda flag: flag.astype(jnp.int32)
-    outcome = Outcome(carry=carry, loss=loss, aux=aux)
-    return finish(ctx, state, fields, outcome, skipped=one(~added), nonfinite=one(nonfinite))
+    carry = Carry(model_state, window=window)
+    outcome = Outcome(carry, loss, aux, added=added, nonfinite=nonfinite)
+    # The window came through `add_microbatch`: even a plain optimizer's closes when full.
+    return stream_close(ctx, state, acc, outcome, close=close, laid_out=laid_out, at_once=False)
 
 
 def _local_call(
@@ -215,7 +210,7 @@ def _pool(
     loss, new_state, aux = produced
     config = ctx.config
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
-    mine = device_decision(config.scaling, ~m.added, weighs)
+    mine = rows_decision(config.scaling, m, weight)
     m = _share(config, m, layout)
     aux_rows, aux_means = split_aux(aux, 0, aux_tree) if aux is not None else ([], [])
     sums = model_state_sums(new_state)

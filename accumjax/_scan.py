@@ -57,10 +57,11 @@ __all__ = [
 Take = Callable[[jax.Array], tuple[Any, Any]]  # microbatch index -> (params, rows)
 
 
-def real_microbatches(n: Any, k: int) -> jax.Array | None:
-    """``num_real_microbatches`` as an int32 scalar in ``[0, k]`` (None: all ``k``).
+def real_microbatches(n: Any, every_k: int) -> jax.Array | None:
+    """``num_real_microbatches`` as an int32 scalar in ``[0, every_k]`` (None: all
+    ``every_k``).
 
-    A Python int outside ``[0, k]`` is refused; a traced value is clipped into it.
+    A Python int outside ``[0, every_k]`` is refused; a traced value is clipped into it.
 
     Example:
       >>> real_microbatches(3, 4)
@@ -74,9 +75,9 @@ def real_microbatches(n: Any, k: int) -> jax.Array | None:
         raise TypeError(f"num_real_microbatches must be an int (or int array), got {n!r}.")
     if jnp.ndim(n) != 0:
         raise ValueError(f"num_real_microbatches must be a scalar, got shape {jnp.shape(n)}.")
-    if isinstance(n, int) and not 0 <= n <= k:
-        raise ValueError(f"num_real_microbatches must be in [0, K={k}], got {n}.")
-    return jnp.clip(jnp.asarray(n, jnp.int32), 0, k)
+    if isinstance(n, int) and not 0 <= n <= every_k:
+        raise ValueError(f"num_real_microbatches must be in [0, K={every_k}], got {n}.")
+    return jnp.clip(jnp.asarray(n, jnp.int32), 0, every_k)
 
 
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:

@@ -30,7 +30,13 @@ from accumjax._decision import (
     window_decisions,
 )
 from accumjax._norms import global_norm
-from accumjax._reduction import REPLICATED, LeafLayout, Reduction, cross_device_reduce, sharded_norm
+from accumjax._reduction import (
+    REPLICATED,
+    LeafLayout,
+    cross_device_reduce,
+    reduced_per_microbatch,
+    sharded_norm,
+)
 
 __all__ = [
     "Closed",
@@ -419,7 +425,7 @@ def close_window(
     """
     if axis_name is not None and config.reads and layouts is None:
         # `add_microbatch` added each microbatch's whole gradient, its counts agreed on.
-        every_microbatch = REPLICATED._replace(reduction=Reduction.ALL_REDUCE_MICROBATCH)
+        every_microbatch = reduced_per_microbatch(REPLICATED)
         layouts, whole_counts = (every_microbatch,) * len(jax.tree.leaves(window.grad_sum)), True
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     nonfinite, skipped = window.window_nonfinite, window.window_skipped

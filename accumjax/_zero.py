@@ -26,11 +26,11 @@ from accumjax.train_state import TrainState
 
 __all__ = [
     "as_placed",
-    "laid_back",
     "optimizer_side",
     "parameter_side",
     "pinned",
     "placed_zero",
+    "restore_layout",
     "split_params",
     "zero_close",
 ]
@@ -103,7 +103,7 @@ def zero_close(
     """``close`` with the update on the parameters split like their reduced gradient, and
     the parameters and optimizer state laid out back as they lie."""
     params, opt = optimizer_side(layout, pinned(layout, fields.params), fields.opt)
-    return laid_back(layout, close(fields._replace(params=params, opt=opt)))
+    return restore_layout(layout, close(fields._replace(params=params, opt=opt)))
 
 
 def pinned(layout: sharded.Layout, params: Any) -> Any:
@@ -123,7 +123,7 @@ def pinned(layout: sharded.Layout, params: Any) -> Any:
     return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 
-def laid_back(layout: sharded.Layout, fields: Carry) -> Carry:
+def restore_layout(layout: sharded.Layout, fields: Carry) -> Carry:
     """``fields`` (a window close's `accumjax._loop.Carry`) with the parameters where they
     lie (one all-gather of a ZeRO update) and the optimizer state as planned."""
     opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))

@@ -361,9 +361,9 @@ def scan_step_for_k(
     return step, _as_initialized(loss_fn, state, _tx_for(state.tx, k), make_train_step_kwargs)
 
 
-def _tx_for(tx: Any, k: int) -> Any:
-    """``tx`` for K microbatches: its K replaced, or ``accumulate(tx, k)`` around it."""
-    return with_every_k(tx, k) if config_of(tx) else accumulate(tx, k)
+def _tx_for(tx: Any, every_k: int) -> Any:
+    """``tx`` for K microbatches: its K replaced, or ``accumulate(tx, every_k)`` around it."""
+    return with_every_k(tx, every_k) if config_of(tx) else accumulate(tx, every_k)
 
 
 def _as_initialized(loss_fn: Callable[..., Any], state: Any, tx: Any, kwargs: Any) -> Any:

@@ -11,9 +11,11 @@ from accumjax._decision import (
     Microbatch,
     MicrobatchDecision,
     add_condition,
+    decide_microbatch,
     device_decision,
     gated_decision,
     pooled_decision,
+    rows_decision,
     sum_decision,
     window_decisions,
 )
@@ -55,6 +57,30 @@ def test_a_gated_decision_adds_only_where_the_gate_and_keeps_this_devices_decisi
     assert (bool(opened.added), float(opened.weight)) == (True, 3.0)
     _, unweighted = gated_decision(_config(), _microbatch(False, True), None, jnp.bool_(True))
     assert (float(unweighted.rejected), float(unweighted.weight)) == (1.0, 1.0)
+
+
+def test_rows_decision_rejects_the_rows_a_microbatch_left_out_skips_included():
+    # A skip_fn skip (not non-finite) is this device's rejection in a stream call's pool.
+    skipped = rows_decision("mean", _microbatch(False, False, 0.0), None)
+    assert (float(skipped.rejected), float(skipped.weight)) == (1.0, 1.0)
+    kept = rows_decision("weighted", _microbatch(True, False, 3.0), jnp.float32(3.0))
+    assert kept == device_decision("weighted", jnp.bool_(False), jnp.float32(3.0))
+    weightless = rows_decision("weighted", _microbatch(False, True, 0.0), jnp.float32(0.0))
+    assert (float(weightless.rejected), float(weightless.rejected_weightless)) == (0.0, 1.0)
+
+
+def test_decide_microbatch_takes_the_decision_as_the_devices_agree_about_it():
+    grads = {"w": jnp.array([1.0, jnp.nan])}
+    now, none = decide_microbatch(_config(), grads, None, None)
+    assert (bool(now.added), bool(now.nonfinite), none) == (False, True, None)
+    pooled, none = decide_microbatch(_config(), grads, None, None, agree="pool")
+    assert (bool(pooled.added), none) == (False, None)
+    finite = {"w": jnp.array([1.0, 2.0])}
+    gated, mine = decide_microbatch(
+        _config(), finite, None, None, agree="window_end", gate=jnp.bool_(False)
+    )
+    assert (bool(gated.added), float(gated.weight)) == (False, 0.0)
+    assert mine == device_decision("mean", jnp.bool_(False), jnp.float32(1.0))
 
 
 def test_a_sum_decides_a_microbatch_non_finite_only_past_2_to_the_62():
