@@ -25,9 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
+from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout
-from accumjax._loop import Carry, Context, Setup, begin, close_model_state
+from accumjax._loop import Carry, Context, Setup, begin
 from accumjax._reduction import pack, reduce_leaves, reduced_per_microbatch, unpack
 from accumjax._scan import (
     accepted_loss,
