@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -54,7 +54,6 @@ __all__ = [
     "Running",
     "StatsWindow",
     "add_moments",
-    "accumulator_dtype",
     "canonical_axes",
     "chan_merge",
     "check_config",
@@ -67,12 +66,18 @@ __all__ = [
     "normalize",
     "normalize_and_accumulate",
     "running_dtype",
+    "stats_accumulator_dtype",
     "stats_dtype",
+    "stats_window_of",
+    "stats_window_values",
 ]
 
-#: Names of the accumulator entries that ``AccumBatchNorm`` keeps in ``batch_stats`` next to
-#: ``mean`` and ``var``: the open window's count, mean, ``M2`` and number of calls.
-ACCUMULATOR_NAMES: tuple[str, ...] = ("acc_count", "acc_mean", "acc_m2", "acc_step")
+#: The accumulator entries that ``AccumBatchNorm`` keeps in ``batch_stats`` next to ``mean``
+#: and ``var``, each with the `StatsWindow` field it holds: the open window's count, mean,
+#: ``M2`` and number of calls (`stats_window_values`, `stats_window_of`).
+_WINDOW_FIELDS = {"acc_count": "count", "acc_mean": "mean", "acc_m2": "m2", "acc_step": "step"}
+#: Names of the accumulator entries, in the order of `StatsWindow`'s fields.
+ACCUMULATOR_NAMES: tuple[str, ...] = tuple(_WINDOW_FIELDS)
 #: Name of the float32 scalar that step-driven layers (``accum_steps=None``) keep there.
 MOMENTUM_NAME = "momentum"
 #: Entries of one step-driven layer's statistics, as ``close_batch_norm_windows`` finds them.
@@ -103,6 +108,27 @@ class StatsWindow(NamedTuple):
     step: Any
 
 
+def stats_window_values(window: StatsWindow) -> dict[str, Any]:
+    """``window``'s values under their names in a layer's statistics (`ACCUMULATOR_NAMES`).
+
+    Example:
+      >>> sorted(stats_window_values(StatsWindow(count=1, mean=2, m2=3, step=4)).items())
+      [('acc_count', 1), ('acc_m2', 3), ('acc_mean', 2), ('acc_step', 4)]
+    """
+    return {name: getattr(window, field) for name, field in _WINDOW_FIELDS.items()}
+
+
+def stats_window_of(values: Mapping[str, Any]) -> StatsWindow:
+    """`stats_window_values` undone: the window held in ``values`` (a layer's statistics, or
+    any mapping with the `ACCUMULATOR_NAMES`), its values as they are there.
+
+    Example:
+      >>> stats_window_of({"acc_count": 1, "acc_mean": 2, "acc_m2": 3, "acc_step": 4})
+      StatsWindow(count=1, mean=2, m2=3, step=4)
+    """
+    return StatsWindow(**{field: values[name] for name, field in _WINDOW_FIELDS.items()})
+
+
 class BatchNormOptions(NamedTuple):
     """The hyperparameters :func:`normalize_and_accumulate` reads, named as the layers' own."""
 
@@ -127,7 +153,7 @@ class BatchNormOptions(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 
-def accumulator_dtype() -> jnp.dtype:
+def stats_accumulator_dtype() -> jnp.dtype:
     """The dtype of the window accumulators: float32, or float64 under ``jax_enable_x64``."""
     return sum_dtype(jnp.float32, jnp.float64)
 
@@ -239,13 +265,13 @@ def empty_stats_window(
 
     Args:
       shape: the feature shape.
-      dtype: the accumulator dtype (default :func:`accumulator_dtype`).
+      dtype: the accumulator dtype (default :func:`stats_accumulator_dtype`).
       mean_dtype: the mean's dtype (default ``dtype``; complex for a complex input).
 
     Returns:
       A :class:`StatsWindow` of zeros, with an int32 scalar ``step``.
     """
-    dtype = accumulator_dtype() if dtype is None else dtype
+    dtype = stats_accumulator_dtype() if dtype is None else dtype
     mean_dtype = dtype if mean_dtype is None else mean_dtype
     count, mean, m2 = (jnp.zeros(shape, d) for d in (dtype, mean_dtype, dtype))  # distinct
     return StatsWindow(count, mean, m2, jnp.zeros((), jnp.int32))
@@ -290,11 +316,11 @@ def compute_moments(
     where = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
     if where is None:
         n_local = math.prod(x.shape[i] for i in reduction_axes)
-        count = jnp.full(feature_shape, n_local, accumulator_dtype())
+        count = jnp.full(feature_shape, n_local, stats_accumulator_dtype())
         if axis_name is None:
             return Moments(count, *_local_mean_var(x, reduction_axes, use_fast_variance))
     else:
-        count = jnp.sum(where, reduction_axes, dtype=accumulator_dtype())
+        count = jnp.sum(where, reduction_axes, dtype=stats_accumulator_dtype())
 
     def all_sum(tree: Any) -> Any:
         if axis_name is None:

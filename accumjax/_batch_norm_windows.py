@@ -8,12 +8,15 @@ or by `accumjax.sync_batch_norm` in a loop of your own); a self-closing layer
 windows. An evaluation of a step-driven window that was never closed warns, so a loop that
 forgets to close it is never silently wrong; so do the statistics of a plain ``BatchNorm``
 (``mean`` and ``var`` without the window's accumulators) where microbatches are accumulated
-(`warn_plain_batch_norm`). `close_windows` closes the step-driven windows of a tree.
+(`warn_plain_batch_norm`). `close_step_driven_windows` closes the step-driven windows of a
+tree.
 
 It is the one module that pools a model state across devices: windows as shifted sums that
-add exactly in one all-reduce (`window_sums`, `pooled_windows`), summed when a window closes
-under ``pmap`` (`close_windows`) or, in stream mode on a mesh, with each call's other
-floating model state in the call's one small all-reduce (`model_state_sums`,
+add exactly in one all-reduce (`shifted_sums`, `pooled_windows`, packed by
+`accumjax._reduction.psum_together`), summed when a window closes under ``pmap`` or
+``shard_map`` (`close_step_driven_windows`, with the other floating leaves averaged in an
+all-reduce of their own: `close_model_state`) or, in stream mode on a mesh, with each call's
+other floating model state in the call's one small all-reduce (`model_state_sums`,
 `pooled_model_state`). The per-layer arithmetic is `accumjax._batch_norm_math`'s.
 """
 
@@ -35,15 +38,19 @@ from accumjax._batch_norm_math import (
     StatsWindow,
     chan_merge,
     close_stats_window,
+    stats_window_of,
+    stats_window_values,
 )
 from accumjax._norms import abs_squared
+from accumjax._reduction import psum_together
 from accumjax._variables import is_variable, variable_value
 
 __all__ = [
     "array_of",
     "call_sums",
     "check_no_self_closing",
-    "close_windows",
+    "close_model_state",
+    "close_step_driven_windows",
     "emptied",
     "is_step_driven",
     "merge_pooled",
@@ -53,9 +60,9 @@ __all__ = [
     "pooled_windows",
     "replace_leaves",
     "self_closing_paths",
+    "shifted_sums",
     "warn_if_open",
     "warn_plain_batch_norm",
-    "window_sums",
 ]
 
 
@@ -232,41 +239,40 @@ def replace_leaves(node: Mapping[str, Any], values: Mapping[str, Array]) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def window_sums(shifts: list[Array], windows: list[StatsWindow]) -> Array:
-    """Every layer's window as shifted sums ``(n, n * (mean - s), M2 + n * |mean - s|^2)`` in
-    one flat array (complex if any mean is), with a shift ``s`` equal on every device (the
-    running mean): what adds exactly across devices in one ``psum`` before `pooled_windows`.
+def shifted_sums(shifts: list[Array], windows: list[StatsWindow]) -> list[tuple[Array, ...]]:
+    """Every layer's window as shifted sums ``(n, n * (mean - s), M2 + n * |mean - s|^2)``
+    (the second complex where the mean is), with a shift ``s`` equal on every device (the
+    running mean): what adds exactly across devices in one all-reduce before
+    `pooled_windows`.
 
     Args:
       shifts: per layer, an array equal on every device (the running mean).
       windows: per layer, this device's window.
+
+    Returns:
+      Per layer, its three sums.
     """
-    parts: list[Array] = []
+    sums = []
     for shift, window in zip(shifts, windows, strict=True):
         delta = window.mean - shift.astype(window.mean.dtype)
-        parts += [window.count, window.count * delta, window.m2 + window.count * abs_squared(delta)]
-    dtype = jnp.result_type(*parts) if parts else jnp.float32
-    return jnp.concatenate([p.astype(dtype).ravel() for p in parts] or [jnp.zeros(0, dtype)])
+        n = window.count
+        sums.append((n, n * delta, window.m2 + n * abs_squared(delta)))
+    return sums
 
 
 def pooled_windows(
-    flat: Array, shifts: list[Array], windows: list[StatsWindow]
+    summed: list[tuple[Array, ...]], shifts: list[Array], windows: list[StatsWindow]
 ) -> list[StatsWindow]:
-    """The windows whose `window_sums` summed across devices are ``flat``, in the order of
+    """The windows whose `shifted_sums` summed across devices are ``summed``, in the order of
     ``windows`` (each keeps its own ``step``)."""
-    sums, offset = [], 0
-    for window in windows:
-        for part in (window.count, window.mean, window.m2):
-            value = flat[offset : offset + part.size].reshape(part.shape)
-            sums.append((value if jnp.iscomplexobj(part) else jnp.real(value)).astype(part.dtype))
-            offset += part.size
     pooled = []
-    for i, (shift, window) in enumerate(zip(shifts, windows, strict=True)):
-        count, s1, s2 = sums[3 * i : 3 * i + 3]
+    for sums, shift, window in zip(summed, shifts, windows, strict=True):
+        likes = (window.count, window.mean, window.m2)  # summed in a type at least theirs
+        count, s1, s2 = (x.astype(like.dtype) for x, like in zip(sums, likes, strict=True))
         offset_mean = s1 / jnp.maximum(count, 1)
         mean = shift.astype(offset_mean.dtype) + offset_mean
         m2 = jnp.maximum(s2 - jnp.real(s1 * jnp.conj(offset_mean)), 0)
-        pooled.append(StatsWindow(count, mean, m2, window.step))
+        pooled.append(StatsWindow(count=count, mean=mean, m2=m2, step=window.step))
     return pooled
 
 
@@ -285,9 +291,9 @@ def _nodes(tree: Any) -> tuple[list[Any], Any, list[int]]:
     return nodes, treedef, [i for i, node in enumerate(nodes) if is_step_driven(node)]
 
 
-def _window(node: Any) -> StatsWindow:
-    count, mean, m2, step = (array_of(node[k]) for k in ACCUMULATOR_NAMES)
-    return StatsWindow(count=count, mean=mean, m2=m2, step=step)
+def _stats_window(node: Any) -> StatsWindow:
+    """The window of one step-driven layer's statistics, as arrays."""
+    return stats_window_of({name: array_of(node[name]) for name in ACCUMULATOR_NAMES})
 
 
 def emptied(tree: Any) -> Any:
@@ -301,41 +307,44 @@ def emptied(tree: Any) -> Any:
     """
     nodes, treedef, where = _nodes(tree)
     for i in where:
-        w = _window(nodes[i])
+        w = _stats_window(nodes[i])
         empty = StatsWindow(
-            jnp.zeros_like(w.count), jnp.zeros_like(w.mean), jnp.zeros_like(w.m2), w.step * 0
+            count=jnp.zeros_like(w.count),
+            mean=jnp.zeros_like(w.mean),
+            m2=jnp.zeros_like(w.m2),
+            step=w.step * 0,
         )
-        nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, empty, strict=True)))
+        nodes[i] = replace_leaves(nodes[i], stats_window_values(empty))
     return jax.tree.unflatten(treedef, nodes)
 
 
-def call_sums(tree: Any) -> Array:
-    """The statistics one call left in the (emptied) windows of ``tree``, as one flat array
-    to sum across devices: the shifted sums of `accumjax._batch_norm_math.window_sums` and
-    each layer's count of calls."""
+def call_sums(tree: Any) -> tuple[list[tuple[Array, ...]], Array]:
+    """The statistics one call left in the (emptied) windows of ``tree``, to sum across
+    devices: the `shifted_sums` of its step-driven layers (shifted by their running means)
+    and each layer's count of calls (one int32 vector, a zero without a layer)."""
     nodes, _, where = _nodes(tree)
+    windows = [_stats_window(nodes[i]) for i in where]
     shifts = [array_of(nodes[i]["mean"]) for i in where]
-    sums = window_sums(shifts, [_window(nodes[i]) for i in where])
-    steps = jnp.stack([_window(nodes[i]).step for i in where] or [jnp.zeros((), jnp.int32)])
-    return jnp.concatenate([sums, steps.astype(sums.dtype)])
+    steps = jnp.stack([w.step for w in windows] or [jnp.zeros((), jnp.int32)])
+    return shifted_sums(shifts, windows), steps
 
 
-def merge_pooled(before: Any, flat: Array) -> Any:
+def merge_pooled(before: Any, pooled_sums: tuple[list[tuple[Array, ...]], Any]) -> Any:
     """``before`` with each step-driven window merged with one call's statistics pooled over
-    the devices (``flat``: `call_sums` summed across devices; Chan et al.'s parallel update);
-    a layer counts the call when any device did."""
+    the devices (``pooled_sums``: `call_sums` summed across devices; Chan et al.'s parallel
+    update); a layer counts the call when any device did."""
     nodes, treedef, where = _nodes(before)
+    sums, called = pooled_sums
     shifts = [array_of(nodes[i]["mean"]) for i in where]
-    windows = [_window(nodes[i]) for i in where]
-    pooled = pooled_windows(flat[: flat.size - max(len(where), 1)], shifts, windows)
-    called = flat[flat.size - max(len(where), 1) :]
+    windows = [_stats_window(nodes[i]) for i in where]
+    pooled = pooled_windows(sums, shifts, windows)
     for j, (i, old, new) in enumerate(zip(where, windows, pooled, strict=True)):
         count, mean, m2 = chan_merge(old.count, old.mean, old.m2, new.count, new.mean, new.m2)
-        step = old.step + (jnp.real(called[j]) > 0).astype(old.step.dtype)
+        step = old.step + (called[j] > 0).astype(old.step.dtype)
         merged = StatsWindow(
             count=count.astype(old.count.dtype), mean=mean, m2=m2.astype(old.m2.dtype), step=step
         )
-        nodes[i] = replace_leaves(nodes[i], dict(zip(ACCUMULATOR_NAMES, merged, strict=True)))
+        nodes[i] = replace_leaves(nodes[i], stats_window_values(merged))
     return jax.tree.unflatten(treedef, nodes)
 
 
@@ -353,7 +362,7 @@ def _float_leaves(tree: Any) -> tuple[list[int], list[Any]]:
     return where, [leaves[i] for i in where]
 
 
-def model_state_sums(called: Any) -> list[Array]:
+def model_state_sums(called: Any) -> list[Any]:
     """What a stream call's model state puts into the call's one all-reduce on a mesh, to
     sum across devices for `pooled_model_state`: its BatchNorm statistics (`call_sums`) and
     its other floating leaves.
@@ -365,8 +374,9 @@ def model_state_sums(called: Any) -> list[Array]:
     Example:
       >>> import jax.numpy as jnp
       >>> bn = {**{name: jnp.zeros(2) for name in STEP_DRIVEN_NAMES}, "acc_step": jnp.ones((), int)}
-      >>> [s.shape for s in model_state_sums({"bn": bn, "scale": jnp.ones(3)})]
-      [(7,), (3,)]
+      >>> sums = model_state_sums({"bn": bn, "scale": jnp.ones(3)})
+      >>> [x.shape for x in jax.tree.leaves(sums)]  # the layer's three sums, its calls, scale
+      [(2,), (2,), (2,), (1,), (3,)]
     """
     if called is None:
         return [jnp.zeros(1)]
@@ -374,7 +384,7 @@ def model_state_sums(called: Any) -> list[Array]:
 
 
 def pooled_model_state(
-    before: Any, called: Any, summed: list[Array], added: Array, shards: int
+    before: Any, called: Any, summed: list[Any], added: Array, shards: int
 ) -> Any:
     """The global model state after a stream call on a mesh (None without a model state).
 
@@ -394,7 +404,7 @@ def pooled_model_state(
     """
     if called is None:
         return None
-    bn = jnp.where(added, summed[0], jnp.zeros_like(summed[0]))
+    bn = jax.tree.map(lambda x: jnp.where(added, x, jnp.zeros_like(x)), summed[0])
     merged, treedef = jax.tree.flatten(merge_pooled(before, bn), is_leaf=is_step_driven)
     ours = _nodes(called)[0]
     where, _ = _float_leaves(called)
@@ -407,20 +417,50 @@ def pooled_model_state(
     return jax.tree.unflatten(treedef, out)
 
 
-def close_windows(stats_tree: Any, apply: Array, axis_name: str | None) -> Any:
+def close_step_driven_windows(stats_tree: Any, apply: Array, axis_name: str | None) -> Any:
     """`accumjax.close_batch_norm_windows` on a checked ``apply`` (a bool scalar array),
-    without its checks and warnings: the train step's close (`accumjax._loop`)."""
+    without its checks and warnings: the train step's close (`close_model_state`). With
+    ``axis_name``, the windows are first summed across its devices in one all-reduce."""
     nodes, treedef, where = _nodes(stats_tree)
-    running = [Running(*(array_of(nodes[i][k]) for k in ("mean", "var"))) for i in where]
-    windows = [_window(nodes[i]) for i in where]
+    running = [
+        Running(mean=array_of(nodes[i]["mean"]), var=array_of(nodes[i]["var"])) for i in where
+    ]
+    windows = [_stats_window(nodes[i]) for i in where]
     if axis_name is not None and where:
         shifts = [r.mean for r in running]  # equal on every device: the pooled sums add exactly
-        summed = jax.lax.psum(window_sums(shifts, windows), axis_name)
+        summed = psum_together({"sums": shifted_sums(shifts, windows)}, axis_name)["sums"]
         windows = pooled_windows(summed, shifts, windows)
     for i, old, window in zip(where, running, windows, strict=True):
         momentum = array_of(nodes[i][MOMENTUM_NAME])
         new_running, new_window = close_stats_window(old, window, momentum, apply)
-        names = ("mean", "var", *ACCUMULATOR_NAMES)
-        values = dict(zip(names, (*new_running, *new_window), strict=True))
-        nodes[i] = replace_leaves(nodes[i], values)
+        values = {"mean": new_running.mean, "var": new_running.var}
+        nodes[i] = replace_leaves(nodes[i], {**values, **stats_window_values(new_window)})
     return jax.tree.unflatten(treedef, nodes)
+
+
+def close_model_state(model_state: Any, apply: Array, axis_name: str | None) -> Any:
+    """A model state at a window's close: its step-driven BatchNorm windows closed with the
+    window's decision ``apply`` (`close_step_driven_windows`, pooled across ``axis_name``);
+    with ``axis_name``, its other floating leaves averaged across the devices in one
+    all-reduce of their own (integer and PRNG-key leaves never are). None stays None.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> state = {"scale": jnp.arange(2.0), "seen": jnp.arange(2)}
+      >>> closed = jax.vmap(lambda s: close_model_state(s, jnp.array(True), "i"), axis_name="i")
+      >>> out = closed(state)
+      >>> out["scale"].tolist(), out["seen"].tolist()
+      ([0.5, 0.5], [0, 1])
+    """
+    if model_state is None:
+        return None
+    model_state = close_step_driven_windows(model_state, apply, axis_name)
+    if axis_name is None:
+        return model_state
+    where, floats = _float_leaves(model_state)
+    if not where:
+        return model_state
+    leaves, treedef, _ = _nodes(model_state)
+    for i, mean in zip(where, jax.lax.pmean(floats, axis_name), strict=True):
+        leaves[i] = mean
+    return jax.tree.unflatten(treedef, leaves)

@@ -17,7 +17,7 @@ and a window's stacked decisions (`window_decisions`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,7 +167,7 @@ def decide_microbatch(
     axis_name: str | None = None,
     dims: Any = None,
     *,
-    agree: str = "now",
+    agree: Literal["now", "pool", "window_end"] = "now",
     gate: Any = None,
 ) -> tuple[Microbatch, MicrobatchDecision | None]:
     """This device's decision about one microbatch, taken as the devices that hold its rows

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 import accumjax._window as window_lib
-from accumjax._batch_norm_windows import close_windows, is_step_driven, warn_plain_batch_norm
+from accumjax._batch_norm_windows import close_model_state, warn_plain_batch_norm
 from accumjax._config import Config
 from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
 from accumjax._loss_adapter import GradFn, device_loss_scale
@@ -44,7 +44,6 @@ __all__ = [
     "Step",
     "begin",
     "close_fields",
-    "close_model_state",
     "finish",
     "follow_decision",
     "gradient",
@@ -451,30 +450,6 @@ def close_fields(
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule
     return Carry(model_state, params=params, opt=opt, loss_scale=loss_scale)
-
-
-def close_model_state(model_state: Any, apply: jax.Array, axis_name: str | None) -> Any:
-    """BatchNorm windows closed with the window's decision; other float leaves averaged
-    across devices once (integer and PRNG-key leaves never are)."""
-    if model_state is None:
-        return None
-    model_state = close_windows(model_state, apply, axis_name)
-    if axis_name is None:
-        return model_state
-
-    def averaged(leaf: Any) -> bool:
-        dtype = jnp.result_type(leaf)
-        return jnp.issubdtype(dtype, jnp.inexact) and not jax.dtypes.issubdtype(
-            dtype, jax.dtypes.prng_key
-        )
-
-    leaves, treedef = jax.tree.flatten(model_state, is_leaf=is_step_driven)
-    picked = [i for i, x in enumerate(leaves) if not is_step_driven(x) and averaged(x)]
-    if picked:
-        means = jax.lax.pmean([leaves[i] for i in picked], axis_name)
-        for i, mean in zip(picked, means, strict=True):
-            leaves[i] = mean
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def finish(

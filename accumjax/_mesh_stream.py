@@ -20,7 +20,12 @@ from jax.sharding import PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
-from accumjax._batch_norm_windows import emptied, model_state_sums, pooled_model_state
+from accumjax._batch_norm_windows import (
+    close_model_state,
+    emptied,
+    model_state_sums,
+    pooled_model_state,
+)
 from accumjax._config import Config
 from accumjax._decision import Microbatch, pooled_decision, rows_decision, weigh
 from accumjax._layout import partial_sum_count, partial_sums_layout
@@ -31,7 +36,6 @@ from accumjax._loop import (
     Setup,
     begin,
     close_fields,
-    close_model_state,
     loss_share,
     microbatch,
     stream_close,

@@ -19,6 +19,7 @@ import optax
 
 import accumjax._loop as loop_lib
 import accumjax._window as window_lib
+from accumjax._batch_norm_windows import close_model_state
 from accumjax._decision import MicrobatchDecision, sum_decision, weigh
 from accumjax._loop import (
     Carry,
@@ -27,7 +28,6 @@ from accumjax._loop import (
     Step,
     begin,
     close_fields,
-    close_model_state,
     finish,
     follow_decision,
     loss_share,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax import sharded
+from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout
-from accumjax._loop import Carry, Context, Setup, begin, close_model_state
+from accumjax._loop import Carry, Context, Outcome, Setup, begin
 from accumjax._reduction import reduce_leaves, reduced_per_microbatch
 from accumjax._scan import (
     accepted_loss,
@@ -205,17 +206,6 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
     return step
 
 
-class _Riders(NamedTuple):
-    """What a scan window on a mesh sums across devices with its gradient, float32: its loss
-    metric's parts, its aux means and, after a pass that decided each microbatch, each one's
-    loss parts (`accumjax._loop.Outcome.losses`; else None)."""
-
-    loss_sum: jax.Array
-    loss_weight: jax.Array
-    aux_means: list[Any]
-    losses: jax.Array | None
-
-
 def _local_window(
     ctx: Context, layout: sharded.Layout, aux_tree: list[Any], inputs: tuple[Any, ...]
 ) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
@@ -245,7 +235,9 @@ def _local_window(
     every_k = window_every_k(ctx, ctx.every_k)
 
     def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
-        riders = _Riders(carry.loss_sum, carry.loss_weight, aux_means, losses)
+        # What the pass produced and the devices sum: its loss parts, aux means and losses.
+        parts = Carry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
+        riders = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
         closed = window_lib.close_window(
             config,
             carry.window,
@@ -256,14 +248,13 @@ def _local_window(
             whole_counts=whole_counts,
             decisions=decisions,
         )
-        summed: _Riders = closed.extras
+        summed: Outcome = closed.extras
         if summed.losses is None:  # the window's loss metric, from the devices' parts
-            parts = {"loss_sum": summed.loss_sum, "loss_weight": summed.loss_weight}
-            loss = window_loss(carry._replace(**parts))
+            loss = window_loss(summed.carry)
         else:
             loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-        return closed._replace(extras=None), model_state, [loss, *summed.aux_means]
+        return closed._replace(extras=None), model_state, [loss, *summed.aux]
 
     closed, model_state, extras = decide_window(ctx, first, run, close)
     return closed._replace(accepted=None), model_state, extras[0], (aux_rows, extras[1:])

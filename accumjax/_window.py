@@ -371,15 +371,6 @@ def denominator(
     return jnp.asarray(weight_sum, jnp.float32)
 
 
-class _Counts(NamedTuple):
-    """A window's counts as they travel in its reduction (`close_window`), summed over the
-    devices that each counted the window."""
-
-    weight_sum: jax.Array
-    nonfinite: jax.Array
-    skipped: jax.Array
-
-
 def close_window(
     config: Config,
     window: Window,
@@ -431,7 +422,8 @@ def close_window(
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices, ok = 1, None
     if axis_name is not None:
-        counts = None if whole_counts else _Counts(weight_sum, nonfinite, skipped)
+        # The window's counts travel as its own fields (weight sum, non-finite, skipped).
+        counts = None if whole_counts else window._replace(grad_sum=None, micro_step=None)
         riders = {"counts": counts, "decisions": decisions, "extras": extras}
         grad_sum, summed = cross_device_reduce(grad_sum, riders, axis_name, layouts)
         if not whole_counts:
@@ -440,10 +432,11 @@ def close_window(
             # (`accumjax._decision.agreed`), so each counted the same: the sum is the devices'
             # number times the count (rounded up, so a window whose devices counted only their
             # own rows comes back the same on every device).
-            counted: _Counts = summed["counts"]
+            counted: Window = summed["counts"]
             weight_sum = counted.weight_sum
             per_device = lambda x: jnp.ceil(x / devices).astype(jnp.int32)
-            nonfinite, skipped = per_device(counted.nonfinite), per_device(counted.skipped)
+            nonfinite = per_device(counted.window_nonfinite)
+            skipped = per_device(counted.window_skipped)
         decisions, extras = summed["decisions"], summed["extras"]
     if decisions is not None:
         ok, refused = window_decisions(config.scaling, decisions)

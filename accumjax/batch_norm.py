@@ -47,18 +47,18 @@ from accumjax._batch_norm_math import (
     BatchNormOptions,
     Running,
     StatsWindow,
-    accumulator_dtype,
     canonical_axes,
     check_config,
     complex_like,
     normalize_and_accumulate,
     running_dtype,
+    stats_accumulator_dtype,
     stats_dtype,
 )
 from accumjax._batch_norm_windows import (
     array_of,
     check_no_self_closing,
-    close_windows,
+    close_step_driven_windows,
     is_step_driven,
     warn_if_open,
     warn_plain_batch_norm,
@@ -244,8 +244,8 @@ class AccumBatchNorm(nn.Module):
             mask,
             feature_axes,
             BatchNormOptions.of(self, self.momentum),
-            Running(*(v.value for v in running)),
-            None if window is None else StatsWindow(*(v.value for v in window)),
+            Running(mean=running.mean.value, var=running.var.value),
+            None if window is None else _values(window),
             scale,
             bias,
             use_running_average=bool(use_running_average),
@@ -269,13 +269,13 @@ class AccumBatchNorm(nn.Module):
         mean_dtype = complex_like(dtype, statistics)
         mean = self.variable("batch_stats", "mean", jnp.zeros, feature_shape, mean_dtype)
         var = self.variable("batch_stats", "var", jnp.ones, feature_shape, dtype)
-        return Running(mean, var)
+        return Running(mean=mean, var=var)
 
     def _window_stats(
         self, feature_shape: tuple[int, ...], statistics: Any
     ) -> tuple[StatsWindow, Any]:
         """Declares the zero accumulators and, step-driven, the ``momentum`` scalar."""
-        dtype = accumulator_dtype()
+        dtype = stats_accumulator_dtype()
         dtypes = (dtype, complex_like(dtype, statistics), dtype)
         count, mean, m2 = (
             self.variable("batch_stats", name, jnp.zeros, feature_shape, d)
@@ -287,7 +287,13 @@ class AccumBatchNorm(nn.Module):
             momentum = self.variable(
                 "batch_stats", MOMENTUM_NAME, lambda: jnp.asarray(self.momentum, jnp.float32)
             )
-        return StatsWindow(count, mean, m2, step), momentum
+        return StatsWindow(count=count, mean=mean, m2=m2, step=step), momentum
+
+
+def _values(window: StatsWindow) -> StatsWindow:
+    """The arrays held by a window of linen ``Variable``s."""
+    w = window
+    return StatsWindow(count=w.count.value, mean=w.mean.value, m2=w.m2.value, step=w.step.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +366,7 @@ def close_batch_norm_windows(stats_tree: _Tree, apply: Any, axis_name: str | Non
     if apply.shape != ():
         raise ValueError(f"apply must be a bool scalar, got shape {apply.shape}.")
     warn_plain_batch_norm(stats_tree, "close_batch_norm_windows")
-    return close_windows(stats_tree, apply, axis_name)
+    return close_step_driven_windows(stats_tree, apply, axis_name)
 
 
 def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree:
@@ -457,7 +463,7 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
     if k != 1:  # K=1: a plain BatchNorm is what trains
         warn_plain_batch_norm(new_stats, "sync_batch_norm", k, before=old_stats)
     kept = optax.tree.where(state.added, new_stats, old_stats)
-    closed = close_windows(kept, jnp.asarray(state.updated), None)
+    closed = close_step_driven_windows(kept, jnp.asarray(state.updated), None)
     return optax.tree.where(closed_its_window(state), closed, kept)
 
 

@@ -19,6 +19,7 @@ from accumjax._batch_norm_math import (
     MOMENTUM_NAME,
     check_config,
     empty_stats_window,
+    stats_window_values,
 )
 
 __all__ = ["convert_batch_norm_variables"]
@@ -120,9 +121,7 @@ def _with_accumulators(
             raise ValueError(
                 f"{_where(path)}: mean {mean.shape} and var {var.shape} shapes differ."
             )
-        fresh: dict[str, Any] = dict(
-            zip(ACCUMULATOR_NAMES, empty_stats_window(mean.shape), strict=True)
-        )
+        fresh = stats_window_values(empty_stats_window(mean.shape))
         if momentum is not None:
             fresh[MOMENTUM_NAME] = jnp.asarray(momentum, jnp.float32)
         return {**fresh, **node}

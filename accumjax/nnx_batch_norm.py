@@ -257,7 +257,11 @@ class AccumBatchNorm(nnx.Module):
         x, mean, var, scale, bias = self.promote_dtype(
             (x, view(self.mean), view(self.var), scale, bias), dtype=self.dtype
         )
-        running = Running(mean, var) if use_running_average else Running(*map(view, running_vars))
+        running = (
+            Running(mean=mean, var=var)
+            if use_running_average
+            else Running(mean=view(self.mean), var=view(self.var))
+        )
         y, new_running, new_window = normalize_and_accumulate(
             x,
             mask,
@@ -265,7 +269,10 @@ class AccumBatchNorm(nnx.Module):
             BatchNormOptions.of(self, variable_value(self.momentum)),
             running,
             StatsWindow(
-                view(self.acc_count), view(self.acc_mean), view(self.acc_m2), self.acc_step[...]
+                count=view(self.acc_count),
+                mean=view(self.acc_mean),
+                m2=view(self.acc_m2),
+                step=self.acc_step[...],
             ),
             scale,
             bias,
