@@ -28,15 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
-from accumjax import sharded
 from accumjax._checks import check_alive
 from accumjax._loop import Setup, stream_step
 from accumjax._mesh_stream import sharded_stream_step
 from accumjax._opt_state import opt_state_for, unalias
 from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step
-from accumjax._split import split, split_advice
+from accumjax._split import split_advice, strided_microbatches
 from accumjax._state import config_of
 from accumjax._step_checks import check_init_inputs, init_call
 from accumjax._window_end import check_state
@@ -127,7 +127,7 @@ def _microbatch_weights(
     weight_fn: Callable[[Any], Any], every_k: int, batch_axis: Any, batch: Any
 ) -> jax.Array:
     """Each of the ``every_k`` strided microbatches' ``weight_fn``, float32 ``(every_k,)``."""
-    rows = split(batch, every_k, batch_axis)
+    rows = strided_microbatches(batch, every_k, batch_axis)
     return jax.lax.map(lambda i: jnp.asarray(weight_fn(rows(i)), jnp.float32), jnp.arange(every_k))
 
 
@@ -158,7 +158,7 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
     def put(path: Any, x: Any) -> Any:
         if isinstance(x, jax.core.Tracer):
             return x
-        now = sharded.sharding_of(x)
+        now = mesh_lib.sharding_of(x)
         if isinstance(now, NamedSharding) and now.mesh == mesh:
             return x
         if isinstance(now, NamedSharding) and len(now.device_set) > 1:
@@ -166,7 +166,7 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
                 f"{name}{jax.tree_util.keystr(path)} lies on the {_where(x)}, but the step "
                 f"runs on the mesh {dict(mesh.shape)} of devices "
                 f"{sorted(d.id for d in mesh.devices.flat)}; the two differ in "
-                f"{sharded.mesh_difference(now.mesh, mesh)}. A step's arrays must lie on one "
+                f"{mesh_lib.mesh_difference(now.mesh, mesh)}. A step's arrays must lie on one "
                 "mesh (moving a sharded array would replicate it behind your back): put the "
                 "state and the batch on the same mesh."
             )
@@ -193,7 +193,7 @@ def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
         return
 
     def placed_here(x: Any) -> bool:  # or refused by `_on_mesh`: on a mesh of several devices
-        now = sharded.sharding_of(x)
+        now = mesh_lib.sharding_of(x)
         return isinstance(now, NamedSharding) and (now.mesh == mesh or len(now.device_set) > 1)
 
     off = [
@@ -216,7 +216,7 @@ def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     )
 
 
-def _check_rows(batch: Any, layout: sharded.Layout, k: int | None) -> None:
+def _check_rows(batch: Any, layout: mesh_lib.Layout, k: int | None) -> None:
     """Refuses a batch whose rows do not split over the devices of the data axis (and, in
     scan mode, into ``k`` microbatches on each device), stating the global rule with the
     numbers; for a batch off the mesh, that accumjax puts it there."""
@@ -236,7 +236,7 @@ def _check_rows(batch: Any, layout: sharded.Layout, k: int | None) -> None:
                 f"scan mode needs the batch's rows to divide by devices x K = {n} x {k} = "
                 f"{n * k} (each device splits its rows into K microbatches)"
             )
-        now = sharded.sharding_of(leaf)
+        now = mesh_lib.sharding_of(leaf)
         if isinstance(now, NamedSharding) and now.mesh == layout.mesh:
             where = f"{name}: {what} (the mesh axis {layout.axis!r})"
         else:
@@ -277,7 +277,7 @@ class TrainStep:
             return (state, batch, rng, n) if self._scan else (state, batch, rng)
         if setup.mesh is not None:  # asked for: the step's mesh takes what is off it
             state = _on_mesh(state, setup.mesh, PartitionSpec(), "state")
-        sharded.check_one_mesh(state.params, batch)
+        mesh_lib.check_one_mesh(state.params, batch)
         layout = self.layout(state, batch)
         if layout is not None:
             config = config_of(state.tx)
@@ -291,7 +291,7 @@ class TrainStep:
             batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis), "batch")
         return (state, batch, rng, layout, n) if self._scan else (state, batch, rng, layout)
 
-    def layout(self, state: Any, batch: Any = None) -> sharded.Layout | None:
+    def layout(self, state: Any, batch: Any = None) -> mesh_lib.Layout | None:
         """The layout plan the step runs ``state`` (and ``batch``) with: per parameter leaf,
         where it, its window accumulator and its optimizer state lie along the data axis
         (`accumjax.sharded.Layout`; ``accumjax.stats(state, step.layout(state))`` sizes a
@@ -299,12 +299,12 @@ class TrainStep:
         if self._pmapped:
             return None
         s = self._setup
-        layout = sharded.layout_of(
+        layout = mesh_lib.layout_of(
             state.params, batch, mesh=s.mesh, axis=s.mesh_axis, reduce_scatter=s.reduce_scatter
         )
         return None if layout is None else self._optimizer_plan(layout, state)
 
-    def _optimizer_plan(self, layout: sharded.Layout, state: Any) -> sharded.Layout:
+    def _optimizer_plan(self, layout: mesh_lib.Layout, state: Any) -> mesh_lib.Layout:
         """``layout`` with its optimizer plan: ZeRO where ``optimizer_sharding`` says so, or
         where the optimizer state lies split over the data axis beside replicated parameters
         (`accumjax._zero.placed_zero`); a stream state without a per-shard window stays
@@ -318,7 +318,7 @@ class TrainStep:
         per_shard = isinstance(getattr(opt, "window", None), window_lib.DeviceWindow)
         if choice == "replicated" or not (self._scan or per_shard):
             return layout
-        mine = tuple(getattr(sharded.sharding_of(x), "spec", None) for x in jax.tree.leaves(inner))
+        mine = tuple(getattr(mesh_lib.sharding_of(x), "spec", None) for x in jax.tree.leaves(inner))
         key = (id(state.tx), layout, choice, mine if placed else None)
         found = self._plans.get(key)
         if found is None or found[0] is not state.tx:
@@ -329,14 +329,14 @@ class TrainStep:
     def _new_plan(
         self,
         state: Any,
-        layout: sharded.Layout,
+        layout: mesh_lib.Layout,
         choice: str,
         placed: dict[Any, int | None] | None,
         mine: tuple[Any, ...],
-    ) -> sharded.Layout:
+    ) -> mesh_lib.Layout:
         """The ZeRO plan of ``layout`` for ``choice``: where the user ``placed`` the state
         (its leaves' specs ``mine``), or where ``step.init`` lays it out."""
-        plan = sharded.layout_of(
+        plan = mesh_lib.layout_of(
             state.params,
             None,
             mesh=layout.mesh,
@@ -349,7 +349,7 @@ class TrainStep:
             return plan._replace(leaves=as_placed(plan, state.params, placed), opt_specs=mine)
         config = config_of(state.tx)
         init = state.tx.init if config is None else config.inner.init
-        return plan._replace(opt_specs=sharded.optimizer_state_specs(init, state.params, plan))
+        return plan._replace(opt_specs=mesh_lib.optimizer_state_specs(init, state.params, plan))
 
     def _run(self, run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any) -> Any:
         _check_real_microbatches(n, self._scan, config_of(getattr(state, "tx", None)))
@@ -477,7 +477,7 @@ class TrainStep:
             found = self._builders[key] = (tx, build, jax.jit(build))
         return found[1], found[2]
 
-    def _init_plan(self, params: Any) -> sharded.Layout | None:
+    def _init_plan(self, params: Any) -> mesh_lib.Layout | None:
         """The layout plan ``init`` lays the state out by, where it lays out one by a plan (a
         stream window's partial sums, a ZeRO optimizer state): on the step's mesh and data
         axis, or the parameters' mesh and its data axis, read here, before tracing (None:
@@ -485,11 +485,11 @@ class TrainStep:
         setup = self._setup
         if self._scan and setup.optimizer_sharding == "replicated":
             return None
-        mesh = setup.mesh if setup.mesh is not None else sharded.mesh_of(params)
-        axis = None if mesh is None else sharded.data_axis(mesh, setup.mesh_axis)
+        mesh = setup.mesh if setup.mesh is not None else mesh_lib.mesh_of(params)
+        axis = None if mesh is None else mesh_lib.data_axis(mesh, setup.mesh_axis)
         if mesh is None or axis is None:
             return None
-        return sharded.layout_of(
+        return mesh_lib.layout_of(
             params,
             None,
             mesh=mesh,
@@ -498,20 +498,20 @@ class TrainStep:
             reduce_scatter=setup.reduce_scatter,
         )
 
-    def _window_where(self, plan: sharded.Layout | None) -> tuple[Any, str | None, Any]:
+    def _window_where(self, plan: mesh_lib.Layout | None) -> tuple[Any, str | None, Any]:
         """Where a stream window's partial sums are laid out: the plan's mesh, data axis and
         accumulator dimensions (None, None, None: one device, or scan mode's no window)."""
         if plan is None or self._scan:
             return None, None, None
         return plan.mesh, plan.axis, plan.accumulator_dims
 
-    def _zero_specs(self, tx: Any, params: Any, plan: sharded.Layout | None) -> OptSpecs | None:
+    def _zero_specs(self, tx: Any, params: Any, plan: mesh_lib.Layout | None) -> OptSpecs | None:
         """With ``optimizer_sharding`` ZeRO on a concrete mesh: the mesh and each optimizer
         state leaf's partition spec of the layout plan (None otherwise)."""
         if self._setup.optimizer_sharding == "replicated" or plan is None:
             return None
         init = partial(opt_state_for, tx, mode="scan")
-        specs = sharded.optimizer_state_specs(init, params, plan)
+        specs = mesh_lib.optimizer_state_specs(init, params, plan)
         return None if specs is None else (cast(Mesh, plan.mesh), specs)
 
 
@@ -530,13 +530,13 @@ def _opt_specs(tx: Any, params: Any) -> OptSpecs | None:
       >>> _opt_specs(optax.adam(0.1), {"w": jnp.zeros(8)}) is None  # no mesh
       True
     """
-    mesh = sharded.mesh_of(params)
+    mesh = mesh_lib.mesh_of(params)
     if not isinstance(mesh, Mesh) or any(t != AxisType.Auto for t in mesh.axis_types):
         return None
     specs = [
-        getattr(sharded.sharding_of(x), "spec", PartitionSpec()) for x in jax.tree.leaves(params)
+        getattr(mesh_lib.sharding_of(x), "spec", PartitionSpec()) for x in jax.tree.leaves(params)
     ]
-    return mesh, sharded.state_specs(partial(opt_state_for, tx, mode="scan"), mesh, params, specs)
+    return mesh, mesh_lib.state_specs(partial(opt_state_for, tx, mode="scan"), mesh, params, specs)
 
 
 def _as_returned(state: Any, specs: OptSpecs | None) -> Any:
@@ -554,7 +554,7 @@ def _laid_out(opt_state: Any, specs: OptSpecs | None) -> Any:
     if specs is None:
         return opt_state
     mesh, leaf_specs = specs
-    return sharded.place(opt_state, mesh, leaf_specs)
+    return mesh_lib.lay_out(opt_state, mesh, leaf_specs)
 
 
 def _build(
@@ -572,7 +572,7 @@ def _build(
     config = config_of(tx)
     opt_state = _laid_out(opt_state_for(tx, params, "scan"), specs)  # no accumulator
     if mode == "stream" and config is not None:
-        window = sharded.device_window(params, config.accumulator_dtype, *where)
+        window = mesh_lib.device_window(params, config.accumulator_dtype, *where)
         opt_state = opt_state._replace(window=window)
     without_weak_types = lambda tree: jax.tree.map(
         lambda x: jnp.asarray(x, jnp.result_type(x)), tree

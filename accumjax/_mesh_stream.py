@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
-from accumjax import sharded
 from accumjax._batch_norm_windows import (
     close_model_state,
     emptied,
@@ -86,7 +86,7 @@ def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
     return step
 
 
-def _check_shards(window: window_lib.DeviceWindow, layout: sharded.Layout | None) -> None:
+def _check_shards(window: window_lib.DeviceWindow, layout: mesh_lib.Layout | None) -> None:
     """Refuses a `DeviceWindow` laid out for another number of data shards than the call's."""
     want = 1 if layout is None else layout.shards
     dims = (None,) * len(jax.tree.leaves(window.partial_sums))
@@ -130,7 +130,7 @@ def _retyped(window: Any, cls: type) -> Any:
 
 
 def _mesh_call(
-    setup: Setup, layout: sharded.Layout, state: TrainState, batch: Any, rng: Any
+    setup: Setup, layout: mesh_lib.Layout, state: TrainState, batch: Any, rng: Any
 ) -> tuple[TrainState, dict]:
     """One stream call on a mesh: the microbatch added in a ``shard_map`` (its decision, loss
     and model state pooled), and the window closed when it is full."""
@@ -167,7 +167,7 @@ def _mesh_call(
 
 def _local_call(
     ctx: Context,
-    layout: sharded.Layout,
+    layout: mesh_lib.Layout,
     aux_tree: list[Any],
     per_shard: bool,
     inputs: tuple[Any, ...],
@@ -183,7 +183,7 @@ def _local_call(
     ctx = local_context(ctx, layout, state, rng)
     reduce = reduce_gradient(layout, whole=not per_shard)
     ctx = ctx._replace(reduce=reduce)
-    params = sharded.gather(state.params, layout)
+    params = mesh_lib.gather_params(state.params, layout)
     window = _retyped(open_window, window_lib.Window)
     start = None if state.model_state is None else emptied(state.model_state)
     zero = jnp.zeros((), jnp.float32)
@@ -196,7 +196,7 @@ def _local_call(
 
 def _pool(
     ctx: Context,
-    layout: sharded.Layout,
+    layout: mesh_lib.Layout,
     aux_tree: list[Any],
     before: Any,
     m: Microbatch,
@@ -235,7 +235,7 @@ def _pool(
     return m, (loss, model_state, (aux_rows, pooled["aux_means"]))
 
 
-def _share(config: Config, m: Microbatch, layout: sharded.Layout) -> Microbatch:
+def _share(config: Config, m: Microbatch, layout: mesh_lib.Layout) -> Microbatch:
     """A device's decision about its rows, as its share of the whole microbatch: for losses
     that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight count 1/shards of
     the microbatch's, so that a `accumjax.window.DeviceWindow` holds what one device's window
@@ -251,7 +251,7 @@ def _share(config: Config, m: Microbatch, layout: sharded.Layout) -> Microbatch:
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
 
 
-def _close_device_window(ctx: Context, layout: sharded.Layout, fields: Carry) -> Carry:
+def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: Carry) -> Carry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
     config = ctx.config

@@ -1,5 +1,6 @@
 """Names a public module exported in 0.4 and no longer does: each still resolves, with a
-``DeprecationWarning``, until 0.6 (a module ``__getattr__``, PEP 562)."""
+``DeprecationWarning``, until 0.6 (a module ``__getattr__``, PEP 562). `MOVED` is the one
+table of them."""
 
 from __future__ import annotations
 
@@ -8,21 +9,53 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["REMOVED_IN", "forward_moved"]
+__all__ = ["MOVED", "REMOVED_IN", "forward_moved"]
 
 #: The release that removes what 0.5 deprecated.
 REMOVED_IN = "0.6"
 
+_WINDOW = ["add_microbatch", "close_window", "denominator", "empty_like", "first_microbatch"]
+_WINDOW += ["global_norm", "init_window", "local_window", "run_once", "saturating_add"]
+_WINDOW += ["scaled_gradient", "sum_dtype", "window_sum", "Closed"]
+_WINDOW_END = ["check_state", "close_and_apply", "close_and_update", "init_state"]
+_MESH = ["check_one_mesh", "data_axis", "device_window", "layout_of", "mesh_difference"]
+_MESH += ["mesh_of", "names", "optimizer_state_specs", "sharding_of", "state_specs"]
 
-def forward_moved(
-    module: str, moved: Mapping[str, str], retired: Mapping[str, Any] | None = None
-) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that resolves each of ``moved``'s names from the internal
-    module it moved to, warning that ``module`` stops exporting it in 0.6.
+#: Public module -> {name it exported in 0.4 -> where it lives now: an internal module
+#: (``"_window"``), or ``"module.new_name"`` where it was renamed}.
+MOVED: dict[str, dict[str, str]] = {
+    "accumjax.accumulation": {
+        "Config": "_config",
+        "config_of": "_state",
+        "window_closes": "_window_end",
+        **dict.fromkeys(_WINDOW_END, "_window_end"),
+    },
+    "accumjax.accumulation_state": dict.fromkeys(["CONFIG_ATTR", "config_of", "unwrap"], "_state"),
+    "accumjax.scaling": dict.fromkeys(
+        ["concrete_value", "microbatch_weight", "validate_scaling"], "_scaling"
+    ),
+    "accumjax.sharded": {
+        **dict.fromkeys(_MESH, "_mesh"),
+        "gather": "_mesh.gather_params",
+        "place": "_mesh.lay_out",
+    },
+    "accumjax.train_state": dict.fromkeys(
+        ["MODES", "count_update", "opt_state_for", "unalias"], "_opt_state"
+    ),
+    "accumjax.window": {
+        **dict.fromkeys(_WINDOW, "_window"),
+        **dict.fromkeys(["Microbatch", "agreed", "inspect_microbatch"], "_decision"),
+        "ON_NONFINITE": "_config",
+    },
+}
+
+
+def forward_moved(module: str, retired: Mapping[str, Any] | None = None) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that resolves each of ``MOVED[module]``'s names from where it
+    lives now, warning that ``module`` stops exporting it in 0.6.
 
     Args:
       module: the public module's name (``__name__``).
-      moved: name -> the internal module (``"_window"``) that holds it now.
       retired: name -> its 0.4 value, for names accumjax no longer reads (no internal
         module holds them): resolved with a warning that says so.
 
@@ -31,13 +64,14 @@ def forward_moved(
 
     Example:
       >>> import warnings
-      >>> get = forward_moved("accumjax.window", {"run_once": "_window"})
+      >>> get = forward_moved("accumjax.window")
       >>> with warnings.catch_warnings(record=True) as seen:
       ...     warnings.simplefilter("always")
       ...     _ = get("run_once")
       >>> seen[0].category.__name__
       'DeprecationWarning'
     """
+    moved = MOVED[module]
 
     def __getattr__(name: str) -> Any:
         if retired is not None and name in retired:
@@ -50,13 +84,14 @@ def forward_moved(
             return retired[name]
         if name not in moved:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        where, _, new_name = moved[name].partition(".")
         warnings.warn(
-            f"{module}.{name} is internal since accumjax 0.5 (accumjax.{moved[name]}, not "
+            f"{module}.{name} is internal (accumjax.{moved[name]}, not "
             f"public API) and leaves {module} in {REMOVED_IN}: build on accumjax.accumulate and "
             f"the public state readers instead, or pin accumjax<{REMOVED_IN}.",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(importlib.import_module(f"accumjax.{moved[name]}"), name)
+        return getattr(importlib.import_module(f"accumjax.{where}"), new_name or name)
 
     return __getattr__

@@ -35,7 +35,7 @@ from accumjax._loop import (
     pvary,
     start_carry,
 )
-from accumjax._split import rows_in_order, split
+from accumjax._split import rows_in_order, strided_microbatches
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
@@ -82,7 +82,7 @@ def real_microbatches(n: Any, every_k: int) -> jax.Array | None:
 
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
-    rows = split(batch, ctx.every_k, ctx.setup.batch_axis)
+    rows = strided_microbatches(batch, ctx.every_k, ctx.setup.batch_axis)
     whole = ctx.materialize or (lambda p, i: p)
     return lambda i: (whole(params, i), rows(i))
 

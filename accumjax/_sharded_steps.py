@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
-from accumjax import sharded
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout
@@ -59,7 +59,7 @@ WHOLE = PartitionSpec()
 T = TypeVar("T")
 
 
-def step_specs(layout: sharded.Layout, state: Any, more: Any) -> tuple[Any, ...]:
+def step_specs(layout: mesh_lib.Layout, state: Any, more: Any) -> tuple[Any, ...]:
     """The ``shard_map`` specs of a step's inputs ``(state, batch, rng, more)``, whose part on
     one device is the mapped function's one argument: the train ``state``'s parameters as
     they lie and every other field of it whole (one spec per field, so a subclass's fields
@@ -84,7 +84,7 @@ def field_specs(cls: type[T], first: Any, rest: Any = WHOLE) -> T:
     return cls(**{fields[0]: first}, **dict.fromkeys(fields[1:], rest))
 
 
-def data_shard_map(fn: Callable[..., Any], layout: sharded.Layout, in_specs: Any, out_specs: Any):
+def data_shard_map(fn: Callable[..., Any], layout: mesh_lib.Layout, in_specs: Any, out_specs: Any):
     """``fn`` mapped over the data axis (the others stay automatic); its inputs are first
     moved to the data-axis placement ``in_specs`` says (on an ``Explicit`` axis ``shard_map``
     takes no other)."""
@@ -99,7 +99,7 @@ def data_shard_map(fn: Callable[..., Any], layout: sharded.Layout, in_specs: Any
     return lambda *args: mapped(*_fit(args, in_specs, layout))
 
 
-def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
+def _fit(args: Any, specs: Any, layout: mesh_lib.Layout) -> Any:
     """``args`` resharded where their data-axis placement differs from ``specs`` (a pytree
     prefix), other axes kept; only an ``Explicit`` data axis needs it."""
     mesh = layout.mesh
@@ -111,10 +111,10 @@ def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
         now = getattr(jax.typeof(x).sharding, "spec", None)
         if now is None:
             return x
-        entries = [tuple(n for n in sharded.names(e) if n != axis) for e in now]
+        entries = [tuple(n for n in mesh_lib.names(e) if n != axis) for e in now]
         entries += [()] * (jnp.ndim(x) - len(entries))
         for dim, entry in enumerate(spec):
-            if axis in sharded.names(entry):
+            if axis in mesh_lib.names(entry):
                 entries[dim] = (axis, *entries[dim])
         want = PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
         if want == PartitionSpec(*now) or tuple(want) == tuple(now):
@@ -129,7 +129,7 @@ def _fit(args: Any, specs: Any, layout: sharded.Layout) -> Any:
     )
 
 
-def local_context(ctx: Context, layout: sharded.Layout, state: Any, rng: Any) -> Context:
+def local_context(ctx: Context, layout: mesh_lib.Layout, state: Any, rng: Any) -> Context:
     """``ctx`` inside the ``shard_map``: the call's traced values read again from the train
     ``state`` and key as one device sees them (`accumjax._loop.Context.reading`), and its
     config's axis the layout's data axis, the one the devices decide along."""
@@ -207,7 +207,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 
 
 def _local_window(
-    ctx: Context, layout: sharded.Layout, aux_tree: list[Any], inputs: tuple[Any, ...]
+    ctx: Context, layout: mesh_lib.Layout, aux_tree: list[Any], inputs: tuple[Any, ...]
 ) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
     """One device's part of a window, from its ``(state, batch, rng, n_real)`` (`step_specs`):
     its rows' gradients summed as they come (decided at the window's end, with the
@@ -220,9 +220,11 @@ def _local_window(
     params = state.params
     ctx = local_context(ctx, layout, state, rng)._replace(n_real=n_real)
     if ctx.setup.gather_params == "window":  # once, before the loop (more memory, one gather)
-        params = sharded.gather(params, layout)
+        params = mesh_lib.gather_params(params, layout)
     else:  # in every microbatch, tied to its index so that XLA cannot hoist it
-        gather = lambda p, i: sharded.gather(jax.lax.optimization_barrier((p, i))[0], layout)
+        gather = lambda p, i: mesh_lib.gather_params(
+            jax.lax.optimization_barrier((p, i))[0], layout
+        )
         ctx = ctx._replace(materialize=gather)
     ctx, layouts, whole_counts, sum_dims = _sum_layout(ctx, layout, config)
     shapes = layout.local_sums(state.params, sum_dims)
@@ -261,7 +263,7 @@ def _local_window(
 
 
 def _sum_layout(
-    ctx: Context, layout: sharded.Layout, config: Config
+    ctx: Context, layout: mesh_lib.Layout, config: Config
 ) -> tuple[Context, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
     """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, whole_counts,
     dims)``, ``ctx`` with the per-microbatch reduction it runs, ``layouts`` each leaf's
@@ -285,7 +287,7 @@ def _sum_layout(
     return ctx, layout.leaves, False, acc_dims
 
 
-def reduce_gradient(layout: sharded.Layout, whole: bool) -> Callable[[Any], Any] | None:
+def reduce_gradient(layout: mesh_lib.Layout, whole: bool) -> Callable[[Any], Any] | None:
     """What a device's gradient goes through before it is added: reduce-scattered into the
     shards of parameters split over the data axis, and all-reduced for the others when the
     window keeps one ``whole`` sum (None: nothing to do)."""

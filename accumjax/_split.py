@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BatchAxis", "check_batch_axis", "rows_in_order", "split", "split_advice"]
+__all__ = ["BatchAxis", "check_batch_axis", "rows_in_order", "split_advice", "strided_microbatches"]
 
 # An int (the batch axis of every leaf), or a pytree prefix of the batch with an int or None
 # (not batched) at each leaf.
@@ -98,7 +98,9 @@ def _axes(batch: Any, batch_axis: BatchAxis) -> list[int | None]:
     return axes
 
 
-def split(batch: Any, k: int, batch_axis: BatchAxis = 0) -> Callable[[jax.Array], Any]:
+def strided_microbatches(
+    batch: Any, k: int, batch_axis: BatchAxis = 0
+) -> Callable[[jax.Array], Any]:
     """``i -> microbatch i`` of ``batch``: rows ``i, i + k, ...`` along each leaf's batch axis.
 
     Each batched leaf is reshaped ``(..., B, ...) -> (..., B // k, k, ...)`` (a bitcast:
@@ -120,7 +122,8 @@ def split(batch: Any, k: int, batch_axis: BatchAxis = 0) -> Callable[[jax.Array]
 
     Example:
       >>> import jax.numpy as jnp
-      >>> take = split({"x": jnp.arange(6), "w": jnp.ones(2)}, 3, {"x": 0, "w": None})
+      >>> batch = {"x": jnp.arange(6), "w": jnp.ones(2)}
+      >>> take = strided_microbatches(batch, 3, {"x": 0, "w": None})
       >>> take(1)["x"], take(1)["w"]
       (Array([1, 4], dtype=int32), Array([1., 1.], dtype=float32))
     """

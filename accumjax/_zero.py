@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from accumjax import sharded
+import accumjax._mesh as mesh_lib
 from accumjax._layout import REPLICATED, LeafLayout, Reduction
 from accumjax._loop import Carry
 from accumjax.accumulation_state import AccumulationState
@@ -36,26 +36,26 @@ __all__ = [
 ]
 
 
-def optimizer_side(layout: sharded.Layout, params: Any, acc: AccumulationState) -> tuple:
+def optimizer_side(layout: mesh_lib.Layout, params: Any, acc: AccumulationState) -> tuple:
     """A ZeRO window's update inputs in the global view: the parameters split like their
     reduced gradient (a local slice) and the optimizer state laid out as planned."""
-    params = sharded.place(params, layout.mesh, layout.global_specs(layout.optimizer_dims))
+    params = mesh_lib.lay_out(params, layout.mesh, layout.global_specs(layout.optimizer_dims))
     return params, acc._replace(inner_tx_state=_planned(layout, acc.inner_tx_state))
 
 
-def _planned(layout: sharded.Layout, inner: Any) -> Any:
+def _planned(layout: mesh_lib.Layout, inner: Any) -> Any:
     """The inner optimizer state laid out as the plan says (as it is without a plan)."""
     if layout.opt_specs is None:
         return inner
-    return sharded.place(inner, layout.mesh, layout.opt_specs)
+    return mesh_lib.lay_out(inner, layout.mesh, layout.opt_specs)
 
 
-def _whole(layout: sharded.Layout, params: Any) -> Any:
+def _whole(layout: mesh_lib.Layout, params: Any) -> Any:
     """The parameters gathered back where they lie, pinned there."""
-    return pinned(layout, sharded.place(params, layout.mesh, layout.global_specs(layout.dims)))
+    return pinned(layout, mesh_lib.lay_out(params, layout.mesh, layout.global_specs(layout.dims)))
 
 
-def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+def split_params(layout: mesh_lib.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """`accumjax._loop.Context.split_params` of a ZeRO layout: the whole parameters (pinned
     where they lie, so that XLA keeps them whole in the update's loop carry) sliced like the
     reduced gradient, and the new slices all-gathered back.
@@ -69,11 +69,11 @@ def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> from accumjax import sharded
+      >>> import accumjax._mesh as mesh_lib
       >>> from accumjax._zero import split_params
       >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
       >>> params = {"w": jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P()))}
-      >>> layout = sharded.layout_of(params, None, mesh=mesh, optimizer_sharding="zero1")
+      >>> layout = mesh_lib.layout_of(params, None, mesh=mesh, optimizer_sharding="zero1")
       >>> to_shards, to_whole = split_params(layout)
       >>> tuple(jax.jit(to_shards)(params)["w"].sharding.spec)
       ('data', None)
@@ -81,14 +81,14 @@ def split_params(layout: sharded.Layout) -> tuple[Callable[[Any], Any], Callable
       True
     """
     mesh, split = layout.mesh, layout.global_specs(layout.optimizer_dims)
-    to_shards = lambda p: sharded.place(pinned(layout, p), mesh, split)
+    to_shards = lambda p: mesh_lib.lay_out(pinned(layout, p), mesh, split)
     return to_shards, partial(_whole, layout)
 
 
-def parameter_side(layout: sharded.Layout, state: TrainState, accumulating: bool) -> TrainState:
+def parameter_side(layout: mesh_lib.Layout, state: TrainState, accumulating: bool) -> TrainState:
     """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
     the optimizer state where it lies."""
-    params = sharded.place(state.params, layout.mesh, layout.global_specs(layout.dims))
+    params = mesh_lib.lay_out(state.params, layout.mesh, layout.global_specs(layout.dims))
     opt: Any = state.opt_state
     if accumulating:
         opt = opt._replace(inner_tx_state=_planned(layout, opt.inner_tx_state))
@@ -98,7 +98,7 @@ def parameter_side(layout: sharded.Layout, state: TrainState, accumulating: bool
 
 
 def zero_close(
-    layout: sharded.Layout, accumulating: bool, close: Callable[[Carry], Carry], fields: Carry
+    layout: mesh_lib.Layout, accumulating: bool, close: Callable[[Carry], Carry], fields: Carry
 ) -> Carry:
     """``close`` with the update on the parameters split like their reduced gradient, and
     the parameters and optimizer state laid out back as they lie."""
@@ -106,7 +106,7 @@ def zero_close(
     return restore_layout(layout, close(fields._replace(params=params, opt=opt)))
 
 
-def pinned(layout: sharded.Layout, params: Any) -> Any:
+def pinned(layout: mesh_lib.Layout, params: Any) -> Any:
     """``params`` constrained where they lie, so that XLA keeps them so in a loop's carry
     (on an ``Explicit`` mesh through `jax.sharding.auto_axes`: under ``jax.set_mesh`` a
     constraint equal to the type is dropped)."""
@@ -123,14 +123,14 @@ def pinned(layout: sharded.Layout, params: Any) -> Any:
     return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 
-def restore_layout(layout: sharded.Layout, fields: Carry) -> Carry:
+def restore_layout(layout: mesh_lib.Layout, fields: Carry) -> Carry:
     """``fields`` (a window close's `accumjax._loop.Carry`) with the parameters where they
     lie (one all-gather of a ZeRO update) and the optimizer state as planned."""
     opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))
     return fields._replace(params=_whole(layout, fields.params), opt=opt)
 
 
-def placed_zero(inner: Any, params: Any, layout: sharded.Layout) -> dict[Any, int | None]:
+def placed_zero(inner: Any, params: Any, layout: mesh_lib.Layout) -> dict[Any, int | None]:
     """Where the user split the optimizer state over the data axis beside replicated
     parameters: for each replicated parameter's shape, the dimension its state leaves lie
     split on (None: replicated); empty when no state leaf of such a shape is split."""
@@ -144,13 +144,13 @@ def placed_zero(inner: Any, params: Any, layout: sharded.Layout) -> dict[Any, in
         shape = tuple(jnp.shape(x))
         if shape not in whole:
             continue
-        spec = getattr(sharded.sharding_of(x), "spec", ()) or ()
-        dims = [i for i, e in enumerate(spec) if layout.axis in sharded.names(e)]
+        spec = getattr(mesh_lib.sharding_of(x), "spec", ()) or ()
+        dims = [i for i, e in enumerate(spec) if layout.axis in mesh_lib.names(e)]
         found[shape] = dims[0] if dims else found.get(shape)
     return found if any(d is not None for d in found.values()) else {}
 
 
-def as_placed(plan: sharded.Layout, params: Any, placed: dict[Any, int | None]) -> tuple:
+def as_placed(plan: mesh_lib.Layout, params: Any, placed: dict[Any, int | None]) -> tuple:
     """``plan``'s leaves with each replicated parameter's optimizer dimension as placed."""
     leaves = []
     for p, leaf in zip(plan.treedef.flatten_up_to(params), plan.leaves, strict=True):

@@ -50,18 +50,7 @@ __all__ = ["AccumulationState", "accumulate", "with_every_k"]
 
 
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
-__getattr__ = forward_moved(
-    __name__,
-    {
-        "Config": "_config",
-        "check_state": "_window_end",
-        "close_and_apply": "_window_end",
-        "close_and_update": "_window_end",
-        "config_of": "_state",
-        "init_state": "_window_end",
-        "window_closes": "_window_end",
-    },
-)
+__getattr__ = forward_moved(__name__)
 
 # ----------------------------------------------------------------------------- validation
 

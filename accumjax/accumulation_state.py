@@ -33,14 +33,7 @@ __all__ = [
 
 
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
-__getattr__ = forward_moved(
-    __name__,
-    {
-        "CONFIG_ATTR": "_state",
-        "config_of": "_state",
-        "unwrap": "_state",
-    },
-)
+__getattr__ = forward_moved(__name__)
 
 
 class AccumulationStats(NamedTuple):

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from accumjax import sharded
+import accumjax._mesh as mesh_lib
 from accumjax._checks import check_callable, check_int
 from accumjax._layout import check_optimizer_sharding
 from accumjax._split import split_advice
@@ -390,7 +390,7 @@ def _data_shards(state: Any, batch: Any, kwargs: Any) -> int:
     mesh, axis = kwargs.get("mesh"), kwargs.get("axis_name")
     if axis is not None and mesh is None:
         return 1
-    layout = sharded.layout_of(state.params, batch, mesh=mesh, axis=axis)
+    layout = mesh_lib.layout_of(state.params, batch, mesh=mesh, axis=axis)
     return 1 if layout is None else layout.shards
 
 

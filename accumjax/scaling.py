@@ -38,11 +38,4 @@ __all__ = ["SCALINGS", "Scaling"]
 
 
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
-__getattr__ = forward_moved(
-    __name__,
-    {
-        "concrete_value": "_scaling",
-        "microbatch_weight": "_scaling",
-        "validate_scaling": "_scaling",
-    },
-)
+__getattr__ = forward_moved(__name__)

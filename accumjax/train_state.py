@@ -29,15 +29,7 @@ __all__ = ["TrainState", "with_mode"]
 
 
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
-__getattr__ = forward_moved(
-    __name__,
-    {
-        "MODES": "_opt_state",
-        "count_update": "_opt_state",
-        "opt_state_for": "_opt_state",
-        "unalias": "_opt_state",
-    },
-)
+__getattr__ = forward_moved(__name__)
 
 
 class TrainState(train_state.TrainState):

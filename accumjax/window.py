@@ -55,26 +55,6 @@ def _policy(*args: Any, **kwargs: Any) -> Config:
 # Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
 __getattr__ = forward_moved(
     __name__,
-    {
-        "ON_NONFINITE": "_config",
-        "Closed": "_window",
-        "Microbatch": "_decision",
-        "add_microbatch": "_window",
-        "agreed": "_decision",
-        "close_window": "_window",
-        "denominator": "_window",
-        "empty_like": "_window",
-        "first_microbatch": "_window",
-        "global_norm": "_window",
-        "init_window": "_window",
-        "inspect_microbatch": "_decision",
-        "local_window": "_window",
-        "run_once": "_window",
-        "saturating_add": "_window",
-        "scaled_gradient": "_window",
-        "sum_dtype": "_window",
-        "window_sum": "_window",
-    },
     retired={
         "Policy": _policy,
         "REDUCED": -1,

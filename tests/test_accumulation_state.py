@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accumjax
-from accumjax import sharded
+import accumjax._mesh as mesh_lib
 
 N = 8
 # "w" splits over 8 devices (ZeRO's dimension 0; FSDP's placement), "b" does not (3 rows):
@@ -65,8 +65,8 @@ def _state(name, mode):
     )
     state = step.init(_params(fsdp), TX)
     plan = step.layout(state)
-    # The step's plan: the one `sharded.layout_of` builds for its choices.
-    built = sharded.layout_of(
+    # The step's plan: the one `mesh_lib.layout_of` builds for its choices.
+    built = mesh_lib.layout_of(
         state.params, None, optimizer_sharding=choice, reduce_scatter=reduce_scatter
     )
     assert plan is not None and built is not None and plan.leaves == built.leaves

@@ -104,6 +104,7 @@ STEP_PATH = [
     "_layout",
     "_loop",
     "_loss_adapter",
+    "_mesh",
     "_mesh_stream",
     "_multisteps",
     "_opt_state",
@@ -116,7 +117,6 @@ STEP_PATH = [
     "_window",
     "_window_end",
     "_zero",
-    "sharded",
     "train_step",
 ]
 #: Records the user holds (a checkpoint's structure): not the step's own.
@@ -253,6 +253,7 @@ SUBMODULE_ONLY = {
     "ACCUMULATOR_NAMES",
     "COLLECTIVE_OPS",
     "DeviceWindow",
+    "Layout",
     "SCALINGS",
     "Scaling",
     "Window",
@@ -261,8 +262,6 @@ SUBMODULE_ONLY = {
     "data_sharding",
     "scan_step_for_k",
 }
-# sharded.py is the mesh layout, restructured on its own (issue 43's layout plan).
-NOT_YET = {"sharded"}
 
 
 @pytest.mark.parametrize(
@@ -273,8 +272,6 @@ def test_public_modules_export_only_public_names(path):
 
     import accumjax
 
-    if path.stem in NOT_YET:
-        pytest.skip(f"{path.stem} is restructured separately")
     exported = set(importlib.import_module(f"accumjax.{path.stem}").__all__)
     assert exported <= set(accumjax.__all__) | SUBMODULE_ONLY
 

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accumjax
-from accumjax import sharded
+import accumjax._mesh as mesh_lib
 from accumjax.collectives import count_collectives
 
 K = 4
@@ -166,14 +166,14 @@ def test_layout_of_reads_the_data_axis_and_refuses_what_it_cannot_split():
     batch = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P("data")))
     tp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "model")))
     fsdp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("data", "model")))
-    layout = sharded.layout_of({"tp": tp, "fsdp": fsdp}, batch)
+    layout = mesh_lib.layout_of({"tp": tp, "fsdp": fsdp}, batch)
     assert (layout.axis, layout.dims, layout.shards) == ("data", (0, None), 2)
     both = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P(("data", "model"))))
     with pytest.raises(NotImplementedError, match="one mesh axis"):
-        sharded.layout_of({"w": jnp.ones(3)}, both)
-    assert sharded.layout_of({"w": jnp.ones(3)}, jnp.ones((8, 3))) is None  # one device
+        mesh_lib.layout_of({"w": jnp.ones(3)}, both)
+    assert mesh_lib.layout_of({"w": jnp.ones(3)}, jnp.ones((8, 3))) is None  # one device
     with pytest.raises(ValueError, match=r"several axes.*axis_name='data'"):
-        sharded.data_axis(mesh)
+        mesh_lib.data_axis(mesh)
 
 
 def test_the_mesh_path_keeps_a_sharded_state_and_places_what_is_off_the_mesh():
