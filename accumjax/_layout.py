@@ -36,9 +36,6 @@ from accumjax._reduction import REPLICATED, LeafLayout, Reduction
 
 __all__ = [
     "OPTIMIZER_SHARDINGS",
-    "REPLICATED",
-    "LeafLayout",
-    "Reduction",
     "accumulator_bytes",
     "check_optimizer_sharding",
     "partial_sums_layout",

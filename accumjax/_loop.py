@@ -25,6 +25,7 @@ import optax
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state, warn_plain_batch_norm
 from accumjax._config import Config
+from accumjax._control import run_once
 from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._opt_state import count_update
@@ -546,7 +547,7 @@ def stream_close(
     )
     close = close or (lambda f: close_fields(ctx, f))
     at_once = not ctx.accumulating if at_once is None else at_once
-    fields = close(fields) if at_once else window_lib.run_once(window_closes(opt), close, fields)
+    fields = close(fields) if at_once else run_once(window_closes(opt), close, fields)
     fields = fields if laid_out is None else laid_out(fields)
     one = lambda flag: jnp.asarray(flag).astype(jnp.int32)
     skipped, nonfinite = one(~added), one(outcome.nonfinite)

@@ -19,7 +19,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax._checks import check_mesh_axis
-from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count
+from accumjax._layout import leaf_layout, partial_sum_count
+from accumjax._reduction import LeafLayout
 
 __all__ = [
     "Layout",
@@ -48,7 +49,7 @@ class Layout(NamedTuple):
       axis: the data axis: the batch's leading dimension is split over it.
       treedef: the parameters' tree structure.
       dims: per parameter leaf, the dimension split over ``axis`` (None: replicated over it).
-      leaves: per parameter leaf, its `accumjax._layout.LeafLayout` (the layout plan).
+      leaves: per parameter leaf, its `accumjax._reduction.LeafLayout` (the layout plan).
       specs: per parameter leaf, its partition spec over every mesh axis (a tuple).
       opt_specs: with a ZeRO layout, per leaf of the inner optimizer's state, its partition
         spec (`optimizer_state_specs`); None to leave the state where it lies.

@@ -15,7 +15,7 @@ __all__ = ["MOVED", "REMOVED_IN", "forward_moved"]
 REMOVED_IN = "0.6"
 
 _WINDOW = ["add_microbatch", "close_window", "denominator", "empty_like", "first_microbatch"]
-_WINDOW += ["global_norm", "init_window", "local_window", "run_once", "saturating_add"]
+_WINDOW += ["init_window", "local_window", "saturating_add"]
 _WINDOW += ["scaled_gradient", "sum_dtype", "window_sum", "Closed"]
 _WINDOW_END = ["check_state", "close_and_apply", "close_and_update", "init_state"]
 _MESH = ["check_one_mesh", "data_axis", "device_window", "layout_of", "mesh_difference"]
@@ -45,6 +45,8 @@ MOVED: dict[str, dict[str, str]] = {
     "accumjax.window": {
         **dict.fromkeys(_WINDOW, "_window"),
         **dict.fromkeys(["Microbatch", "agreed", "inspect_microbatch"], "_decision"),
+        "global_norm": "_norms",
+        "run_once": "_control",
         "ON_NONFINITE": "_config",
     },
 }

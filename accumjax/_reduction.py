@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 
-from accumjax._norms import global_norm
+from accumjax._norms import abs_squared, global_norm
 
 __all__ = [
     "REPLICATED",
@@ -20,7 +20,6 @@ __all__ = [
     "Reduction",
     "cross_device_reduce",
     "gathered",
-    "global_norm",
     "own_shard",
     "pack",
     "psum_together",
@@ -198,7 +197,7 @@ def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:
     split = treedef.flatten_up_to(dims)
     whole = global_norm([x for x, d in zip(leaves, split, strict=True) if d is None])
     shards = global_norm([x for x, d in zip(leaves, split, strict=True) if d is not None])
-    return jnp.sqrt(jnp.square(whole) + jax.lax.psum(jnp.square(shards), axis_name))
+    return jnp.sqrt(abs_squared(whole) + jax.lax.psum(abs_squared(shards), axis_name))
 
 
 def gathered(tree: Any, axis_name: str, dims: Any) -> Any:

@@ -20,6 +20,7 @@ import optax
 import accumjax._loop as loop_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
+from accumjax._control import run_once
 from accumjax._decision import MicrobatchDecision, sum_decision, weigh
 from accumjax._loop import (
     Carry,
@@ -35,6 +36,7 @@ from accumjax._loop import (
     pvary,
     start_carry,
 )
+from accumjax._norms import global_norm
 from accumjax._split import rows_in_order, strided_microbatches
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
@@ -151,7 +153,7 @@ def sum_decided(
         return jnp.where(reading, g, jnp.where(gate, a + g, a))
 
     written = jax.tree.map(put, carry.window.grad_sum, grads)
-    norm = window_lib.global_norm(written)
+    norm = global_norm(written)
     counted, kept, decision = sum_decision(ctx.config, norm, gate, reading)
     window = window_lib.count_microbatch(carry.window, written, counted)
     # Unweighted: each microbatch kept counts 1 in the loss metric.
@@ -283,7 +285,7 @@ def decide_window(
     def reread(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         return decide_added(ctx, run(None, over=operand[0].grad_sum), run, close, read=True)
 
-    return window_lib.run_once(clean[0].nonfinite_count > 0, reread, clean)
+    return run_once(clean[0].nonfinite_count > 0, reread, clean)
 
 
 def decide_added(
@@ -295,7 +297,7 @@ def decide_added(
     A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
     devices refused one (and accepted another), the window runs again, adding only the
     accepted ones, each as it comes: a second pass only for such a window, in
-    `accumjax._window.run_once` (no loop on the data; on a GPU one conditional). After a
+    `accumjax._control.run_once` (no loop on the data; on a GPU one conditional). After a
     pass that ``read`` the gradients and added none, a window none of whose microbatches
     was refused runs again too (every policy), adding them all, its loss metric as read.
     """
@@ -319,7 +321,7 @@ def decide_added(
     redo = ~none_refused if skips else jnp.zeros((), bool)
     redo = (redo | none_refused) if read else redo
     redo = redo & jnp.any(cast(jax.Array, closed.accepted))
-    return window_lib.run_once(redo, again, (closed, model_state, extras))
+    return run_once(redo, again, (closed, model_state, extras))
 
 
 def scan_finish(

@@ -32,7 +32,6 @@ from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
 __all__ = [
-    "POSITIONAL",
     "check_composition",
     "check_init_inputs",
     "check_layout",
@@ -40,7 +39,7 @@ __all__ = [
     "check_step_inputs",
     "init_call",
     "positional_limit",
-    "signature_parameters",
+    "requires_key",
 ]
 
 
@@ -345,6 +344,21 @@ def positional_limit(fn: Callable[..., Any]) -> int | None:
     if parameters is None or any(p.kind is p.VAR_POSITIONAL for p in parameters):
         return None
     return sum(p.kind in POSITIONAL for p in parameters)
+
+
+def requires_key(fn: Callable[..., Any], n_args: int) -> bool:
+    """Whether ``fn`` has more required positional parameters than the ``n_args`` arguments
+    of a call without a key (False when it has no signature).
+
+    Example:
+      >>> requires_key(lambda params, batch, key: 0, 2), requires_key(lambda p, b, key=None: 0, 2)
+      (True, False)
+    """
+    parameters = signature_parameters(fn)
+    if parameters is None:
+        return False
+    required = [p for p in parameters if p.kind in POSITIONAL and p.default is p.empty]
+    return len(required) > n_args
 
 
 def check_key_argument(limit: int | None, n_args: int, rng: Any) -> None:

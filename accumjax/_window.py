@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import accumjax._scaling as scaling_lib
+from accumjax._checks import INT32_MAX
 from accumjax._config import Config
-from accumjax._control import run_once
 from accumjax._decision import (
     Microbatch,
     MicrobatchDecision,
@@ -29,7 +29,6 @@ from accumjax._decision import (
     weigh,
     window_decisions,
 )
-from accumjax._norms import global_norm
 from accumjax._reduction import (
     REPLICATED,
     LeafLayout,
@@ -48,10 +47,8 @@ __all__ = [
     "denominator",
     "empty_like",
     "first_microbatch",
-    "global_norm",
     "init_window",
     "local_window",
-    "run_once",
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
@@ -214,7 +211,7 @@ def local_window(window: DeviceWindow) -> Window:
 
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
     """``counter + amount`` for non-negative int32 values, held at the int32 maximum."""
-    top = jnp.iinfo(jnp.int32).max
+    top = INT32_MAX
     amount = jnp.asarray(amount, jnp.int32)
     return jnp.where(counter > top - amount, top, counter + amount).astype(jnp.int32)
 
@@ -439,8 +436,8 @@ def close_window(
             skipped = per_device(counted.window_skipped)
         decisions, extras = summed["decisions"], summed["extras"]
     if decisions is not None:
-        ok, refused = window_decisions(config.scaling, decisions)
-        nonfinite = skipped = refused
+        ok, rejected = window_decisions(config.scaling, decisions)
+        nonfinite = skipped = rejected
     denom = denominator(config.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.

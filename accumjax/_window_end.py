@@ -15,7 +15,7 @@ import optax
 import accumjax._scaling as scaling_lib
 import accumjax._window as window_lib
 from accumjax._config import Config
-from accumjax._control import select_once
+from accumjax._control import run_once, select_once
 from accumjax._multisteps import check_inner_state
 from accumjax._state import check_made_for, k_tag
 from accumjax.accumulation_state import AccumulationState
@@ -106,7 +106,7 @@ def close_and_update(
     """Closes the full window and, if it is usable, returns ``inner``'s updates for it.
 
     The optax path (`accumulate`'s ``update``): reduce once, decide, and run ``inner`` in a
-    `accumjax._window.run_once`, so the inner state is updated in place and left bit for bit
+    `accumjax._control.run_once`, so the inner state is updated in place and left bit for bit
     as it was when the window is not applied.
 
     Args:
@@ -134,7 +134,7 @@ def close_and_update(
 
     norms = (state.max_grad_norm, state.grad_norm)
     operand = (placeholder, state.inner_tx_state, params, closed, extra_args, norms)
-    out, inner_state, *_, norms = window_lib.run_once(closed.apply, update, operand)
+    out, inner_state, *_, norms = run_once(closed.apply, update, operand)
     return out, _after_close(config, state, closed, inner_state, norms)
 
 
@@ -150,7 +150,7 @@ def close_and_apply(
     """Closes the full window and, if it is usable, applies ``inner``'s update to ``params``.
 
     The train-step path: as `close_and_update`, but the parameters are updated inside the
-    `accumjax._window.run_once` too (in place, untouched when the window is not applied), and
+    `accumjax._control.run_once` too (in place, untouched when the window is not applied), and
     ``inner`` sees gradients in the parameters' dtypes.
 
     Args:
@@ -189,7 +189,7 @@ def close_and_apply(
 
     # The parameters travel once: a loop carry holding one buffer twice makes XLA copy it.
     operand = (params, state.inner_tx_state, closed, (state.max_grad_norm, state.grad_norm))
-    run = select_once if every_step else window_lib.run_once
+    run = select_once if every_step else run_once
     params, inner_state, _, norms = run(closed.apply, update, operand)
     return params, _after_close(config, state, closed, inner_state, norms)
 

@@ -35,6 +35,7 @@ from accumjax._config import (
     check_microbatch_transform,
     transform_state,
 )
+from accumjax._control import run_once
 from accumjax._moved import forward_moved
 from accumjax._multisteps import (
     MULTISTEPS_ARGS,
@@ -282,7 +283,7 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
             return updates, state, grads, params, extra_args
 
         operand = (placeholder, state, grads, params, extra_args)
-        updates, state, *_ = window_lib.run_once(window_end.window_closes(state), close, operand)
+        updates, state, *_ = run_once(window_end.window_closes(state), close, operand)
         # Zeros unless an update was applied. Outside the loop this select fuses with the
         # caller's apply_updates (or vanishes when updates are unused).
         updates = jax.tree.map(lambda u: jnp.where(state.updated, u, jnp.zeros_like(u)), updates)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from accumjax._checks import check_alive, check_callable
+from accumjax._checks import check_alive
 from accumjax._host import TrainStep
 from accumjax._step_checks import check_key_argument, positional_limit
 from accumjax.loss_scale import DynamicLossScale
@@ -299,6 +299,5 @@ def make_nnx_train_step(
       >>> int(model.norm.acc_step[...])  # the BatchNorm window was closed
       0
     """
-    check_callable("loss_fn", loss_fn, optional=False)
-    make_train_step(loss_fn, **options)  # checks the arguments now, once
+    make_train_step(loss_fn, **options)  # checks loss_fn and the options now, once
     return NNXTrainStep(loss_fn, options)

@@ -31,7 +31,7 @@ from accumjax._checks import check_callable, check_int
 from accumjax._layout import check_optimizer_sharding
 from accumjax._split import split_advice
 from accumjax._state import config_of
-from accumjax._step_checks import POSITIONAL, signature_parameters
+from accumjax._step_checks import requires_key
 from accumjax.accumulation import accumulate, with_every_k
 from accumjax.nnx_train_step import NNXTrainState, make_nnx_train_step
 from accumjax.train_state import TrainState
@@ -288,12 +288,8 @@ def _check_state(state: Any) -> None:
 
 def _needs_key(loss_fn: Callable[..., Any], state: Any) -> bool:
     """Whether ``loss_fn`` has a required parameter after those of a key-free call."""
-    parameters = signature_parameters(loss_fn)
-    if parameters is None:
-        return False
-    required = [p for p in parameters if p.kind in POSITIONAL and p.default is p.empty]
     key_free = 2 if isinstance(state, NNXTrainState) or state.model_state is None else 3
-    return len(required) > key_free
+    return requires_key(loss_fn, key_free)
 
 
 def scan_step_for_k(
