@@ -1,16 +1,11 @@
-"""The BatchNorm arithmetic both ``AccumBatchNorm`` layers run (internal).
+"""The BatchNorm arithmetic both ``AccumBatchNorm`` layers run, on one layer's arrays (internal).
 
-- a call's moments (:func:`compute_moments`, all-reduced once over a device axis) and the
-  normalization (:func:`normalize`), both run by :func:`normalize_and_accumulate`;
-- a call's statistics merged into the window's count, mean and ``M2`` (sum of squared
-  deviations) with the parallel update of Chan, Golub & LeVeque (:func:`chan_merge`,
-  :func:`add_moments`); a closed window moves the running averages once (:func:`ema`,
-  :func:`close_stats_window`);
-- the configuration checks, the canonical axes, the dtypes and the names of the statistics
-  (:data:`ACCUMULATOR_NAMES`).
-
-It works on one layer's arrays; a model state's windows, and their pooling across devices,
-are `accumjax._batch_norm_windows`'s.
+A call's moments (:func:`compute_moments`, all-reduced once over a device axis) and its
+normalization (:func:`normalize`), both run by :func:`normalize_and_accumulate`; the merge of
+a call's statistics into the window's count, mean and ``M2`` (sum of squared deviations) by
+Chan, Golub & LeVeque's parallel update (:func:`chan_merge`, :func:`add_moments`); a closed
+window's one move of the running averages (:func:`ema`, :func:`close_stats_window`); the
+configuration checks, canonical axes, dtypes and statistic names (:data:`ACCUMULATOR_NAMES`).
 
 References:
   - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by

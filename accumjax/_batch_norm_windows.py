@@ -1,23 +1,10 @@
-"""A model state's BatchNorm windows: which an optimizer closes, and their pooling (internal).
+"""A model state's BatchNorm windows (internal): which close, their close, their pooling.
 
-A state's BatchNorm statistics are recognized by their names: a step-driven layer
-(``accum_steps=None``) keeps ``momentum`` beside its accumulators, and its window is closed by
-whoever drives the optimizer (`accumjax.close_batch_norm_windows`, called by the train step
-or by `accumjax.sync_batch_norm` in a loop of your own); a self-closing layer
-(``accum_steps=K``) closes its own window and is refused where an optimizer decides the
-windows. An evaluation of a step-driven window that was never closed warns, so a loop that
-forgets to close it is never silently wrong; so do the statistics of a plain ``BatchNorm``
-(``mean`` and ``var`` without the window's accumulators) where microbatches are accumulated
-(`warn_plain_batch_norm`). `close_step_driven_windows` closes the step-driven windows of a
-tree.
-
-It is the one module that pools a model state across devices: windows as shifted sums that
-add exactly in one all-reduce (`shifted_sums`, `pooled_windows`, packed by
-`accumjax._reduction.psum_together`), summed when a window closes under ``pmap`` or
-``shard_map`` (`close_step_driven_windows`, with the other floating leaves averaged in an
-all-reduce of their own: `close_model_state`) or, in stream mode on a mesh, with each call's
-other floating model state in the call's one small all-reduce (`model_state_sums`,
-`pooled_model_state`). The per-layer arithmetic is `accumjax._batch_norm_math`'s.
+The statistics are found by their names: step-driven windows (`is_step_driven`), closed by
+`close_step_driven_windows` and, at a train step's window end, `close_model_state`;
+self-closing ones (`check_no_self_closing`); a plain ``BatchNorm``'s (`warn_plain_batch_norm`).
+A model state is pooled across devices here only: windows as `shifted_sums`, and a stream
+call's model state on a mesh (`model_state_sums`, `pooled_model_state`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """An `accumulate`'s static config (internal): the inner transformation, K, the window's
 policy, the data axis; and the per-microbatch transformation the policy may apply.
 
-A `Config` is static: part of the program, never of the state. `accumjax.accumulate` builds
-it from its arguments; every entry point's window (`accumjax._window`) and window end
-(`accumjax._window_end`) read it.
+A `Config` is static: part of the program, never of the state.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """A microbatch's decision (internal): whether it is added, skipped or non-finite, and how
-the devices that hold its rows agree about it, written once.
+the devices that hold its rows agree about it.
 
-This device's decision is `inspect_microbatch` (the non-finite check, the ``max_norm`` clip
-factor, ``skip_fn``, ``microbatch_transform``), a `Microbatch`; `decide_microbatch` takes it as
-the caller's devices agree about it (at once, in a stream call's pool, or at the window's
-end). On a mesh every device decides the same about each whole microbatch, as one device
-holding all its rows would (`agreed`): each device gives its `MicrobatchDecision` on its rows
-(`device_decision`; from its `Microbatch`, `rows_decision`); the decisions are
-summed over the devices (per microbatch, or K at once with the window's reduction) and
-`accepted` reads the sum, on one device as on many. A policy that reads the gradient's values
-reads the `whole_gradient`. The callers' own readings of a decision are here too: a stream
-call's pooled decision (`pooled_decision`), a scan pass's gate (`gated_decision`), a
-microbatch its window's sum decides (`sum_decision`), the add's condition (`add_condition`)
-and a window's stacked decisions (`window_decisions`).
+`inspect_microbatch` is this device's decision, a `Microbatch`; `decide_microbatch` takes it as
+the devices agree about it (at once, in a stream call's pool, or at the window's end). Each
+device gives its `MicrobatchDecision` on its rows (`device_decision`, `rows_decision`), the
+decisions are summed over the devices and `accepted` reads the sum (`agreed`); a policy that
+reads the gradient's values reads the `whole_gradient`. Each caller's reading of a decision
+is here too: `pooled_decision`, `gated_decision`, `sum_decision`, `add_condition` and
+`window_decisions`.
 """
 
 from __future__ import annotations

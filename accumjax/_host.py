@@ -1,18 +1,9 @@
-"""The train step object (internal): its compiled program, the state it builds, and what it
-checks on the host.
+"""The train step object (internal): `TrainStep` and `wrap`, which builds it.
 
-`wrap` compiles the window loop's step body (`accumjax._scan`, `accumjax._loop`,
-`accumjax._sharded_steps`, `accumjax._mesh_stream`) once per form: under ``jit`` (one
-device, or a mesh: the `accumjax.sharded.Layout` of each call is read from the arrays, or
-from the step's own ``mesh=``/``axis_name=``), or under ``pmap``. The `TrainStep` it returns
-
-- runs it: ``step(state, batch, rng=None)`` (scan mode: ``num_real_microbatches`` too);
-- builds the state it takes (`TrainStep.init`): laid out for its mode, its mesh and its
-  precision, so each is stated once, where the step is made;
-- checks, on the host and only where the values are concrete (a step called inside
-  ``jit``, ``vmap`` or ``lax.scan`` is traced and checks nothing there): a state it did not
-  return itself (the first, or a restored checkpoint) against its optimizer, a state holding
-  an array an earlier call donated, and arrays on different devices (named when a call fails).
+A `TrainStep` holds its compiled step (under ``jit``, on one device or a mesh, or under
+``pmap``), builds the state it takes (`TrainStep.init`: laid out for its mode, mesh and
+precision) and, where a call's values are concrete, checks them on the host: a state it did
+not return itself, arrays an earlier call donated, arrays on different devices.
 """
 
 from __future__ import annotations

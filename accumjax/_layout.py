@@ -2,9 +2,9 @@
 window accumulator and its optimizer state lie along the data axis, and how its gradient is
 reduced across the devices.
 
-Each leaf is a `LeafLayout` (dimensions split over the data axis, None for replicated over it)
-and a `Reduction`, both defined with the reduction that reads them (`accumjax._reduction`,
-the window's close). The layouts a user chooses are rows of one table (`leaf_layout`):
+Each leaf is a `accumjax._reduction.LeafLayout` (dimensions split over the data axis, None for
+replicated over it) and its `accumjax._reduction.Reduction`. The layouts a user chooses are
+rows of one table (`leaf_layout`):
 
 ================  =========  ===========  =========  ==============================
 layout            parameter  accumulator  optimizer  reduction
@@ -22,8 +22,7 @@ by the number of devices and no other mesh axis splits; a leaf with none stays r
 A window kept per data shard between calls (`accumjax.window.DeviceWindow`) holds, per leaf,
 as many partial sums as its row's accumulator says (`partial_sum_count`: one per device for a
 whole accumulator, one split over the devices for a split one), on a leading axis
-(`partial_sums_layout` reads a leaf's shape back). What reads a window's sums reads them so:
-``accumjax.stats`` (`accumulator_bytes`) and ``accumjax.restore_checkpoint``.
+(`partial_sums_layout` reads a leaf's shape back; `accumulator_bytes` sizes them).
 """
 
 from __future__ import annotations

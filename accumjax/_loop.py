@@ -1,16 +1,9 @@
-"""The train step's window loop (internal): one microbatch, the window's end, stream mode.
+"""The train step's window loop (internal): the pieces scan and stream mode share.
 
-`begin` reads K and the policies from the state's optimizer and bundles everything a window
-needs into one `Context` (as optax's microbatching ``Accumulator`` bundles init, update and
-finalize); every function below takes that one value. One microbatch (`microbatch`) computes
-its gradient with the loss adapter, adds it to the window (`accumjax.window`) and keeps its
-model state and loss only when it was added (`follow_decision`, which scan mode's
-`accumjax._scan.sum_decided` calls too). `close_fields` closes a window: one reduction, the
-decision, the update (`accumjax._window_end.close_and_apply`), BatchNorm windows and the loss
-scale; `finish` builds the new state and the metrics. `stream_step` runs one microbatch per
-call; scan mode (`accumjax._scan`) runs the K microbatches of a batch with the same pieces. The
-parallel wrappers (`accumjax._sharded_steps`, `accumjax._mesh_stream`, `accumjax._host`) run
-both under ``jit``, ``pmap`` and ``shard_map``.
+`Setup` is what `accumjax.make_train_step` fixed; `begin` builds a call's `Context`, the one
+value every function here takes. `microbatch` runs one microbatch (its `gradient`, the add,
+`follow_decision`), `close_fields` closes a window and applies it, `finish` builds the new
+state and the metrics; `stream_step` and `stream_close` are a stream-mode call.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A stream-mode call on a mesh under ``jit`` (internal): one microbatch in a ``shard_map``.
 
-Each call is `accumjax._loop.microbatch` on every device with a `accumjax._loop.Pool`: the
-device decides about its rows, and one small all-reduce makes the decision, the loss metric,
-BatchNorm statistics, other model state and aux means the whole microbatch's. The window's
-counters advance in `accumjax._window.add_microbatch` as on one device. The state's
-`accumjax.window.DeviceWindow` keeps one partial sum per data shard between calls (FSDP:
-reduce-scattered into the shard); the closing call reduces the partial sums once.
+`sharded_stream_step` runs the loop's microbatch on every device's rows with a pool: one small
+all-reduce makes the decision, the loss metric, the model state and the aux means the whole
+microbatch's. The state's `accumjax.window.DeviceWindow` keeps one partial sum per data shard
+between calls; the call that closes the window reduces them once.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Scan mode's window (internal): the K microbatches of one batch, one update.
 
-`scan_step` splits the batch (`accumjax._split`: strided rows along each leaf's batch axis),
-runs the window loop (`window_loop`) over the microbatches with the window core of
-`accumjax._loop`, closes the window once and applies it (`scan_finish`). With a runtime number
-of real microbatches (``num_real_microbatches``) the loop stops after them: the padded tail is
-neither computed nor counted, without a recompile (a loop whose trip count is that number).
+`scan_step` splits the batch into strided microbatches, runs them in one loop (`window_loop`),
+decides about the window (`decide_window`) and closes and applies it (`scan_finish`). With a
+runtime ``num_real_microbatches`` the loop stops after the real ones: the padded tail is
+neither computed nor counted, and nothing recompiles.
 """
 
 from __future__ import annotations

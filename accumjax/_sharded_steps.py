@@ -1,16 +1,11 @@
 """The train step on a mesh under ``jit`` (internal): one gradient reduction per window.
 
-A `accumjax.sharded.Layout` names the mesh and its data axis. Each step runs its microbatches
-in a ``jax.shard_map`` manual over the data axis only (other mesh axes, a tensor-parallel one
-say, stay automatic), so each device adds the gradient of its rows to a sum of its own. Scan
-mode (`sharded_scan_step`) runs the K microbatches of one call, then the window's one
-reduction (an all-reduce, and a reduce-scatter per parameter split over the data axis), which
-also carries the loss and the per-microbatch aux means; the update runs in the global view.
-The pieces a stream call on a mesh shares with it (the ``shard_map`` and its inputs' specs,
-the pooled all-reduce, the aux split) are here too.
-
-Every value a step returns is global: metrics are scalars, aux leaves with rows have the rows
-of every device, aux scalars are means over the devices (`split_aux`).
+Each device adds the gradient of its rows to a sum of its own, in a ``shard_map`` manual over
+the data axis only (`data_shard_map`; other mesh axes stay automatic). Scan mode
+(`sharded_scan_step`) runs the K microbatches, then the window's one reduction, which also
+carries the loss and the aux means, and updates in the global view. The ``shard_map``'s specs
+(`step_specs`), a gradient reduced before it is added (`reduce_gradient`) and the aux split
+(`split_aux`) serve a stream call on a mesh too. Every value a step returns is global.
 """
 
 from __future__ import annotations

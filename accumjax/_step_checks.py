@@ -1,15 +1,11 @@
-"""What a train step refuses at trace time (internal): misuse gets a clear error naming the
-argument, never a silently wrong run.
+"""What a train step refuses (internal): misuse gets a clear error naming the argument and the
+call that works (`init_call`), never a silently wrong run.
 
-`check_step_inputs` runs once per trace, from `accumjax._loop.begin`, for every mode: an
-optimizer that accumulates where the step cannot see it (`check_composition`), an ``rng``
-that is not one key or a loss that takes no key, self-closing BatchNorm layers (which cannot
-follow the optimizer's window), and float16 without a loss scale in the state or with
-``on_nonfinite="propagate"``; `check_layout` refuses a state laid out for another mode.
-`check_init_inputs` refuses, at ``step.init``, what the step would refuse later or ignore:
-swapped arguments, an optimizer that accumulates where the step cannot see it, a loss scale
-for a step that is not float16, float16 with ``propagate``.
-Each message names the call that works: `init_call`.
+`check_step_inputs` runs once per trace, in every mode: an optimizer that accumulates where
+the step cannot see it (`check_composition`), an ``rng`` that is not one key or a loss that
+takes none (`check_key_argument`), self-closing BatchNorm layers, float16 without a loss scale
+or with ``on_nonfinite="propagate"``. `check_layout` refuses a state laid out for another
+mode; `check_init_inputs` refuses at ``step.init`` what the step would refuse later or ignore.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The accumulation window (internal): the add, close and decide steps every entry point runs.
+"""The accumulation window (internal): its state, the add and the close every entry point runs.
 
-1. `init_window`: an empty accumulator created like the parameters (same sharding).
-2. `add_microbatch`: adds ``w_i * c_i * T(g_i)`` (``T`` the policy's
-   ``microbatch_transform``); a policy that reads the gradient or skips one microbatch
-   decides first (`accumjax._decision.inspect_microbatch`, the one home of a microbatch's
-   decision), the others add each gradient as it comes.
-3. `close_window`: at most one cross-device reduction, then the decision: a window is
-   usable when its weight sum is > 0, its scaled sum is finite and the policy allows it.
+`Window` and `DeviceWindow` are the open window (`init_window`, `empty_like`). `add_microbatch`
+adds a microbatch's ``w_i * c_i * T(g_i)`` (its weight, clip factor and the policy's
+``microbatch_transform``) as `accumjax._decision` decides and counts it (`count_microbatch`).
+`close_window` reduces the window once across devices, divides it by its `denominator` and
+decides whether it is usable: a `Closed`.
 """
 
 from __future__ import annotations

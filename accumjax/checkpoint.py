@@ -8,13 +8,9 @@ number of devices, mid-window or at a window boundary, into the layout of ``targ
 ``step.init(...)`` on the new topology, or its abstract form). A window's partial sums add up
 to its sum, so moving them is exact up to the order of that addition: on 4 devices each
 shard takes the sum of two of 8; on 1 device the one shard takes all 8; from 1 to 8 the
-first shard takes the sum and the others start empty. How many sums a leaf holds, stored and
-wanted, is read as the layout plan lays them out (`accumjax._layout.partial_sums_layout`:
-one per device for an accumulator whole on each, one split over the devices under ZeRO-2 and
-FSDP);
-the target's, and where they lie, are those its ``step.init`` laid out by that plan. It also
-moves a window between the layouts of ``TrainState.create`` (one parameter-shaped sum),
-``step.init`` and scan mode (no window: only at a window boundary).
+first shard takes the sum and the others start empty. It also moves a window between the
+layouts of ``TrainState.create`` (one parameter-shaped sum), ``step.init`` and scan mode (no
+window: only at a window boundary).
 
 Orbax (``orbax-checkpoint``) is not a dependency of accumjax: it is imported here, when
 called.

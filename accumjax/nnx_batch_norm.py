@@ -1,10 +1,9 @@
 """Batch normalization for ``flax.nnx`` whose running statistics see the accumulated batch.
 
-The NNX version of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: the same arithmetic
-(each call runs :func:`accumjax._batch_norm_math.normalize_and_accumulate`, as the linen
-layer does), the same options (``axis`` an int or a tuple, ``force_float32_reductions``),
-the same ``nnx.BatchStat`` names as the linen layer's ``batch_stats`` entries, and the same
-two window modes: step-driven (``accum_steps=None``: the train step closes the window with
+The NNX version of the linen :class:`accumjax.batch_norm.AccumBatchNorm`: the same arithmetic,
+the same options (``axis`` an int or a tuple, ``force_float32_reductions``), the same
+``nnx.BatchStat`` names as the linen layer's ``batch_stats`` entries, and the same two window
+modes: step-driven (``accum_steps=None``: the train step closes the window with
 :func:`accumjax.close_batch_norm_windows` on ``nnx.state(model, nnx.BatchStat)`` and puts
 the result back with ``nnx.update``) or self-closing (an int ``accum_steps``).
 
