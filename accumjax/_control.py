@@ -23,8 +23,8 @@ def run_once(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
 
     On CUDA GPUs a ``lax.cond`` (XLA:GPU reads its predicate on the host once; a loop's would
     be read at every check). Elsewhere a ``lax.while_loop`` that runs at most once: XLA:CPU
-    updates its carry in place, where a ``lax.cond`` copied a large operand when ``pred`` was
-    False. Under differentiation the ``lax.cond`` runs everywhere, so ``jax.grad`` works
+    updates its carry in place, where a ``lax.cond`` copies a large operand even when ``pred``
+    is False. Under differentiation the ``lax.cond`` runs everywhere, so ``jax.grad`` works
     through it.
 
     Args:

@@ -133,7 +133,7 @@ def sum_decided(
 ) -> Outcome:
     """One microbatch of a window its sum decides (`Context.sum_can_decide`): added where
     ``gate`` without its gradient being read (the window's sum is), or, ``reading``, written
-    over the carry's sum (no longer needed) and read there as `accumjax._loop.microbatch`
+    over the carry's sum (not read again) and read there as `accumjax._loop.microbatch`
     reads it: found non-finite, it keeps no model state and counts in no loss.
 
     Only the write is this function's own; the decision is

@@ -185,7 +185,7 @@ def unitwise_norm(x: jax.typing.ArrayLike, axis: Axis = None) -> jax.Array:
     This is ``optax.adaptive_grad_clip``'s default norm (its code reduces axis 0 for rank 3,
     though its docstring says ``(0, 1, 2)``) and the TensorFlow ``andreped/GradientAccumulator``
     library's units (which keep the axis dims for ranks 2-5 and return a bare scalar for ranks
-    0-1; we always keep dims so the result broadcasts).
+    0-1; here the dims are always kept, so the result broadcasts).
 
     Args:
       x: A floating point array: of rank 0 to 5 when ``axis`` is ``None``, any rank otherwise.

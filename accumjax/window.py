@@ -27,7 +27,7 @@ __all__ = ["DeviceWindow", "Window"]
 
 def _reduced_scatter(dims: Any, like: Any) -> Any:
     """0.4's ``close_window`` scatter markers for a sum reduced microbatch by microbatch
-    (-1 a reduced shard, -2 a whole sum); the close now reads each leaf's layout plan."""
+    (-1 a reduced shard, -2 a whole sum); the close reads each leaf's layout plan instead."""
     leaves, treedef = jax.tree.flatten(like)
     split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
     return jax.tree.unflatten(treedef, [-2 if d is None else -1 for d in split])
@@ -35,7 +35,7 @@ def _reduced_scatter(dims: Any, like: Any) -> Any:
 
 def _policy(*args: Any, **kwargs: Any) -> Config:
     """0.4's ``Policy(...)``, taking its arguments (positional in 0.4's order, or by name):
-    the window's functions now take a config holding the policy, so this returns an
+    the window's functions take a config holding the policy, so this returns an
     `accumjax._config.Config` with these fields (the others at their defaults),
     ``inner=optax.identity()`` (with extra-args support) and ``every_k=1`` (the window's
     functions read neither)."""
