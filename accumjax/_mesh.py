@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 import accumjax._window as window_lib
 from accumjax._checks import check_mesh_axis
 from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count
+from accumjax._reduction import gathered
 
 __all__ = [
     "Layout",
@@ -388,12 +389,7 @@ def check_one_mesh(params: Any, batch: Any) -> None:
 
 def gather_params(params: Any, layout: Layout) -> Any:
     """Inside ``shard_map``: the whole parameters from this device's shards (all-gather)."""
-    leaves = layout.treedef.flatten_up_to(params)
-    whole = [
-        x if d is None else jax.lax.all_gather(x, layout.axis, axis=d, tiled=True)
-        for x, d in zip(leaves, layout.dims, strict=True)
-    ]
-    return jax.tree.unflatten(layout.treedef, whole)
+    return gathered(params, layout.axis, jax.tree.unflatten(layout.treedef, layout.dims))
 
 
 # ----------------------------------------------------------------------------- stream mode

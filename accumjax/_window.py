@@ -29,14 +29,9 @@ from accumjax._decision import (
     weigh,
     window_decisions,
 )
+from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
 from accumjax._norms import global_norm
-from accumjax._reduction import (
-    REPLICATED,
-    LeafLayout,
-    cross_device_reduce,
-    reduced_per_microbatch,
-    sharded_norm,
-)
+from accumjax._reduction import cross_device_reduce, sharded_norm
 
 __all__ = [
     "Closed",
