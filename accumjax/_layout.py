@@ -2,9 +2,9 @@
 window accumulator and its optimizer state lie along the data axis, and how its gradient is
 reduced across the devices.
 
-Each leaf is a `accumjax._reduction.LeafLayout` (dimensions split over the data axis, None for
-replicated over it) and its `accumjax._reduction.Reduction`. The layouts a user chooses are
-rows of one table (`leaf_layout`):
+Each leaf is a `LeafLayout` (dimensions split over the data axis, None for replicated over
+it) and a `Reduction`; the window's reduction (`accumjax._reduction`) reads them. The layouts
+a user chooses are rows of one table (`leaf_layout`):
 
 ================  =========  ===========  =========  ==============================
 layout            parameter  accumulator  optimizer  reduction
@@ -27,11 +27,11 @@ whole accumulator, one split over the devices for a split one), on a leading axi
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from accumjax._checks import check_choice
-from accumjax._reduction import REPLICATED, LeafLayout, Reduction
 
 __all__ = [
     "OPTIMIZER_SHARDINGS",
@@ -40,10 +40,64 @@ __all__ = [
     "partial_sums_layout",
     "leaf_layout",
     "partial_sum_count",
+    "reduced_per_microbatch",
     "zero_dim",
 ]
 
 OPTIMIZER_SHARDINGS = ("replicated", "zero1", "zero2")
+
+
+class Reduction(enum.Enum):
+    """How a leaf's gradient is reduced across the data axis: all-reduced or
+    reduce-scattered, once a window (when it closes) or every microbatch (before it is added:
+    nothing is left for the window's close)."""
+
+    ALL_REDUCE = "all-reduce per window"
+    REDUCE_SCATTER_WINDOW = "reduce-scatter per window"
+    REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
+    ALL_REDUCE_MICROBATCH = "all-reduce per microbatch"
+
+    @property
+    def per_microbatch(self) -> bool:
+        """Whether the leaf is reduced before it is added (nothing left at the close)."""
+        return self in (Reduction.REDUCE_SCATTER_MICROBATCH, Reduction.ALL_REDUCE_MICROBATCH)
+
+
+class LeafLayout(NamedTuple):
+    """Where one parameter leaf's arrays lie along the data axis (static, hashable).
+
+    Attributes:
+      param: the parameter's dimension split over the data axis (None: replicated).
+      accumulator: the window accumulator's (None: a full-size sum on every device).
+      optimizer: the reduced gradient's and the optimizer state's (None: replicated).
+      reduction: how the gradient is reduced across the devices.
+    """
+
+    param: int | None
+    accumulator: int | None
+    optimizer: int | None
+    reduction: Reduction
+
+
+#: A leaf replicated over the data axis, its gradient all-reduced once a window.
+REPLICATED = LeafLayout(None, None, None, Reduction.ALL_REDUCE)
+
+
+def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
+    """``leaf`` as a policy that reads each microbatch's whole gradient lays it out: reduced
+    every microbatch (reduce-scattered where its optimizer state is split), summed in an
+    accumulator laid out like its optimizer state.
+
+    Example:
+      >>> from accumjax._layout import LeafLayout, Reduction, reduced_per_microbatch
+      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
+      >>> reduced_per_microbatch(zero1).reduction.value
+      'reduce-scatter per microbatch'
+    """
+    dim = leaf.optimizer
+    if dim is None:
+        return leaf._replace(accumulator=None, reduction=Reduction.ALL_REDUCE_MICROBATCH)
+    return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
 
 
 def check_optimizer_sharding(value: Any) -> str:

@@ -19,8 +19,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax._checks import check_mesh_axis
-from accumjax._layout import leaf_layout, partial_sum_count
-from accumjax._reduction import LeafLayout
+from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count
+from accumjax._reduction import gathered
 
 __all__ = [
     "Layout",
@@ -49,7 +49,7 @@ class Layout(NamedTuple):
       axis: the data axis: the batch's leading dimension is split over it.
       treedef: the parameters' tree structure.
       dims: per parameter leaf, the dimension split over ``axis`` (None: replicated over it).
-      leaves: per parameter leaf, its `accumjax._reduction.LeafLayout` (the layout plan).
+      leaves: per parameter leaf, its `accumjax._layout.LeafLayout` (the layout plan).
       specs: per parameter leaf, its partition spec over every mesh axis (a tuple).
       opt_specs: with a ZeRO layout, per leaf of the inner optimizer's state, its partition
         spec (`optimizer_state_specs`); None to leave the state where it lies.
@@ -389,12 +389,7 @@ def check_one_mesh(params: Any, batch: Any) -> None:
 
 def gather_params(params: Any, layout: Layout) -> Any:
     """Inside ``shard_map``: the whole parameters from this device's shards (all-gather)."""
-    leaves = layout.treedef.flatten_up_to(params)
-    whole = [
-        x if d is None else jax.lax.all_gather(x, layout.axis, axis=d, tiled=True)
-        for x, d in zip(leaves, layout.dims, strict=True)
-    ]
-    return jax.tree.unflatten(layout.treedef, whole)
+    return gathered(params, layout.axis, jax.tree.unflatten(layout.treedef, layout.dims))
 
 
 # ----------------------------------------------------------------------------- stream mode

@@ -157,8 +157,8 @@ def _mesh_call(
         acc = optimizer_side(layout, state.params, acc)[1]
         laid_out = partial(restore_layout, layout)
     aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-    carry = Carry(model_state, window=window)
-    outcome = Outcome(carry, loss, aux, added=added, nonfinite=nonfinite)
+    carry = Carry(model_state=model_state, window=window)
+    outcome = Outcome(carry=carry, loss=loss, aux=aux, added=added, nonfinite=nonfinite)
     # The window came through `add_microbatch`: even a plain optimizer's closes when full.
     return stream_close(ctx, state, acc, outcome, close=close, laid_out=laid_out, at_once=False)
 

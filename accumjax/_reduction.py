@@ -1,86 +1,30 @@
-"""The window's cross-device reductions (internal): how each leaf of a sum is reduced
-(`Reduction`, one leaf's `LeafLayout`), the one reduction (`cross_device_reduce`), the norm of
-a sum whose leaves are shards, and the gathers between shards and whole leaves.
+"""The window's cross-device reductions (internal): the one reduction of a sum's leaves as
+their `accumjax._layout.LeafLayout` says (`reduce_leaves`, `cross_device_reduce`), values
+packed into one all-reduce, the norm of a sum whose leaves are shards, and the gathers between
+shards and whole leaves.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
+from accumjax._layout import REPLICATED, LeafLayout, Reduction
 from accumjax._norms import abs_squared, global_norm
 
 __all__ = [
-    "REPLICATED",
-    "LeafLayout",
-    "Reduction",
     "cross_device_reduce",
     "gathered",
     "own_shard",
     "pack",
     "psum_together",
     "reduce_leaves",
-    "reduced_per_microbatch",
     "sharded_norm",
     "unpack",
 ]
-
-
-class Reduction(enum.Enum):
-    """How a leaf's gradient is reduced across the data axis: all-reduced or
-    reduce-scattered, once a window (when it closes) or every microbatch (before it is added:
-    nothing is left for the window's close)."""
-
-    ALL_REDUCE = "all-reduce per window"
-    REDUCE_SCATTER_WINDOW = "reduce-scatter per window"
-    REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
-    ALL_REDUCE_MICROBATCH = "all-reduce per microbatch"
-
-    @property
-    def per_microbatch(self) -> bool:
-        """Whether the leaf is reduced before it is added (nothing left at the close)."""
-        return self in (Reduction.REDUCE_SCATTER_MICROBATCH, Reduction.ALL_REDUCE_MICROBATCH)
-
-
-class LeafLayout(NamedTuple):
-    """Where one parameter leaf's arrays lie along the data axis (static, hashable).
-
-    Attributes:
-      param: the parameter's dimension split over the data axis (None: replicated).
-      accumulator: the window accumulator's (None: a full-size sum on every device).
-      optimizer: the reduced gradient's and the optimizer state's (None: replicated).
-      reduction: how the gradient is reduced across the devices.
-    """
-
-    param: int | None
-    accumulator: int | None
-    optimizer: int | None
-    reduction: Reduction
-
-
-#: A leaf replicated over the data axis, its gradient all-reduced once a window.
-REPLICATED = LeafLayout(None, None, None, Reduction.ALL_REDUCE)
-
-
-def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
-    """``leaf`` as a policy that reads each microbatch's whole gradient lays it out: reduced
-    every microbatch (reduce-scattered where its optimizer state is split), summed in an
-    accumulator laid out like its optimizer state.
-
-    Example:
-      >>> from accumjax._reduction import LeafLayout, Reduction, reduced_per_microbatch
-      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
-      >>> reduced_per_microbatch(zero1).reduction.value
-      'reduce-scatter per microbatch'
-    """
-    dim = leaf.optimizer
-    if dim is None:
-        return leaf._replace(accumulator=None, reduction=Reduction.ALL_REDUCE_MICROBATCH)
-    return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
 
 
 def pack(parts: Any, dtype: Any) -> jax.Array:

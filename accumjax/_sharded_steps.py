@@ -22,8 +22,9 @@ import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
+from accumjax._layout import LeafLayout, reduced_per_microbatch
 from accumjax._loop import Carry, Context, Outcome, Setup, begin
-from accumjax._reduction import LeafLayout, reduce_leaves, reduced_per_microbatch
+from accumjax._reduction import reduce_leaves
 from accumjax._scan import (
     accepted_loss,
     decide_window,

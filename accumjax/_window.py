@@ -27,13 +27,8 @@ from accumjax._decision import (
     weigh,
     window_decisions,
 )
-from accumjax._reduction import (
-    REPLICATED,
-    LeafLayout,
-    cross_device_reduce,
-    reduced_per_microbatch,
-    sharded_norm,
-)
+from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
+from accumjax._reduction import cross_device_reduce, sharded_norm
 
 __all__ = [
     "Closed",
@@ -385,7 +380,7 @@ def close_window(
       every_k: K of this window (``"sum_over_k"`` divides by K times the number of devices).
       axis_name: a mapped axis (``pmap``/``shard_map``): sum, weights and counts go through
         one grouped ``psum``; ``None`` for one device or a ``jit``-sharded program.
-      layouts: with ``axis_name``, each leaf's `accumjax._reduction.LeafLayout` (the layout
+      layouts: with ``axis_name``, each leaf's `accumjax._layout.LeafLayout` (the layout
         plan's), in the order of ``jax.tree.leaves(window.grad_sum)``: its `Reduction` says
         what the close does to it (a per-window all-reduce or reduce-scatter along its
         ``optimizer`` dimension, each device keeping its shard; nothing for a leaf reduced

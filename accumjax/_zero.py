@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._mesh as mesh_lib
+from accumjax._layout import REPLICATED, LeafLayout, Reduction
 from accumjax._loop import Carry
-from accumjax._reduction import REPLICATED, LeafLayout, Reduction
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 

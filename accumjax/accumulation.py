@@ -290,7 +290,7 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         return updates, state
 
     setattr(update_fn, CONFIG_ATTR, config)
-    return Transformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    return Transformation(init=init_fn, update=update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def with_every_k(tx: optax.GradientTransformation, every_k: int | Schedule) -> Any:

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import accumjax._scaling as scaling_lib
 import accumjax._state as state_lib
 import accumjax._window as window_lib
-from accumjax._layout import accumulator_bytes, partial_sums_layout
+from accumjax._layout import REPLICATED, accumulator_bytes, partial_sums_layout
 from accumjax._moved import forward_moved
-from accumjax._reduction import REPLICATED
 from accumjax._state import AccumulationState
 
 __all__ = [

@@ -18,8 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accumjax
-from accumjax._layout import leaf_layout
-from accumjax._reduction import REPLICATED, LeafLayout, Reduction
+from accumjax._layout import REPLICATED, LeafLayout, Reduction, leaf_layout
 from accumjax.collectives import count_collectives
 
 K = 4
