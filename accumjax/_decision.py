@@ -6,8 +6,7 @@ the devices agree about it (at once, in a stream call's pool, or at the window's
 device gives its `MicrobatchDecision` on its rows (`device_decision`, `rows_decision`), the
 decisions are summed over the devices and `accepted` reads the sum (`agreed`); a policy that
 reads the gradient's values reads the `whole_gradient`. Each caller's reading of a decision
-is here too: `pooled_decision`, `gated_decision`, `sum_decision`, `add_condition` and
-`window_decisions`.
+(a stream call's pool, a scan pass's gate, a window's sum) is here too.
 """
 
 from __future__ import annotations

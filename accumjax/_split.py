@@ -1,14 +1,10 @@
-"""How scan mode splits a batch into K microbatches, and puts per-microbatch outputs back
-(internal).
+"""How scan mode splits a batch into K strided microbatches (internal).
 
-Microbatch ``i`` of a batch of ``B`` rows is rows ``i, i + K, i + 2K, ...`` (strided), as in
-``optax.microbatching.reshape_batch_axis``: the split keeps a sharded batch axis sharded, so
-every microbatch is spread over the data-parallel devices as the batch is. A leaf's batch
-axis need not be the leading one (``batch_axis``, per leaf or for the whole batch), and a leaf
-with ``None`` is not batched: every microbatch sees it whole (optax's ``argnums``).
-
-The split rule (`split_advice`): a batch's rows must divide by K, and on a mesh by the
-devices x K (each device splits its rows into K microbatches).
+Microbatch ``i`` is rows ``i, i + K, i + 2K, ...`` (`strided_microbatches`, as
+``optax.microbatching.reshape_batch_axis``), so a sharded batch axis stays sharded. A leaf's
+batch axis is its ``batch_axis`` (per leaf or for the whole batch; ``None``: not batched,
+every microbatch sees it whole). `rows_in_order` puts per-microbatch outputs back in row
+order; `split_advice` is the split rule: the rows divide by K, on a mesh by the devices x K.
 """
 
 from __future__ import annotations

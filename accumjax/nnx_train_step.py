@@ -299,5 +299,5 @@ def make_nnx_train_step(
       >>> int(model.norm.acc_step[...])  # the BatchNorm window was closed
       0
     """
-    make_train_step(loss_fn, **options)  # checks loss_fn and the options now, once
+    make_train_step(loss_fn, **options)  # checks loss_fn and the options here, once
     return NNXTrainStep(loss_fn, options)
