@@ -186,7 +186,7 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
 
 def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     """Warns when parameters that are not on ``mesh`` (of several devices), the mesh the batch
-    lies on, are about to be put there replicated (`_on_mesh`): a whole copy on every device,
+    lies on, are about to be put there replicated (`_on_mesh`): a full copy on every device,
     not FSDP, without a word. (A step made with ``mesh=`` was asked to put what is off its
     mesh on it, and says nothing.)"""
     if mesh.size <= 1:
@@ -206,7 +206,7 @@ def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     more = f" (and {len(off) - 1} more)" if len(off) > 1 else ""
     warnings.warn(
         f"params{off[0]}{more} are not on the mesh {dict(mesh.shape)} the step runs on, so "
-        "accumjax puts them there replicated: a whole copy of each on every device. To shard "
+        "accumjax puts them there replicated: a full copy of each on every device. To shard "
         "them over the data axis (FSDP), place them first, e.g. "
         "jax.device_put(params['w'], NamedSharding(mesh, P('data', None))) for a kernel "
         "(see the data-parallel guide); to replicate them without this warning, "

@@ -73,7 +73,7 @@ class Setup(NamedTuple):
       loss_positional: the most positional arguments ``loss_fn`` takes
         (`positional_limit`), or None when unknown; refuses ``rng`` for a loss without a key.
       batch_axis: scan mode: each batch leaf's batch axis, or None for a leaf every
-        microbatch sees whole (`accumjax._split`).
+        microbatch sees full-size (`accumjax._split`).
       aux_rows: scan mode: per-microbatch aux back in the batch's row order.
       mesh: the step's own mesh (``make_train_step(mesh=...)``), or None to run where the
         arrays lie.
@@ -131,7 +131,7 @@ class Context(NamedTuple):
       dims: inside ``shard_map``, the dimension each parameter is split on over the data
         axis (a pytree like the parameters), for a policy that reduces each microbatch's
         whole gradient; None for none.
-      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
+      split_params: ZeRO under ``jit``: ``(to_shards, to_param_layout)``, the parameters as the
         inner optimizer updates them (split like their reduced gradient) and back (one
         all-gather), inside the update's loop; None for the parameters as they are.
     """

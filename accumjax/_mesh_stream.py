@@ -43,7 +43,7 @@ from accumjax._loop import (
 )
 from accumjax._reduction import psum_together
 from accumjax._sharded_steps import (
-    WHOLE,
+    REPLICATED_SPEC,
     data_shard_map,
     field_specs,
     join_aux,
@@ -142,12 +142,19 @@ def _mesh_call(
     else:
         window_specs = field_specs(window_lib.Window, layout.accumulator_specs())
     local_state = state.replace(opt_state=None)
-    aux_specs = (PartitionSpec(layout.axis), WHOLE)  # `split_aux`'s rows and means
+    aux_specs = (PartitionSpec(layout.axis), REPLICATED_SPEC)  # `split_aux`'s rows and means
     window, model_state, loss, aux, added, nonfinite = data_shard_map(
         partial(_local_call, ctx, layout, aux_tree, per_shard),
         layout,
         in_specs=(step_specs(layout, local_state, window_specs),),
-        out_specs=(window_specs, WHOLE, WHOLE, aux_specs, WHOLE, WHOLE),
+        out_specs=(
+            window_specs,
+            REPLICATED_SPEC,
+            REPLICATED_SPEC,
+            aux_specs,
+            REPLICATED_SPEC,
+            REPLICATED_SPEC,
+        ),
     )((local_state, batch, rng, acc.window))
     if per_shard:
         close = partial(_close_device_window, ctx, layout)
@@ -181,7 +188,7 @@ def _local_call(
     microbatch was added and whether it was non-finite."""
     state, batch, rng, open_window = inputs
     ctx = local_context(ctx, layout, state, rng)
-    reduce = reduce_gradient(layout, whole=not per_shard)
+    reduce = reduce_gradient(layout, replicated=not per_shard)
     ctx = ctx._replace(reduce=reduce)
     params = mesh_lib.gather_params(state.params, layout)
     window = _retyped(open_window, window_lib.Window)
@@ -259,13 +266,13 @@ def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: Carry) -
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
         part = window_lib.local_window(window)
         return window_lib.close_window(
-            config, part, every_k, layout.axis, layout.leaves, whole_counts=True
+            config, part, every_k, layout.axis, layout.leaves, global_counts=True
         )
 
     closed = data_shard_map(
         local,
         layout,
-        in_specs=(layout.window_specs(), WHOLE),
+        in_specs=(layout.window_specs(), REPLICATED_SPEC),
         out_specs=field_specs(window_lib.Closed, layout.optimizer_specs()),
     )(fields.opt.window, fields.opt.every_k)
     fields = close_fields(ctx, fields, closed)

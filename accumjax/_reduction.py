@@ -1,6 +1,6 @@
 """The window's cross-device reductions (internal): how each leaf of a sum is reduced
 (`Reduction`, one leaf's `LeafLayout`), the one reduction (`cross_device_reduce`), the norm of
-a sum whose leaves are shards, and the gathers between shards and whole leaves.
+a sum whose leaves are shards, and the gathers between shards and full-size leaves.
 """
 
 from __future__ import annotations
@@ -190,19 +190,19 @@ def reduce_leaves(
 
 def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:
     """Global norm of a reduced sum whose leaves split on ``dims`` (a pytree like it of
-    dimensions, None for a whole leaf; or None for all whole) are this device's shards of
-    the whole."""
+    dimensions, None for a replicated leaf; or None for all replicated) are this device's
+    shards of the full-size leaves."""
     if axis_name is None or dims is None:
         return global_norm(grad_sum)
     leaves, treedef = jax.tree.flatten(grad_sum)
     split = treedef.flatten_up_to(dims)
-    whole = global_norm([x for x, d in zip(leaves, split, strict=True) if d is None])
+    replicated = global_norm([x for x, d in zip(leaves, split, strict=True) if d is None])
     shards = global_norm([x for x, d in zip(leaves, split, strict=True) if d is not None])
-    return jnp.sqrt(jnp.square(whole) + jax.lax.psum(jnp.square(shards), axis_name))
+    return jnp.sqrt(jnp.square(replicated) + jax.lax.psum(jnp.square(shards), axis_name))
 
 
 def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
-    """The whole of a tree whose leaves split on ``dims`` are this device's shards."""
+    """The full-size leaves of a tree whose leaves split on ``dims`` are this device's shards."""
     if dims is None:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
@@ -214,7 +214,7 @@ def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
 
 
 def own_shard(tree: Any, axis_name: str | None, dims: Any) -> Any:
-    """`gathered` undone: of each leaf split on ``dims`` (whole here, the same on every
+    """`gathered` undone: of each leaf split on ``dims`` (full-size here, the same on every
     device), this device's shard along its dimension (no axis or no ``dims``: ``tree``)."""
     if axis_name is None or dims is None:
         return tree

@@ -83,8 +83,8 @@ def real_microbatches(n: Any, every_k: int) -> jax.Array | None:
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
     rows = strided_microbatches(batch, ctx.every_k, ctx.setup.batch_axis)
-    whole = ctx.materialize or (lambda p, i: p)
-    return lambda i: (whole(params, i), rows(i))
+    gathered = ctx.materialize or (lambda p, i: p)
+    return lambda i: (gathered(params, i), rows(i))
 
 
 Run = Callable[..., Outcome]  # ``run(gate, over=None)``: the window's microbatches, once

@@ -44,7 +44,7 @@ from accumjax._zero import optimizer_side, parameter_side, split_params
 from accumjax.train_state import TrainState
 
 __all__ = [
-    "WHOLE",
+    "REPLICATED_SPEC",
     "data_shard_map",
     "field_specs",
     "join_aux",
@@ -55,30 +55,35 @@ __all__ = [
     "step_specs",
 ]
 
-WHOLE = PartitionSpec()
+REPLICATED_SPEC = PartitionSpec()
 T = TypeVar("T")
 
 
 def step_specs(layout: mesh_lib.Layout, state: Any, more: Any) -> tuple[Any, ...]:
     """The ``shard_map`` specs of a step's inputs ``(state, batch, rng, more)``, whose part on
     one device is the mapped function's one argument: the train ``state``'s parameters as
-    they lie and every other field of it whole (one spec per field, so a subclass's fields
-    match too), the batch split over the data axis, the key whole, and ``more``'s specs
+    they lie and every other field of it replicated (one spec per field, so a subclass's fields
+    match too), the batch split over the data axis, the key replicated, and ``more``'s specs
     (what the mode adds: scan mode's real microbatches, stream mode's open window)."""
-    specs = jax.tree.map(lambda _: WHOLE, state, is_leaf=lambda x: x is not state)
-    return specs.replace(params=layout.param_specs()), PartitionSpec(layout.axis), WHOLE, more
+    specs = jax.tree.map(lambda _: REPLICATED_SPEC, state, is_leaf=lambda x: x is not state)
+    return (
+        specs.replace(params=layout.param_specs()),
+        PartitionSpec(layout.axis),
+        REPLICATED_SPEC,
+        more,
+    )
 
 
-def field_specs(cls: type[T], first: Any, rest: Any = WHOLE) -> T:
+def field_specs(cls: type[T], first: Any, rest: Any = REPLICATED_SPEC) -> T:
     """The ``shard_map`` specs of a NamedTuple ``cls`` whose first field is a sum (a
     `accumjax._window.Window`, `accumjax._window.DeviceWindow` or `accumjax._window.Closed`):
     ``first`` for it, ``rest`` for every other field, by name.
 
     Example:
       >>> from accumjax._window import Window
-      >>> field_specs(Window, "split", "whole")  # doctest: +NORMALIZE_WHITESPACE
-      Window(grad_sum='split', weight_sum='whole', micro_step='whole',
-             window_nonfinite='whole', window_skipped='whole')
+      >>> field_specs(Window, "split", "replicated")  # doctest: +NORMALIZE_WHITESPACE
+      Window(grad_sum='split', weight_sum='replicated', micro_step='replicated',
+             window_nonfinite='replicated', window_skipped='replicated')
     """
     fields = cast(Any, cls)._fields
     return cls(**{fields[0]: first}, **dict.fromkeys(fields[1:], rest))
@@ -189,8 +194,8 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         closed, model_state, loss, aux = data_shard_map(
             partial(_local_window, ctx, layout, aux_tree),
             layout,
-            in_specs=(step_specs(layout, local_state, WHOLE),),
-            out_specs=(closed_specs, WHOLE, WHOLE, (row_spec, WHOLE)),
+            in_specs=(step_specs(layout, local_state, REPLICATED_SPEC),),
+            out_specs=(closed_specs, REPLICATED_SPEC, REPLICATED_SPEC, (row_spec, REPLICATED_SPEC)),
         )((local_state, batch, rng, ctx.n_real))
         aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
         if layout.zero:
@@ -226,7 +231,7 @@ def _local_window(
             jax.lax.optimization_barrier((p, i))[0], layout
         )
         ctx = ctx._replace(materialize=gather)
-    ctx, layouts, whole_counts, sum_dims = _sum_layout(ctx, layout, config)
+    ctx, layouts, global_counts, sum_dims = _sum_layout(ctx, layout, config)
     shapes = layout.local_sums(state.params, sum_dims)
     like = window_lib.init_window(shapes, config.accumulator_dtype)
     start = Carry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
@@ -247,7 +252,7 @@ def _local_window(
             layout.axis,
             layouts,
             extras=jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), riders),
-            whole_counts=whole_counts,
+            global_counts=global_counts,
             decisions=decisions,
         )
         summed: Outcome = closed.extras
@@ -265,7 +270,7 @@ def _local_window(
 def _sum_layout(
     ctx: Context, layout: mesh_lib.Layout, config: Config
 ) -> tuple[Context, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
-    """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, whole_counts,
+    """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, global_counts,
     dims)``, ``ctx`` with the per-microbatch reduction it runs, ``layouts`` each leaf's
     `LeafLayout` as the window's close reads it (`accumjax._window.close_window`), ``dims``
     each sum's dimension split over the data axis.
@@ -283,19 +288,19 @@ def _sum_layout(
         return ctx._replace(dims=dims), layouts, True, opt_dims
     acc_dims = layout.accumulator_dims
     if any(d is not None for d in acc_dims):
-        ctx = ctx._replace(reduce=reduce_gradient(layout, whole=False))
+        ctx = ctx._replace(reduce=reduce_gradient(layout, replicated=False))
     return ctx, layout.leaves, False, acc_dims
 
 
-def reduce_gradient(layout: mesh_lib.Layout, whole: bool) -> Callable[[Any], Any] | None:
+def reduce_gradient(layout: mesh_lib.Layout, replicated: bool) -> Callable[[Any], Any] | None:
     """What a device's gradient goes through before it is added: reduce-scattered into the
     shards of parameters split over the data axis, and all-reduced for the others when the
-    window keeps one ``whole`` sum (None: nothing to do)."""
+    window keeps one ``replicated`` sum (None: nothing to do)."""
     dims = layout.accumulator_dims
-    if not whole and all(d is None for d in dims):
+    if not replicated and all(d is None for d in dims):
         return None
 
-    summed = [i for i, d in enumerate(dims) if d is None and whole]
+    summed = [i for i, d in enumerate(dims) if d is None and replicated]
     into = {i: d for i, d in enumerate(dims) if d is not None}
 
     def reduce(tree: Any) -> Any:

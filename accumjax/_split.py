@@ -5,7 +5,7 @@ Microbatch ``i`` of a batch of ``B`` rows is rows ``i, i + K, i + 2K, ...`` (str
 ``optax.microbatching.reshape_batch_axis``: the split keeps a sharded batch axis sharded, so
 every microbatch is spread over the data-parallel devices as the batch is. A leaf's batch
 axis need not be the leading one (``batch_axis``, per leaf or for the whole batch), and a leaf
-with ``None`` is not batched: every microbatch sees it whole (optax's ``argnums``).
+with ``None`` is not batched: every microbatch sees it full-size (optax's ``argnums``).
 
 The split rule (`split_advice`): a batch's rows must divide by K, and on a mesh by the
 devices x K (each device splits its rows into K microbatches).
@@ -106,7 +106,7 @@ def strided_microbatches(
     Each batched leaf is reshaped ``(..., B, ...) -> (..., B // k, k, ...)`` (a bitcast:
     a Fortran-order reshape would pick the same rows but transpose every leaf whole, a copy
     XLA keeps), and microbatch ``i`` is a dynamic index on the new ``k`` axis. Leaves whose
-    ``batch_axis`` is None are passed whole.
+    ``batch_axis`` is None are passed full-size.
 
     Args:
       batch: the batch (per device).

@@ -161,8 +161,8 @@ def close_and_apply(
         around the microbatch loop), or None to close ``state.window`` here.
       every_step: a window closes on every step (scan mode): its update is selected rather
         than branched to on a GPU (`accumjax._control.select_once`).
-      split: ``(to_shards, to_whole)``: ``inner`` updates ``to_shards(params)`` (ZeRO: split
-        like the reduced gradient) and the result goes back through ``to_whole``, both in
+      split: ``(to_shards, to_param_layout)``: ``inner`` updates ``to_shards(params)`` (ZeRO: split
+        like the reduced gradient) and the result goes back through ``to_param_layout``, both in
         the update's loop (so only an applied window gathers); None for ``params`` as is.
 
     Returns:

@@ -56,7 +56,7 @@ class AccumulationStats(NamedTuple):
         scan-mode train state, whose window opens and closes inside one call, the sums the
         step makes as its layout plan lays them out (`stats`' ``layout``; one
         parameter-shaped sum in the accumulator dtype without). Laid out by a train step on
-        N devices along the data axis, an accumulator whole on each device (replicated,
+        N devices along the data axis, an accumulator full-size on each device (replicated,
         ZeRO-1, FSDP with ``reduce_scatter="window"``) counts N full-size partial sums, one
         split over them (ZeRO-2, FSDP) one: each device holds ``memory_bytes / N`` (less
         where another mesh axis splits it too). A parameter-shaped window

@@ -10,7 +10,7 @@ to its sum, so moving them is exact up to the order of that addition: on 4 devic
 shard takes the sum of two of 8; on 1 device the one shard takes all 8; from 1 to 8 the
 first shard takes the sum and the others start empty. How many sums a leaf holds, stored and
 wanted, is read as the layout plan lays them out (`accumjax._layout.partial_sums_layout`:
-one per device for an accumulator whole on each, one split over the devices under ZeRO-2 and
+one per device for an accumulator full-size on each, one split over the devices under ZeRO-2 and
 FSDP);
 the target's, and where they lie, are those its ``step.init`` laid out by that plan. It also
 moves a window between the layouts of ``TrainState.create`` (one parameter-shaped sum),
@@ -175,9 +175,9 @@ class _Plan:
         stored = _stored_at(self.stored, full)
         stored_shape = tuple(stored.shape)
         stored_shards = name == "partial_sums"
-        old, whole = _held(stored_shape, stored_shards)
-        new, target_whole = _held(shape, per_shard)
-        if whole != target_whole:
+        old, full_shape = _held(stored_shape, stored_shards)
+        new, target_full_shape = _held(shape, per_shard)
+        if full_shape != target_full_shape:
             raise ValueError(_mismatch(full, stored, target))
         spec = _spec_of(sharding, len(shape))
         rest = spec[1:] if per_shard else spec
@@ -193,7 +193,7 @@ class _Plan:
             if not per_shard:
                 return jax.device_put(total.astype(target.dtype), sharding)
             if stored_shards and old % new == 0:  # each new shard sums old ones, in place
-                grouped = jnp.sum(jnp.reshape(x, (new, old // new, *whole)), axis=1)
+                grouped = jnp.sum(jnp.reshape(x, (new, old // new, *full_shape)), axis=1)
             else:  # the first shard takes the sum, the others start empty
                 grouped = jnp.zeros(shape, target.dtype).at[0].set(total.astype(target.dtype))
             return jax.device_put(grouped.astype(target.dtype), sharding)
