@@ -119,8 +119,8 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
             "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
             "into K microbatches; a stream-mode call is one microbatch."
         )
-    k = 1 if config is None else config.static_every_k
-    real_microbatches(n, k)  # the Python-side checks (a traced value is clipped in the step)
+    every_k = 1 if config is None else config.static_every_k
+    real_microbatches(n, every_k)  # the Python-side checks (a traced value is clipped in the step)
 
 
 def _microbatch_weights(
@@ -216,25 +216,25 @@ def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     )
 
 
-def _check_rows(batch: Any, layout: mesh_lib.Layout, k: int | None) -> None:
+def _check_rows(batch: Any, layout: mesh_lib.Layout, every_k: int | None) -> None:
     """Refuses a batch whose rows do not split over the devices of the data axis (and, in
-    scan mode, into ``k`` microbatches on each device), stating the global rule with the
+    scan mode, into ``every_k`` microbatches on each device), stating the global rule with the
     numbers; for a batch off the mesh, that accumjax puts it there."""
     n = layout.shards
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        advice = split_advice(shape[0], k or 1, n) if shape else None
+        advice = split_advice(shape[0], every_k or 1, n) if shape else None
         if advice is None:
             continue
         rows, name = shape[0], f"batch{jax.tree_util.keystr(path)}"
-        if k is None:
+        if every_k is None:
             what = f"{rows} rows on {n} devices"
             rule = f"each call's rows are split over the {n} devices: they must divide by {n}"
         else:
-            what = f"{rows} rows on {n} devices with K={k}"
+            what = f"{rows} rows on {n} devices with K={every_k}"
             rule = (
-                f"scan mode needs the batch's rows to divide by devices x K = {n} x {k} = "
-                f"{n * k} (each device splits its rows into K microbatches)"
+                f"scan mode needs the batch's rows to divide by devices x K = {n} x {every_k} = "
+                f"{n * every_k} (each device splits its rows into K microbatches)"
             )
         now = mesh_lib.sharding_of(leaf)
         if isinstance(now, NamedSharding) and now.mesh == layout.mesh:
@@ -282,8 +282,8 @@ class TrainStep:
         if layout is not None:
             config = config_of(state.tx)
             scan = self._scan and setup.batch_axis == 0  # else refused in the step
-            k = (1 if config is None else config.static_every_k) if scan else None
-            _check_rows(batch, layout, k)
+            every_k = (1 if config is None else config.static_every_k) if scan else None
+            _check_rows(batch, layout, every_k)
         if layout is not None and isinstance(layout.mesh, Mesh):  # what is off the mesh, on it
             _warn_if_replicated(state.params, layout.mesh)
             state = _on_mesh(state, layout.mesh, PartitionSpec(), "state")
@@ -383,17 +383,18 @@ class TrainStep:
         """Refuses a short batch whose real rows are not where the strided rule puts them,
         where the step can tell: ``n`` real microbatches of K given, and a ``weight_fn``
         that weighs a microbatch after them more than 0 (one small program, run here)."""
-        setup, k = self._setup, 1 if config is None else config.static_every_k
-        if not self._scan or self._pmapped or n is None or setup.weight_fn is None or k is None:
+        setup, every_k = self._setup, 1 if config is None else config.static_every_k
+        scan_only = self._scan and not self._pmapped
+        if not scan_only or n is None or setup.weight_fn is None or every_k is None:
             return
         n = int(n)
-        if not 0 <= n < k:  # all real, or out of range (refused by the call)
+        if not 0 <= n < every_k:  # all real, or out of range (refused by the call)
             return
-        weigh = self._weighers.get(k)
-        if weigh is None:
-            weigh = jax.jit(partial(_microbatch_weights, setup.weight_fn, k, setup.batch_axis))
-            self._weighers[k] = weigh
-        why = _real_rows_left_out(np.asarray(weigh(batch)), n, k)
+        if every_k not in self._weighers:
+            weights = partial(_microbatch_weights, setup.weight_fn, every_k, setup.batch_axis)
+            self._weighers[every_k] = jax.jit(weights)
+        weigh = self._weighers[every_k]
+        why = _real_rows_left_out(np.asarray(weigh(batch)), n, every_k)
         if why is not None:
             raise ValueError(why)
 

@@ -273,8 +273,8 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
             f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
             f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
         )
-    k = config.static_every_k
-    if setup.mode == "scan" and k is None:
+    every_k = config.static_every_k
+    if setup.mode == "scan" and every_k is None:
         raise TypeError(
             "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
             "splits each batch into K microbatches inside its program. For windows of "
@@ -331,8 +331,8 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
         device_loss_scale(ctx.loss_scale, ctx.config.scaling, ctx.axis_name),
     )
     if model_state is not None and ctx.config.static_every_k != 1:
-        k = ctx.config.static_every_k
-        warn_plain_batch_norm(new_model_state, "make_train_step", k, before=model_state)
+        every_k = ctx.config.static_every_k
+        warn_plain_batch_norm(new_model_state, "make_train_step", every_k, before=model_state)
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 
 

@@ -99,18 +99,19 @@ def _axes(batch: Any, batch_axis: BatchAxis) -> list[int | None]:
 
 
 def strided_microbatches(
-    batch: Any, k: int, batch_axis: BatchAxis = 0
+    batch: Any, every_k: int, batch_axis: BatchAxis = 0
 ) -> Callable[[jax.Array], Any]:
-    """``i -> microbatch i`` of ``batch``: rows ``i, i + k, ...`` along each leaf's batch axis.
+    """``i -> microbatch i`` of ``batch``: rows ``i, i + every_k, ...`` along each leaf's
+    batch axis.
 
-    Each batched leaf is reshaped ``(..., B, ...) -> (..., B // k, k, ...)`` (a bitcast:
-    a Fortran-order reshape would pick the same rows but transpose every leaf whole, a copy
-    XLA keeps), and microbatch ``i`` is a dynamic index on the new ``k`` axis. Leaves whose
-    ``batch_axis`` is None are passed full-size.
+    Each batched leaf is reshaped ``(..., B, ...) -> (..., B // every_k, every_k, ...)`` (a
+    bitcast: a Fortran-order reshape would pick the same rows but transpose every leaf, a
+    copy XLA keeps), and microbatch ``i`` is a dynamic index on the new ``every_k`` axis.
+    Leaves whose ``batch_axis`` is None are passed full-size.
 
     Args:
       batch: the batch (per device).
-      k: the number of microbatches.
+      every_k: the number of microbatches.
       batch_axis: see the module docstring.
 
     Returns:
@@ -118,7 +119,7 @@ def strided_microbatches(
 
     Raises:
       ValueError: if the batched leaves do not share one batch size, or it is not divisible
-        by ``k``.
+        by ``every_k``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -137,11 +138,11 @@ def strided_microbatches(
             f"(batch_axis={batch_axis!r}); got shapes {shapes}."
         )
     size = sizes.pop()
-    advice = split_advice(size, k)
+    advice = split_advice(size, every_k)
     if advice is not None:
         raise ValueError(
-            f"scan mode splits the batch's {size} rows (a device's, under pmap) into K={k} "
-            f"microbatches, but {size} is not divisible by K={k}: use {advice}. (On a mesh "
+            f"scan mode splits the batch's {size} rows (a device's, under pmap) into K={every_k} "
+            f"microbatches, but {size} is not divisible by K={every_k}: use {advice}. (On a mesh "
             "the rule is global: the batch's rows must divide by devices x K.)"
         )
 
@@ -149,7 +150,7 @@ def strided_microbatches(
         if a is None:
             return x
         shape = jnp.shape(x)
-        return jnp.reshape(x, (*shape[:a], size // k, k, *shape[a + 1 :]))
+        return jnp.reshape(x, (*shape[:a], size // every_k, every_k, *shape[a + 1 :]))
 
     rows = [strided(x, a) for x, a in zip(leaves, axes, strict=True)]
 
@@ -181,7 +182,7 @@ def rows_in_order(stacked: Any) -> Any:
                 f"per row of the microbatch); got a leaf of shape {jnp.shape(a)[1:]} per "
                 "microbatch."
             )
-        k, m = jnp.shape(a)[:2]
-        return jnp.reshape(jnp.swapaxes(a, 0, 1), (k * m, *jnp.shape(a)[2:]))
+        every_k, m = jnp.shape(a)[:2]
+        return jnp.reshape(jnp.swapaxes(a, 0, 1), (every_k * m, *jnp.shape(a)[2:]))
 
     return jax.tree.map(unstride, stacked)

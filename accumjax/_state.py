@@ -1,5 +1,5 @@
 """`AccumulationState`, the state of `accumjax.accumulate`, and how the package finds and
-checks it: K in its type (`k_tag`), the state inside an optax combinator's (`locate`,
+checks it: K in its type (`tag_for_every_k`), the state inside an optax combinator's (`locate`,
 `unwrap`), a state made for another K or scaling (`check_made_for`), a transformation's
 `Config` (`config_of`).
 """
@@ -27,9 +27,9 @@ __all__ = [
     "check_made_for",
     "closed_its_window",
     "config_of",
-    "k_changed",
-    "k_of_tag",
-    "k_tag",
+    "every_k_changed",
+    "every_k_of_tag",
+    "tag_for_every_k",
     "locate",
     "unwrap",
     "where",
@@ -47,7 +47,7 @@ class AccumulationState(NamedTuple):
       every_k: K of the current window (from the schedule), int32.
       every_k_tag: K in the state's type, so that ``jit`` sees it at trace time: ``False``
         repeated K times (shape ``(K,)``, K bytes) for an int K, shape ``(1, 1)`` for a
-        schedule (`k_tag`). A state restored into an `accumjax.accumulate` of another K is
+        schedule (`tag_for_every_k`). A state restored into an `accumjax.accumulate` of another K is
         refused when traced, and by orbax's restore into a target of another K.
       scaling_code: index of the scaling strategy in `accumjax.scaling.SCALINGS`, int32; a
         state is refused by an `accumulate` with another strategy (or another int K).
@@ -85,39 +85,39 @@ class AccumulationState(NamedTuple):
 _SCHEDULE_TAG = (1, 1)
 
 
-def k_tag(every_k: int | None) -> jax.Array:
+def tag_for_every_k(every_k: int | None) -> jax.Array:
     """`AccumulationState.every_k_tag` for an int K, or for a schedule (None).
 
     Example:
-      >>> k_tag(4).shape, k_tag(None).shape
+      >>> tag_for_every_k(4).shape, tag_for_every_k(None).shape
       ((4,), (1, 1))
     """
     return jnp.zeros(_SCHEDULE_TAG if every_k is None else (every_k,), bool)
 
 
-def k_of_tag(shape: tuple[int, ...]) -> int | None:
+def every_k_of_tag(shape: tuple[int, ...]) -> int | None:
     """The int K an `AccumulationState.every_k_tag` of this shape was made for, None for a
     schedule.
 
     Example:
-      >>> k_of_tag((4,)), k_of_tag((1, 1))
+      >>> every_k_of_tag((4,)), every_k_of_tag((1, 1))
       (4, None)
     """
     if tuple(shape) == _SCHEDULE_TAG:
         return None
-    (k,) = shape
-    return k
+    (every_k,) = shape
+    return every_k
 
 
-def k_changed(made: int | None, uses: int | None) -> str:
+def every_k_changed(made: int | None, uses: int | None) -> str:
     """Why a state made for K ``made`` does not fit an `accumjax.accumulate` of K ``uses``
     (None: a schedule), and what to write instead.
 
     Example:
-      >>> print(k_changed(4, 8).splitlines()[0])
+      >>> print(every_k_changed(4, 8).splitlines()[0])
       this optimizer state was made with every_k=4; this accumulate uses every_k=8.
     """
-    name = lambda k: "an every_k schedule" if k is None else f"every_k={k}"
+    name = lambda every_k: "an every_k schedule" if every_k is None else f"every_k={every_k}"
     resume = "the same schedule" if made is None else f"accumjax.with_every_k(tx, {made})"
     return (
         f"this optimizer state was made with {name(made)}; this accumulate uses {name(uses)}.\n"
@@ -223,9 +223,9 @@ def check_made_for(state: AccumulationState, every_k: int | None, scaling: str) 
       ...
       ValueError: this optimizer state was made with every_k=4; this accumulate uses every_k=8...
     """
-    made_k = k_of_tag(jnp.shape(state.every_k_tag))
-    if made_k != every_k:
-        raise ValueError(k_changed(made_k, every_k))
+    made_every_k = every_k_of_tag(jnp.shape(state.every_k_tag))
+    if made_every_k != every_k:
+        raise ValueError(every_k_changed(made_every_k, every_k))
     got_code = scaling_lib.concrete_value(state.scaling_code)
     made = None if got_code is None else scaling_lib.SCALINGS[int(got_code)]
     if made is not None and not scaling_lib.compatible(made, scaling):

@@ -17,7 +17,7 @@ import accumjax._window as window_lib
 from accumjax._config import Config
 from accumjax._control import select_once
 from accumjax._multisteps import check_inner_state
-from accumjax._state import check_made_for, k_tag
+from accumjax._state import check_made_for, tag_for_every_k
 from accumjax.accumulation_state import AccumulationState
 
 __all__ = [
@@ -75,7 +75,7 @@ def init_state(
     return AccumulationState(
         window=window,
         every_k=config.every_k_at(update_count),
-        every_k_tag=k_tag(config.static_every_k),
+        every_k_tag=tag_for_every_k(config.static_every_k),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.scaling), jnp.int32),
         update_count=update_count,
         inner_tx_state=inner_tx_state,

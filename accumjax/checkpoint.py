@@ -32,7 +32,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Shard
 
 import accumjax._window as window_lib
 from accumjax._layout import partial_sums_layout
-from accumjax._state import k_changed, k_of_tag
+from accumjax._state import every_k_changed, every_k_of_tag
 
 __all__ = ["restore_checkpoint"]
 
@@ -119,10 +119,12 @@ class _Plan:
         sharding = _sharding(target, self.mesh)
 
         def build(read: Any) -> Any:
-            uses = k_of_tag(tuple(target.shape)) if len(target.shape) < 2 else None
+            uses = every_k_of_tag(tuple(target.shape)) if len(target.shape) < 2 else None
             made = int(jax.device_get(read[every_k]).flat[0])
             if uses is not None and made != uses:
-                raise ValueError(f"the checkpoint does not fit the target: {k_changed(made, uses)}")
+                raise ValueError(
+                    f"the checkpoint does not fit the target: {every_k_changed(made, uses)}"
+                )
             return jax.device_put(jnp.zeros(target.shape, target.dtype), sharding)
 
         return build
@@ -240,10 +242,10 @@ def _k_mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str | None:
     if _key(path[-1]) != "every_k_tag":
         return None
     try:
-        made, uses = k_of_tag(tuple(stored.shape)), k_of_tag(tuple(target.shape))
+        made, uses = every_k_of_tag(tuple(stored.shape)), every_k_of_tag(tuple(target.shape))
     except ValueError:
         return None
-    return f"the checkpoint does not fit the target: {k_changed(made, uses)}"
+    return f"the checkpoint does not fit the target: {every_k_changed(made, uses)}"
 
 
 def _read_tree(read: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:
