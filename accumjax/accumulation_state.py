@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +19,7 @@ import accumjax._scaling as scaling_lib
 import accumjax._state as state_lib
 import accumjax._window as window_lib
 from accumjax._layout import REPLICATED, accumulator_bytes, partial_sums_layout
-from accumjax._moved import forward_moved
+from accumjax._moved import REMOVED_IN, forward_moved
 from accumjax._state import AccumulationState
 
 __all__ = [
@@ -40,7 +41,9 @@ class AccumulationStats(NamedTuple):
     """What `stats` reports about an `AccumulationState`.
 
     Attributes:
-      accumulation_steps: K of the current window.
+      every_k: K of the current window, as ``accumulate(inner, every_k)`` states it (the
+        property ``accumulation_steps``, its 0.5 name, still reads it, with a
+        ``DeprecationWarning``).
       current_step: calls seen in the current window.
       total_cycles: inner updates applied so far.
       max_grad_norm: largest norm of an applied window gradient.
@@ -66,7 +69,7 @@ class AccumulationStats(NamedTuple):
     measure, nor the parameters): pass the train state, ``accumjax.stats(state)``.
     """
 
-    accumulation_steps: jax.Array
+    every_k: jax.Array
     current_step: jax.Array
     total_cycles: jax.Array
     max_grad_norm: jax.Array
@@ -76,6 +79,17 @@ class AccumulationStats(NamedTuple):
     skipped_windows: jax.Array
     num_parameters: int | None
     memory_bytes: int | None
+
+    @property
+    def accumulation_steps(self) -> jax.Array:
+        """``every_k`` under its 0.5 name, with a ``DeprecationWarning`` (removed in 0.6)."""
+        warnings.warn(
+            "AccumulationStats.accumulation_steps is deprecated and will be removed in "
+            f"accumjax {REMOVED_IN}: read every_k (the K of accumulate(inner, every_k)).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.every_k
 
 
 def should_update(state: Any) -> jax.Array:
@@ -206,7 +220,7 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
       >>> import jax.numpy as jnp, optax, accumjax
       >>> state = accumjax.accumulate(optax.sgd(0.1), 8).init({"w": jnp.zeros((4, 4))})
       >>> s = accumjax.stats(state)
-      >>> int(s.accumulation_steps), s.num_parameters, s.memory_bytes
+      >>> int(s.every_k), s.num_parameters, s.memory_bytes
       (8, 16, 64)
       >>> scan = accumjax.make_train_step(lambda p, b: jnp.sum(p["w"] * b), mode="scan")
       >>> train_state = scan.init({"w": jnp.zeros((4, 4))}, accumjax.accumulate(optax.sgd(0.1), 8))
@@ -229,7 +243,7 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
     # The closed windows' counts plus the open window's, so a NaN shows at once.
     nonfinite = window_lib.saturating_add(state.nonfinite_count, window.window_nonfinite)
     return AccumulationStats(
-        accumulation_steps=state.every_k,
+        every_k=state.every_k,
         current_step=window.micro_step,
         total_cycles=state.update_count,
         max_grad_norm=state.max_grad_norm,
