@@ -54,7 +54,7 @@ def _traced(tree: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
-def _abstract(tree: Any) -> bool:
+def _is_abstract(tree: Any) -> bool:
     leaves = jax.tree.leaves(tree)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
@@ -71,7 +71,7 @@ def _check_is_state(state: Any, f16: bool) -> None:
         )
 
 
-def _where(leaf: jax.Array) -> str:
+def _placement(leaf: jax.Array) -> str:
     """``mesh (data=4) of devices [0, 1, 2, 3]``, or ``devices [...]`` off a mesh."""
     sharding = leaf.sharding
     devices = f"devices {sorted(d.id for d in sharding.device_set)}"
@@ -96,7 +96,7 @@ def _devices_apart(state: Any, batch: Any) -> str | None:
     for name, leaf in named[1:]:
         if leaf.sharding.device_set != ref.sharding.device_set:
             return (
-                f"{first} is on the {_where(ref)}, but {name} is on the {_where(leaf)}: a "
+                f"{first} is on the {_placement(ref)}, but {name} is on the {_placement(leaf)}: a "
                 "step's arrays must all be on one mesh. Put the state and the batch on the "
                 "same mesh (jax.device_put(x, NamedSharding(mesh, spec)))."
             )
@@ -163,7 +163,7 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
             return x
         if isinstance(now, NamedSharding) and len(now.device_set) > 1:
             raise ValueError(
-                f"{name}{jax.tree_util.keystr(path)} lies on the {_where(x)}, but the step "
+                f"{name}{jax.tree_util.keystr(path)} lies on the {_placement(x)}, but the step "
                 f"runs on the mesh {dict(mesh.shape)} of devices "
                 f"{sorted(d.id for d in mesh.devices.flat)}; the two differ in "
                 f"{mesh_lib.mesh_difference(now.mesh, mesh)}. A step's arrays must lie on one "
@@ -456,7 +456,7 @@ class TrainStep:
         specs = self._zero_specs(tx, params, plan) or _opt_specs(tx, params)
         build, jitted = self._builder(tx, self._window_where(plan), specs)
         args = (params, model_state, loss_scale)
-        if _abstract(params):
+        if _is_abstract(params):
             shapes = jax.eval_shape(build, *args)
             shardings = jitted.lower(*args).compile().output_shardings
             state = jax.tree.map(

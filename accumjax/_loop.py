@@ -2,7 +2,7 @@
 
 `begin` reads K and the policies from the state's optimizer and bundles everything a window
 needs into one `Context` (as optax's microbatching ``Accumulator`` bundles init, update and
-finalize); every function below takes that one value. One microbatch (`microbatch`) computes
+finalize); every function below takes that one value. One microbatch (`run_microbatch`) computes
 its gradient with the loss adapter, adds it to the window (`accumjax.window`) and keeps its
 model state and loss only when it was added (`follow_decision`, which scan mode's
 `accumjax._scan.sum_decided` calls too). `close_fields` closes a window: one reduction, the
@@ -46,9 +46,9 @@ __all__ = [
     "close_fields",
     "finish",
     "follow_decision",
-    "gradient",
+    "loss_and_grads",
     "loss_share",
-    "microbatch",
+    "run_microbatch",
     "pvary",
     "start_carry",
     "stream_close",
@@ -232,7 +232,7 @@ class Carry(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What microbatches produced: one microbatch (`microbatch`), or a window's run once over
+    """What microbatches produced: one microbatch (`run_microbatch`), or a window's run once over
     its microbatches (scan mode's pass, `accumjax._scan.window_loop`).
 
     Attributes:
@@ -318,7 +318,7 @@ def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | N
     return w.astype(jnp.float32)
 
 
-def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
+def loss_and_grads(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
     """``(loss, new model state, aux, grads, weight)`` of one microbatch; at trace time, a
     warning for a plain ``BatchNorm`` whose statistics the loss moves while K > 1."""
     setup = ctx.setup
@@ -353,7 +353,7 @@ def loss_share(ctx: Context) -> Any:
 Pool = Callable[[Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
 
 
-def microbatch(
+def run_microbatch(
     ctx: Context,
     carry: Carry,
     params: Any,
@@ -375,7 +375,7 @@ def microbatch(
     loss metric, the model state and the aux the whole microbatch's; ``carry.model_state`` is
     then the state its gradient starts from.
     """
-    loss, new_model_state, aux, grads, weight = gradient(
+    loss, new_model_state, aux, grads, weight = loss_and_grads(
         ctx, params, carry.model_state, batch, index
     )
     config = ctx.config
@@ -517,7 +517,7 @@ def stream_step(setup: Setup) -> Step:
         params = pvary(state.params, setup.pmap_axis)
         first = not ctx.accumulating
         carry = start_carry(state, acc)
-        outcome = microbatch(ctx, carry, params, batch, acc.window.micro_step, first=first)
+        outcome = run_microbatch(ctx, carry, params, batch, acc.window.micro_step, first=first)
         return stream_close(ctx, state, acc, outcome)
 
     return step
@@ -538,7 +538,7 @@ def stream_close(
     (`finish`). ``acc``: the state's `AccumulationState`; ``laid_out`` (ZeRO on a mesh): the
     closed fields laid out where they lie again (GSPMD may lay the close's loop outputs out
     otherwise); ``at_once``: close without the condition (default: a plain optimizer's
-    window of one microbatch, which `microbatch` opened with ``first``)."""
+    window of one microbatch, which `run_microbatch` opened with ``first``)."""
     added = outcome.added
     opt = acc._replace(window=outcome.carry.window, updated=jnp.zeros((), bool), added=added)
     fields = Carry(

@@ -37,7 +37,7 @@ from accumjax._loop import (
     begin,
     close_fields,
     loss_share,
-    microbatch,
+    run_microbatch,
     stream_close,
     stream_step,
 )
@@ -196,7 +196,7 @@ def _local_call(
     zero = jnp.zeros((), jnp.float32)
     carry = Carry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
     pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
-    out = microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
+    out = run_microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
     window = _retyped(out.carry.window, type(open_window))
     return window, out.carry.model_state, out.loss, out.aux, out.added, out.nonfinite
 

@@ -22,12 +22,12 @@ __all__ = [
     "gathered",
     "global_norm",
     "own_shard",
-    "pack",
+    "pack_flat",
     "psum_together",
     "reduce_leaves",
     "reduced_per_microbatch",
     "sharded_norm",
-    "unpack",
+    "unpack_flat",
 ]
 
 
@@ -84,15 +84,15 @@ def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
     return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
 
 
-def pack(parts: Any, dtype: Any) -> jax.Array:
+def pack_flat(parts: Any, dtype: Any) -> jax.Array:
     """The leaves of ``parts`` (a pytree of arrays) as one flat ``dtype`` vector: what travels
-    in one all-reduce (`unpack` cuts it back)."""
+    in one all-reduce (`unpack_flat` cuts it back)."""
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(parts)]
     return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves] or [jnp.zeros(0, dtype)])
 
 
-def unpack(flat: jax.Array, like: Any, dtype: Any = None) -> Any:
-    """`pack` undone: ``flat`` cut into the structure and shapes of ``like``, each leaf in
+def unpack_flat(flat: jax.Array, like: Any, dtype: Any = None) -> Any:
+    """`pack_flat` undone: ``flat`` cut into the structure and shapes of ``like``, each leaf in
     ``dtype`` (None: its own type, at least float32), real unless that type is complex."""
     leaves, treedef = jax.tree.flatten(like)
     out, offset = [], 0
@@ -121,7 +121,9 @@ def psum_together(parts: dict[str, Any], axis: str) -> dict[str, Any]:
     """
     values = list(parts.values())
     dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(values))
-    return dict(zip(parts, unpack(jax.lax.psum(pack(values, dtype), axis), values), strict=True))
+    return dict(
+        zip(parts, unpack_flat(jax.lax.psum(pack_flat(values, dtype), axis), values), strict=True)
+    )
 
 
 def cross_device_reduce(
@@ -153,8 +155,8 @@ def cross_device_reduce(
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
     into = {i: cast(int, plan[i].optimizer) for i in scattered}
-    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack(riders, dtype))
-    return jax.tree.unflatten(treedef, leaves), unpack(stacked, riders, jnp.float32)
+    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack_flat(riders, dtype))
+    return jax.tree.unflatten(treedef, leaves), unpack_flat(stacked, riders, jnp.float32)
 
 
 def reduce_leaves(

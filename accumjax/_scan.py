@@ -31,8 +31,8 @@ from accumjax._loop import (
     finish,
     follow_decision,
     loss_share,
-    microbatch,
     pvary,
+    run_microbatch,
     start_carry,
 )
 from accumjax._split import rows_in_order, strided_microbatches
@@ -110,7 +110,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
         if ctx.sum_can_decide:
             outcome = sum_decided(ctx, carry, p, mb, i, gate, reading)
         else:
-            outcome = microbatch(ctx, carry, p, mb, i, gate=gate)
+            outcome = run_microbatch(ctx, carry, p, mb, i, gate=gate)
         return outcome.carry, _marks(ctx, outcome)
 
     one = jax.jit(one)
@@ -132,7 +132,7 @@ def sum_decided(
 ) -> Outcome:
     """One microbatch of a window its sum decides (`Context.sum_can_decide`): added where
     ``gate`` without its gradient being read (the window's sum is), or, ``reading``, written
-    over the carry's sum (no longer needed) and read there as `accumjax._loop.microbatch`
+    over the carry's sum (no longer needed) and read there as `accumjax._loop.run_microbatch`
     reads it: found non-finite, it keeps no model state and counts in no loss.
 
     Only the write is this function's own; the decision is
@@ -141,7 +141,7 @@ def sum_decided(
     `accumjax._loop.follow_decision`'s, as for every other microbatch.
     """
     # No weight: `Context.sum_can_decide` holds only without a ``weight_fn``.
-    loss, new_model_state, aux, grads, _ = loop_lib.gradient(
+    loss, new_model_state, aux, grads, _ = loop_lib.loss_and_grads(
         ctx, params, carry.model_state, batch, index
     )
     gate = jnp.asarray(gate) & ~reading  # a reading pass adds nothing: its weight sum stays 0
@@ -165,7 +165,7 @@ def sum_decided(
 def _empty(ctx: Context, like: Carry) -> Carry:
     """An empty window shaped like ``like``'s, no loss yet, on ``like``'s model state."""
     zero = jnp.zeros((), jnp.float32)
-    window = window_lib.empty_like(like.window)
+    window = window_lib.emptied_window(like.window)
     carry = Carry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
     return pvary(carry, ctx.setup.pmap_axis)
 
@@ -197,7 +197,7 @@ def _marks(
     ctx: Context, outcome: Outcome
 ) -> tuple[Any, MicrobatchDecision | None, jax.Array | None]:
     """What a microbatch leaves in the loop's stacked outputs: its aux, and its decision and
-    loss parts (as `accumjax._loop.microbatch` adds them) when it was added as it came."""
+    loss parts (as `accumjax._loop.run_microbatch` adds them) when it was added as it came."""
     v = outcome.decision
     if v is None:
         return outcome.aux, None, None
@@ -225,7 +225,7 @@ def _microbatch_loop(
         p, mb = take(jnp.zeros((), jnp.int32))
         first = ctx.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
-        outcome = microbatch(ctx, start, p, mb, 0, first=first)
+        outcome = run_microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
         return _pass(outcome.carry, marks)
     gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
@@ -303,7 +303,7 @@ def decide_added(
     skips = ctx.config.on_nonfinite == "skip_microbatch"
     if first.decision is None or not (skips or read) or ctx.every_k == 1:
         return closed, model_state, extras
-    none_refused = closed.nonfinite_count == 0
+    all_finite = closed.nonfinite_count == 0
 
     def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         before = operand[0]
@@ -312,12 +312,12 @@ def decide_added(
         counts = ("nonfinite_count", "skipped_count", "accepted")
         after = after._replace(**{name: getattr(before, name) for name in counts})
         if read:  # the loss metric as the first pass that read them has it
-            pick = lambda a, b: jnp.where(none_refused, a, b)
+            pick = lambda a, b: jnp.where(all_finite, a, b)
             extras = jax.tree.map(pick, operand[2], extras)
         return after, model_state, extras
 
-    redo = ~none_refused if skips else jnp.zeros((), bool)
-    redo = (redo | none_refused) if read else redo
+    redo = ~all_finite if skips else jnp.zeros((), bool)
+    redo = (redo | all_finite) if read else redo
     redo = redo & jnp.any(cast(jax.Array, closed.accepted))
     return window_lib.run_once(redo, again, (closed, model_state, extras))
 

@@ -1,7 +1,7 @@
 """`AccumulationState`, the state of `accumjax.accumulate`, and how the package finds and
-checks it: K in its type (`tag_for_every_k`), the state inside an optax combinator's (`locate`,
-`unwrap`), a state made for another K or scaling (`check_made_for`), a transformation's
-`Config` (`config_of`).
+checks it: K in its type (`tag_for_every_k`), the state inside an optax combinator's
+(`locate`, `accumulation_state_in`), a state made for another K or scaling
+(`check_made_for`), a transformation's `Config` (`config_of`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ __all__ = [
     "every_k_of_tag",
     "tag_for_every_k",
     "locate",
-    "unwrap",
-    "where",
+    "accumulation_state_in",
+    "path_string",
 ]
 
 
@@ -170,14 +170,14 @@ def locate(state: Any, kind: type = AccumulationState) -> list[Found]:
     Returns:
       A list of ``(keys, nodes)``, one for each node found (a node inside a found one is not
       looked for): ``keys``, the ``jax.tree_util`` key of each step down to it
-      (`where` writes them as ``"[1].inner_state"``); ``nodes``, the nodes along the way,
+      (`path_string` writes them as ``"[1].inner_state"``); ``nodes``, the nodes along the way,
       ``state`` first and the node found last (a ``tuple`` for a chain's state, an
       ``optax.MaskedState``, ...).
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
       >>> tx = optax.chain(optax.scale(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
-      >>> [(where(keys), [type(n) for n in nodes[:-1]])
+      >>> [(path_string(keys), [type(n) for n in nodes[:-1]])
       ...  for keys, nodes in locate(tx.init({"w": jnp.zeros(2)}))]
       [('[1]', [<class 'tuple'>])]
     """
@@ -186,12 +186,12 @@ def locate(state: Any, kind: type = AccumulationState) -> list[Found]:
     return found
 
 
-def where(keys: tuple[Any, ...]) -> str:
+def path_string(keys: tuple[Any, ...]) -> str:
     """Where `locate`'s ``keys`` lead, as ``jax.tree_util.keystr`` writes it: ``state<where>``
     is the node found.
 
     Example:
-      >>> where((jax.tree_util.SequenceKey(1),))
+      >>> path_string((jax.tree_util.SequenceKey(1),))
       '[1]'
     """
     return jax.tree_util.keystr(keys)
@@ -234,7 +234,7 @@ def check_made_for(state: AccumulationState, every_k: int | None, scaling: str) 
         )
 
 
-def unwrap(state: Any) -> AccumulationState:
+def accumulation_state_in(state: Any) -> AccumulationState:
     """The `AccumulationState` inside ``state``: itself, Flax NNX's variable-wrapped copy, or
     the one inside an optax combinator's state (``optax.chain``, ``optax.masked``, ...);
     refused when a train step donated its arrays.
@@ -259,17 +259,18 @@ def unwrap(state: Any) -> AccumulationState:
             "or the optax state that holds it."
         )
     if len(found) > 1:
-        paths = ", ".join(f"state{where(keys)}" for keys, _ in found)
+        paths = ", ".join(f"state{path_string(keys)}" for keys, _ in found)
         raise ValueError(
             f"this {type(state).__name__} holds {len(found)} accumjax AccumulationStates, at "
-            f"{paths}: pass the one you mean (e.g. accumjax.stats(state{where(found[0][0])}))."
+            f"{paths}: pass the one you mean "
+            f"(e.g. accumjax.stats(state{path_string(found[0][0])}))."
         )
     ((keys, nodes),) = found
     for wrapper in map(type, nodes[:-1]):
         if wrapper in _DOUBLE_COUNTING:
             name, note = _DOUBLE_COUNTING[wrapper]
             raise ValueError(
-                f"the accumjax AccumulationState at state{where(keys)} sits inside {name}'s "
+                f"the accumjax AccumulationState at state{path_string(keys)} sits inside {name}'s "
                 f"state ({wrapper.__name__}). {note}"
             )
     return nodes[-1]

@@ -46,7 +46,7 @@ __all__ = [
     "close_window",
     "count_microbatch",
     "denominator",
-    "empty_like",
+    "emptied_window",
     "first_microbatch",
     "global_norm",
     "init_window",
@@ -177,7 +177,7 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
     return Window(grad_sum, jnp.zeros((), jnp.float32), count(), count(), count())
 
 
-def empty_like(window: Any) -> Any:
+def emptied_window(window: Any) -> Any:
     """``window`` (a `Window` or `DeviceWindow`) emptied: zero sums and counters, with the
     same shapes, dtypes and shardings."""
     return window._replace(
@@ -260,7 +260,7 @@ def add_microbatch(
         (`accumjax._decision.add_condition`).
       first: open a window with this microbatch (`first_microbatch`): ``window`` only gives
         the accumulator dtypes, and the gradient becomes the accumulator, without the zeros
-        of ``add_microbatch(config, empty_like(window), ...)`` (XLA can reuse the
+        of ``add_microbatch(config, emptied_window(window), ...)`` (XLA can reuse the
         gradient's buffer); ``reduce`` is not used.
 
     Returns:
@@ -315,7 +315,7 @@ def _opened(
         g = _scaled(config, m, g.astype(a.dtype))
         return g if gate is None else jnp.where(gate, g, jnp.zeros_like(g))
 
-    return empty_like(like)._replace(
+    return emptied_window(like)._replace(
         grad_sum=jax.tree.map(start, like.grad_sum, source),
         weight_sum=m.weight,
         micro_step=jnp.ones((), jnp.int32),
@@ -439,8 +439,8 @@ def close_window(
             skipped = per_device(counted.window_skipped)
         decisions, extras = summed["decisions"], summed["extras"]
     if decisions is not None:
-        ok, refused = window_decisions(config.scaling, decisions)
-        nonfinite = skipped = refused
+        ok, not_accepted = window_decisions(config.scaling, decisions)
+        nonfinite = skipped = not_accepted
     denom = denominator(config.scaling, every_k, weight_sum, devices)
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.

@@ -247,7 +247,7 @@ def _after_close(
     apply = closed.apply
     update_count = jnp.where(apply, optax.safe_increment(state.update_count), state.update_count)
     return state._replace(
-        window=window_lib.empty_like(state.window),
+        window=window_lib.emptied_window(state.window),
         every_k=config.every_k_at(update_count),
         update_count=update_count,
         inner_tx_state=inner_state,

@@ -24,7 +24,7 @@ from accumjax._checks import (
     check_choice,
     check_int,
     check_real,
-    refuse_unknown,
+    raise_on_unknown_kwargs,
 )
 from accumjax._config import (
     ON_NONFINITE,
@@ -233,7 +233,7 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    refuse_unknown("accumulate", multisteps, MULTISTEPS_ARGS)
+    raise_on_unknown_kwargs("accumulate", multisteps, MULTISTEPS_ARGS)
     if every_k is None:
         raise TypeError("accumulate needs every_k, K: accumulate(inner, every_k=K).")
     check_inner(inner)

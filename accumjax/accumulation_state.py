@@ -108,7 +108,7 @@ def should_update(state: Any) -> jax.Array:
       >>> bool(accumjax.should_update(state))
       True
     """
-    state = state_lib.unwrap(state)
+    state = state_lib.accumulation_state_in(state)
     return state.window.micro_step + 1 >= state.every_k
 
 
@@ -131,7 +131,7 @@ def has_updated(state: Any) -> jax.Array:
       >>> bool(accumjax.has_updated(state))
       True
     """
-    return state_lib.unwrap(state).updated
+    return state_lib.accumulation_state_in(state).updated
 
 
 def accumulated_gradients(state: Any) -> Any:
@@ -157,7 +157,7 @@ def accumulated_gradients(state: Any) -> Any:
       >>> accumjax.accumulated_gradients(state)["w"]
       Array(3., dtype=float32)
     """
-    state = state_lib.unwrap(state)
+    state = state_lib.accumulation_state_in(state)
     window = state.window
     total = window_lib.window_sum(window)
     if total is None:
@@ -175,7 +175,7 @@ def reset(state: Any) -> Any:
 
     Args:
       state: an `AccumulationState`, or an optax combinator's state holding exactly one
-        (``optax.chain``, ``optax.masked``, ...; see `unwrap`).
+        (``optax.chain``, ``optax.masked``, ...; see `accumulation_state_in`).
 
     Returns:
       ``state`` with its `AccumulationState`'s window empty: a zero accumulator,
@@ -188,9 +188,9 @@ def reset(state: Any) -> Any:
       >>> int(accumjax.reset(state)[1].window.micro_step)
       0
     """
-    state_lib.unwrap(state)  # exactly one, where it can be used
+    state_lib.accumulation_state_in(state)  # exactly one, where it can be used
     is_acc = lambda x: isinstance(x, AccumulationState)
-    empty = lambda acc: acc._replace(window=window_lib.empty_like(acc.window))
+    empty = lambda acc: acc._replace(window=window_lib.emptied_window(acc.window))
     return jax.tree.map(lambda x: empty(x) if is_acc(x) else x, state, is_leaf=is_acc)
 
 
@@ -238,7 +238,7 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
     params, tx = getattr(state, "params", None), getattr(state, "tx", None)
     if layout is not None and params is not None:
         _check_plan_fits(layout, params)
-    state = state_lib.unwrap(getattr(state, "opt_state", state))
+    state = state_lib.accumulation_state_in(getattr(state, "opt_state", state))
     window = state.window
     # The closed windows' counts plus the open window's, so a NaN shows at once.
     nonfinite = window_lib.saturating_add(state.nonfinite_count, window.window_nonfinite)

@@ -63,7 +63,7 @@ from accumjax._batch_norm_windows import (
     warn_if_open,
     warn_plain_batch_norm,
 )
-from accumjax._state import closed_its_window, unwrap
+from accumjax._state import accumulation_state_in, closed_its_window
 from accumjax._variables import is_variable, unwrap_variables
 from accumjax.batch_norm_convert import convert_batch_norm_variables
 
@@ -454,7 +454,7 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
       >>> int(net.norm.acc_step[...])
       0
     """
-    state = unwrap(opt_state)
+    state = accumulation_state_in(opt_state)
     check_no_self_closing(new_stats, "sync_batch_norm")
     _check_not_live(new_stats, old_stats)
     new_stats, old_stats = _pure(new_stats), _pure(old_stats)

@@ -32,7 +32,7 @@ from accumjax._checks import (
     check_choice,
     check_int,
     check_mesh_axis,
-    refuse_unknown,
+    raise_on_unknown_kwargs,
 )
 from accumjax._host import TrainStep, wrap
 from accumjax._layout import check_optimizer_sharding
@@ -215,7 +215,7 @@ def make_train_step(
       >>> int(state.step), bool(metrics["updated"]), round(float(metrics["loss"]), 2)
       (1, True, 8.35)
     """
-    refuse_unknown("make_train_step", removed, _REMOVED)
+    raise_on_unknown_kwargs("make_train_step", removed, _REMOVED)
     check_callable("loss_fn", loss_fn, optional=False)
     compute_dtype = _PRECISIONS[
         check_choice("mixed_precision", mixed_precision, tuple(_PRECISIONS))
