@@ -36,7 +36,7 @@ from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState
 
 __all__ = [
-    "Carry",
+    "LoopCarry",
     "Context",
     "Outcome",
     "Pool",
@@ -207,7 +207,7 @@ class Context(NamedTuple):
         )
 
 
-class Carry(NamedTuple):
+class LoopCarry(NamedTuple):
     """What a step carries through its loops: while microbatches are added, the open window
     and the loss metric's running sums; through the window's close, the parts of the state
     it may change. A field the loop does not carry is None.
@@ -249,7 +249,7 @@ class Outcome(NamedTuple):
         device, float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
     """
 
-    carry: Carry
+    carry: LoopCarry
     loss: Any
     aux: Any
     added: Any = None
@@ -355,7 +355,7 @@ Pool = Callable[[Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
 
 def run_microbatch(
     ctx: Context,
-    carry: Carry,
+    carry: LoopCarry,
     params: Any,
     batch: Any,
     index: Any,
@@ -396,7 +396,7 @@ def run_microbatch(
 
 def follow_decision(
     ctx: Context,
-    carry: Carry,
+    carry: LoopCarry,
     window: Any,
     added: Any,
     weight: Any,
@@ -404,7 +404,7 @@ def follow_decision(
     new_state: Any,
     *,
     pooled: bool = False,
-) -> tuple[Carry, jax.Array]:
+) -> tuple[LoopCarry, jax.Array]:
     """``(carry, loss)`` after one microbatch: ``window`` (the window with it), the model
     state it left (``new_state``) kept only where ``added`` (``pooled``: the whole
     microbatch's, kept), its loss (cast as the loss sum) counted with ``weight`` (None: 1)."""
@@ -416,7 +416,7 @@ def follow_decision(
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
     loss_weight = carry.loss_weight + w * loss_share(ctx)
-    carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
+    carry = LoopCarry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
     return carry, loss
 
 
@@ -425,9 +425,9 @@ def follow_decision(
 
 def close_fields(
     ctx: Context,
-    fields: Carry,
+    fields: LoopCarry,
     closed: window_lib.Closed | None = None,
-) -> Carry:
+) -> LoopCarry:
     """Closes the window: one reduction, the decision, the update, model state, loss scale.
 
     With ``closed`` (reduced and decided already, the model state closed too) only the update
@@ -449,13 +449,13 @@ def close_fields(
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule
-    return Carry(model_state, params=params, opt=opt, loss_scale=loss_scale)
+    return LoopCarry(model_state, params=params, opt=opt, loss_scale=loss_scale)
 
 
 def finish(
     ctx: Context,
     state: TrainState,
-    fields: Carry,
+    fields: LoopCarry,
     outcome: Outcome,
     *,
     skipped: jax.Array,
@@ -495,7 +495,7 @@ def finish(
 # ----------------------------------------------------------------------------- stream mode
 
 
-def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
+def start_carry(state: TrainState, acc: AccumulationState) -> LoopCarry:
     """The loop carry a step starts from: the state's window and model state, no loss yet.
 
     A scan-mode state holds no accumulator; the loop's own is made here, inside the step
@@ -505,7 +505,7 @@ def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
     if window.grad_sum is None:
         dtype = cast(Config, config_of(state.tx)).accumulator_dtype
         window = window._replace(grad_sum=window_lib.init_window(state.params, dtype).grad_sum)
-    return Carry(state.model_state, window=window, loss_sum=zero, loss_weight=zero)
+    return LoopCarry(state.model_state, window=window, loss_sum=zero, loss_weight=zero)
 
 
 def stream_step(setup: Setup) -> Step:
@@ -529,8 +529,8 @@ def stream_close(
     acc: AccumulationState,
     outcome: Outcome,
     *,
-    close: Callable[[Carry], Carry] | None = None,
-    laid_out: Callable[[Carry], Carry] | None = None,
+    close: Callable[[LoopCarry], LoopCarry] | None = None,
+    laid_out: Callable[[LoopCarry], LoopCarry] | None = None,
     at_once: bool | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """A stream call's end, after its one microbatch (``outcome``): the window closed when it
@@ -541,7 +541,7 @@ def stream_close(
     window of one microbatch, which `run_microbatch` opened with ``first``)."""
     added = outcome.added
     opt = acc._replace(window=outcome.carry.window, updated=jnp.zeros((), bool), added=added)
-    fields = Carry(
+    fields = LoopCarry(
         outcome.carry.model_state, params=state.params, opt=opt, loss_scale=ctx.loss_scale
     )
     close = close or (lambda f: close_fields(ctx, f))

@@ -30,8 +30,8 @@ from accumjax._config import Config
 from accumjax._decision import Microbatch, pooled_decision, rows_decision, weigh
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
-    Carry,
     Context,
+    LoopCarry,
     Outcome,
     Setup,
     begin,
@@ -166,7 +166,7 @@ def _mesh_call(
         acc = optimizer_side(layout, state.params, acc)[1]
         laid_out = partial(restore_layout, layout)
     aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-    carry = Carry(model_state, window=window)
+    carry = LoopCarry(model_state, window=window)
     outcome = Outcome(carry, loss, aux, added=added, nonfinite=nonfinite)
     # The window came through `add_microbatch`: even a plain optimizer's closes when full.
     return stream_close(ctx, state, acc, outcome, close=close, laid_out=laid_out, at_once=False)
@@ -194,7 +194,7 @@ def _local_call(
     window = _retyped(open_window, window_lib.Window)
     start = None if state.model_state is None else emptied(state.model_state)
     zero = jnp.zeros((), jnp.float32)
-    carry = Carry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
+    carry = LoopCarry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
     pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
     out = run_microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
     window = _retyped(out.carry.window, type(open_window))
@@ -258,7 +258,7 @@ def _share(config: Config, m: Microbatch, layout: mesh_lib.Layout) -> Microbatch
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
 
 
-def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: Carry) -> Carry:
+def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: LoopCarry) -> LoopCarry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
     config = ctx.config

@@ -22,8 +22,8 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._decision import MicrobatchDecision, sum_decision, weigh
 from accumjax._loop import (
-    Carry,
     Context,
+    LoopCarry,
     Outcome,
     Step,
     begin,
@@ -90,7 +90,7 @@ def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
 Run = Callable[..., Outcome]  # ``run(gate, over=None)``: the window's microbatches, once
 
 
-def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
+def window_loop(ctx: Context, params: Any, start: LoopCarry, batch: Any) -> Run:
     """``run(gate, over=None)``: the window over the K strided microbatches of ``batch``, in a
     loop of K trips (a known trip count, unless ``num_real_microbatches`` bounds it).
 
@@ -105,7 +105,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
     """
     take = _microbatches(ctx, params, batch)
 
-    def one(carry: Carry, i: jax.Array, gate: Any, reading: jax.Array) -> tuple[Carry, Any]:
+    def one(carry: LoopCarry, i: jax.Array, gate: Any, reading: jax.Array) -> tuple[LoopCarry, Any]:
         p, mb = take(i)
         if ctx.sum_can_decide:
             outcome = sum_decided(ctx, carry, p, mb, i, gate, reading)
@@ -128,7 +128,7 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
 
 
 def sum_decided(
-    ctx: Context, carry: Carry, params: Any, batch: Any, index: Any, gate: Any, reading: Any
+    ctx: Context, carry: LoopCarry, params: Any, batch: Any, index: Any, gate: Any, reading: Any
 ) -> Outcome:
     """One microbatch of a window its sum decides (`Context.sum_can_decide`): added where
     ``gate`` without its gradient being read (the window's sum is), or, ``reading``, written
@@ -162,11 +162,11 @@ def sum_decided(
     )
 
 
-def _empty(ctx: Context, like: Carry) -> Carry:
+def _empty(ctx: Context, like: LoopCarry) -> LoopCarry:
     """An empty window shaped like ``like``'s, no loss yet, on ``like``'s model state."""
     zero = jnp.zeros((), jnp.float32)
     window = window_lib.emptied_window(like.window)
-    carry = Carry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
+    carry = LoopCarry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
     return pvary(carry, ctx.setup.pmap_axis)
 
 
@@ -205,14 +205,14 @@ def _marks(
     return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight * loss_share(ctx)])
 
 
-def _pass(carry: Carry, marks: tuple[Any, Any, Any]) -> Outcome:
+def _pass(carry: LoopCarry, marks: tuple[Any, Any, Any]) -> Outcome:
     """A pass's `accumjax._loop.Outcome`: its carry and its microbatches' stacked `_marks`."""
     aux, decision, losses = marks
     return Outcome(carry=carry, loss=None, aux=aux, decision=decision, losses=losses)
 
 
 def _microbatch_loop(
-    ctx: Context, take: Take, one: Callable[..., Any], start: Carry, gate: Any, reading: bool
+    ctx: Context, take: Take, one: Callable[..., Any], start: LoopCarry, gate: Any, reading: bool
 ) -> Outcome:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
     ``lax.scan`` adds all K to a zero accumulator (``one`` is its body).
@@ -231,14 +231,14 @@ def _microbatch_loop(
     gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
     reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
-    def body(carry: Carry, i: jax.Array) -> tuple[Carry, Any]:
+    def body(carry: LoopCarry, i: jax.Array) -> tuple[LoopCarry, Any]:
         return one(carry, i, gates[i] if ctx.adds_before_deciding else None, reads)
 
     carry, marks = _loop_over(ctx, body, _empty(ctx, start))
     return _pass(carry, marks)
 
 
-def window_loss(carry: Carry) -> jax.Array:
+def window_loss(carry: LoopCarry) -> jax.Array:
     """The window's weighted mean loss over its added microbatches (NaN if none was)."""
     return jnp.where(carry.loss_weight > 0, carry.loss_sum / carry.loss_weight, jnp.nan)
 
@@ -259,7 +259,8 @@ def window_every_k(ctx: Context, every_k: Any) -> Any:
 #: and decided, its model state closed with the decision (BatchNorm windows pooled in the same
 #: reduction), and the values the caller reduces with it (the loss metric first).
 Close = Callable[
-    [Carry, MicrobatchDecision | None, jax.Array | None], tuple[window_lib.Closed, Any, list[Any]]
+    [LoopCarry, MicrobatchDecision | None, jax.Array | None],
+    tuple[window_lib.Closed, Any, list[Any]],
 ]
 
 
@@ -351,7 +352,9 @@ def scan_finish(
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
+    fields = LoopCarry(
+        params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale
+    )
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
@@ -361,7 +364,7 @@ def scan_finish(
         kept = optax.tree.where(fields.opt.updated, fields.model_state, state.model_state)
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
-    carry = Carry(window=window, model_state=model_state, loss_sum=zero, loss_weight=zero)
+    carry = LoopCarry(window=window, model_state=model_state, loss_sum=zero, loss_weight=zero)
     outcome = Outcome(carry=carry, loss=loss, aux=aux)
     skipped, nonfinite = closed.skipped_count, closed.nonfinite_count
     return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
@@ -384,7 +387,9 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         # gradient-sized buffer of its own (docs/limits.md).
         every_k = window_every_k(ctx, acc.every_k)
 
-        def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+        def close(
+            carry: LoopCarry, decisions: Any, losses: Any
+        ) -> tuple[window_lib.Closed, Any, list]:
             closed = window_lib.close_window(
                 config, carry.window, every_k, axis, decisions=decisions
             )

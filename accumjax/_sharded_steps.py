@@ -28,7 +28,7 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout
-from accumjax._loop import Carry, Context, Outcome, Setup, begin
+from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin
 from accumjax._reduction import reduce_leaves, reduced_per_microbatch
 from accumjax._scan import (
     accepted_loss,
@@ -234,16 +234,16 @@ def _local_window(
     ctx, layouts, global_counts, sum_dims = _sum_layout(ctx, layout, config)
     shapes = layout.local_sums(state.params, sum_dims)
     like = window_lib.init_window(shapes, config.accumulator_dtype)
-    start = Carry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
+    start = LoopCarry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
     run = window_loop(ctx, params, start, batch)
     first = run(None)
     rows = ctx.setup.aux_rows ^ 1
     aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
     every_k = window_every_k(ctx, ctx.every_k)
 
-    def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
         # What the pass produced and the devices sum: its loss parts, aux means and losses.
-        parts = Carry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
+        parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
         riders = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
         closed = window_lib.close_window(
             config,

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._mesh as mesh_lib
 from accumjax._layout import REPLICATED, LeafLayout, Reduction
-from accumjax._loop import Carry
+from accumjax._loop import LoopCarry
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
@@ -98,8 +98,11 @@ def parameter_side(layout: mesh_lib.Layout, state: TrainState, accumulating: boo
 
 
 def zero_close(
-    layout: mesh_lib.Layout, accumulating: bool, close: Callable[[Carry], Carry], fields: Carry
-) -> Carry:
+    layout: mesh_lib.Layout,
+    accumulating: bool,
+    close: Callable[[LoopCarry], LoopCarry],
+    fields: LoopCarry,
+) -> LoopCarry:
     """``close`` with the update on the parameters split like their reduced gradient, and
     the parameters and optimizer state laid out back as they lie."""
     params, opt = optimizer_side(layout, pinned(layout, fields.params), fields.opt)
@@ -123,8 +126,8 @@ def pinned(layout: mesh_lib.Layout, params: Any) -> Any:
     return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 
-def restore_layout(layout: mesh_lib.Layout, fields: Carry) -> Carry:
-    """``fields`` (a window close's `accumjax._loop.Carry`) with the parameters where they
+def restore_layout(layout: mesh_lib.Layout, fields: LoopCarry) -> LoopCarry:
+    """``fields`` (a window close's `accumjax._loop.LoopCarry`) with the parameters where they
     lie (one all-gather of a ZeRO update) and the optimizer state as planned."""
     opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))
     return fields._replace(params=_to_param_layout(layout, fields.params), opt=opt)

@@ -198,7 +198,7 @@ def accumulate(
         ``AGC(g / K, c) == AGC(g, K * c) / K``, its ``clip_factor=c`` is
         ``microbatch_transform=accumjax.adaptive_clip(K * c, eps)`` with ``scaling="mean"``
         (``docs/guides/clipping.md``). It reads the gradient as ``max_norm`` does, at that
-        memory cost (more under FSDP, where it gathers the whole gradient:
+        memory cost (more under FSDP, where it gathers the gradient full-size:
         ``docs/limits.md``); exclusive with ``max_norm`` (chain the two instead).
       **multisteps: none taken: ``optax.MultiSteps``' argument names (``every_k_schedule``,
         ``use_grad_mean``, ``should_skip_update_fn``) raise a ``TypeError`` naming what to
