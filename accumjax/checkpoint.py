@@ -107,7 +107,9 @@ class _Plan:
             return lambda read: None
         sharding = _sharding(target, self.mesh)
         if tuple(stored.shape) != tuple(target.shape):
-            raise ValueError(_k_mismatch(path, stored, target) or _mismatch(path, stored, target))
+            raise ValueError(
+                _every_k_mismatch(path, stored, target) or _mismatch(path, stored, target)
+            )
         self.read[path] = _like(tuple(stored.shape), target.dtype, sharding)
         return lambda read: read[path]
 
@@ -235,7 +237,7 @@ def _mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str:
     )
 
 
-def _k_mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str | None:
+def _every_k_mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str | None:
     """For an `accumjax.AccumulationState.every_k_tag`, that the checkpoint was made for
     another K; else None (a ``pmap`` state's tags, with their device axis, get the general
     message)."""

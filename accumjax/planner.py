@@ -223,12 +223,12 @@ def plan_microbatches_for(
     """
     if not callable(compile_for_k):
         raise TypeError(f"compile_for_k must be callable, got {type(compile_for_k).__name__}.")
-    sorted_ks = _check_candidates(candidates)
+    sorted_candidates = _check_candidates(candidates)
     budget_bytes = _check_budget(budget_bytes, "budget_bytes")
     if batch_size is not None:
         _check_budget(batch_size, "batch_size")
     return _first_fit(
-        compile_for_k, [(every_k,) for every_k in sorted_ks], budget_bytes, batch_size
+        compile_for_k, [(every_k,) for every_k in sorted_candidates], budget_bytes, batch_size
     )
 
 
@@ -520,9 +520,11 @@ def plan_microbatches(
         )
     if candidates is None:
         candidates = _divisors(batch_size // shards)
-    sorted_ks = _check_candidates(candidates)
+    sorted_candidates = _check_candidates(candidates)
     bad = [
-        every_k for every_k in sorted_ks if split_advice(batch_size, every_k, shards) is not None
+        every_k
+        for every_k in sorted_candidates
+        if split_advice(batch_size, every_k, shards) is not None
     ]
     if bad:
         raise ValueError(
@@ -541,7 +543,7 @@ def plan_microbatches(
         # One step for every K (K lives in tx), and its state built once, per layout.
         if layout not in steps:
             kwargs = make_train_step_kwargs | ({} if layout is None else {_SHARDING: layout})
-            steps[layout] = scan_step_for_k(loss_fn, state, sorted_ks[0], **kwargs)
+            steps[layout] = scan_step_for_k(loss_fn, state, sorted_candidates[0], **kwargs)
         step, laid_out = steps[layout]
         opt, tag = laid_out.opt_state, laid_out.opt_state.every_k_tag  # K is in its shape
         tag = jax.ShapeDtypeStruct((every_k,), tag.dtype, sharding=tag.sharding)
@@ -551,11 +553,13 @@ def plan_microbatches(
         return step.lower(abstract_state, abstract_batch, abstract_rng).compile()
 
     if layouts is None:
-        plan = _first_fit(compile_for, [(every_k,) for every_k in sorted_ks], budget, batch_size)
+        plan = _first_fit(
+            compile_for, [(every_k,) for every_k in sorted_candidates], budget, batch_size
+        )
         return plan._replace(optimizer_sharding=make_train_step_kwargs.get(_SHARDING, "replicated"))
     return _first_fit(
         compile_for,
-        [(every_k, lay) for every_k in sorted_ks for lay in layouts],
+        [(every_k, lay) for every_k in sorted_candidates for lay in layouts],
         budget,
         batch_size,
     )
