@@ -1,6 +1,6 @@
 """A stream-mode call on a mesh under ``jit`` (internal): one microbatch in a ``shard_map``.
 
-Each call is `accumjax._loop.microbatch` on every device with a `accumjax._loop.Pool`: the
+Each call is `accumjax._loop.run_microbatch` on every device with a `accumjax._loop.Pool`: the
 device decides about its rows, and one small all-reduce makes the decision, the loss metric,
 BatchNorm statistics, other model state and aux means the whole microbatch's. The window's
 counters advance in `accumjax._window.add_microbatch` as on one device. The state's
