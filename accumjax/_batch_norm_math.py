@@ -4,7 +4,7 @@ A call's moments (:func:`compute_moments`, all-reduced once over a device axis) 
 normalization (:func:`normalize`), both run by :func:`normalize_and_accumulate`; the merge of
 a call's statistics into the window's count, mean and ``M2`` (sum of squared deviations) by
 Chan, Golub & LeVeque's parallel update (:func:`chan_merge`, :func:`add_moments`); a closed
-window's one move of the running averages (:func:`ema`, :func:`close_stats_window`); the
+window's one move of the running averages (:func:`moving_average`, :func:`close_stats_window`); the
 configuration checks, canonical axes, dtypes and statistic names (:data:`ACCUMULATOR_NAMES`).
 
 References:
@@ -56,7 +56,7 @@ __all__ = [
     "close_stats_window",
     "complex_like",
     "compute_moments",
-    "ema",
+    "moving_average",
     "empty_stats_window",
     "normalize",
     "normalize_and_accumulate",
@@ -419,7 +419,7 @@ def chan_merge(
     return n, mean_a + delta * w_b, m2_a + m2_b + abs_squared(delta) * n_a * w_b
 
 
-def ema(old: Array, new: Array, momentum: Any, update: Array) -> Array:
+def moving_average(old: Array, new: Array, momentum: Any, update: Array) -> Array:
     """``momentum * old + (1 - momentum) * new`` where ``update``, else ``old``.
 
     In ``old``'s dtype, complex for a complex ``new`` (:func:`complex_like`). ``update``
@@ -468,7 +468,8 @@ def add_moments(
     update = jnp.logical_and(closes, n > 0)
     pooled_var = m2 / jnp.maximum(n, 1)
     new_running = Running(
-        ema(running.mean, mean, momentum, update), ema(running.var, pooled_var, momentum, update)
+        moving_average(running.mean, mean, momentum, update),
+        moving_average(running.var, pooled_var, momentum, update),
     )
     new_window = StatsWindow(
         jnp.where(closes, jnp.zeros_like(n), n),
@@ -488,7 +489,10 @@ def _close_one(
     ``1 - momentum`` into an unmasked mean's ``1 / count``): the same bits.
     """
     update = moments.count > 0
-    mean, var = (ema(r, new, momentum, update) for r, new in zip(running, moments[1:], strict=True))
+    mean, var = (
+        moving_average(r, new, momentum, update)
+        for r, new in zip(running, moments[1:], strict=True)
+    )
     empty = empty_stats_window(window.count.shape, window.count.dtype, moments.mean.dtype)
     return Running(mean, var), empty
 
@@ -506,7 +510,8 @@ def close_stats_window(
     update = jnp.logical_and(apply, window.count > 0)
     var = window.m2 / jnp.maximum(window.count, 1)
     new_running = Running(
-        ema(running.mean, window.mean, momentum, update), ema(running.var, var, momentum, update)
+        moving_average(running.mean, window.mean, momentum, update),
+        moving_average(running.var, var, momentum, update),
     )
     return new_running, empty_stats_window(
         window.count.shape, window.count.dtype, window.mean.dtype

@@ -147,9 +147,11 @@ def plain_batch_norm_paths(tree: Any, before: Any = None) -> list[str]:
     ]
 
 
-def warn_plain_batch_norm(tree: Any, where: str, k: int | None = None, before: Any = None) -> None:
+def warn_plain_batch_norm(
+    tree: Any, where: str, every_k: int | None = None, before: Any = None
+) -> None:
     """Warns (at trace time) when ``tree``, statistics of a model whose microbatches are
-    accumulated (``k`` of them a window; None: a schedule or not known), holds a plain
+    accumulated (``every_k`` of them a window; None: a schedule or not known), holds a plain
     ``BatchNorm``'s that a forward pass moves (`plain_batch_norm_paths`; ``where`` names the
     caller). Such a layer trains, but its running ``mean``/``var`` move once per microbatch,
     from that microbatch alone.
@@ -165,7 +167,7 @@ def warn_plain_batch_norm(tree: Any, where: str, k: int | None = None, before: A
     paths = plain_batch_norm_paths(tree, before)
     if not paths:
         return
-    many = "K" if k is None else f"K={k}"
+    many = "K" if every_k is None else f"K={every_k}"
     warnings.warn(
         f"{where}: the statistics at {', '.join(paths)} belong to a plain BatchNorm "
         "(flax.linen.BatchNorm or flax.nnx.BatchNorm), not an accumjax AccumBatchNorm: with "

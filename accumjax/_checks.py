@@ -25,7 +25,7 @@ __all__ = [
     "check_mesh_axis",
     "check_real",
     "is_transformation",
-    "refuse_unknown",
+    "raise_on_unknown_kwargs",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -119,14 +119,16 @@ def check_mesh_axis(axis_name: Any, mesh: Any) -> None:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
 
 
-def refuse_unknown(function: str, given: Mapping[str, Any], known: Mapping[str, str]) -> None:
+def raise_on_unknown_kwargs(
+    function: str, given: Mapping[str, Any], known: Mapping[str, str]
+) -> None:
     """Refuses the keyword arguments in ``given`` (those the signature of ``function`` does not
     take): one ``known`` maps to what to write instead is named with it, any other gets
     Python's own message.
 
     Example:
-      >>> refuse_unknown("f", {}, {"old": "write new= instead."})  # nothing given: passes
-      >>> refuse_unknown("f", {"old": 1}, {"old": "write new= instead."})
+      >>> raise_on_unknown_kwargs("f", {}, {"old": "write new= instead."})  # nothing given: passes
+      >>> raise_on_unknown_kwargs("f", {"old": 1}, {"old": "write new= instead."})
       Traceback (most recent call last):
       TypeError: f(old=...): write new= instead.
     """

@@ -80,10 +80,12 @@ class Config(NamedTuple):
         """K of the window that starts after ``update_count`` updates, int32 (>= 1)."""
         if isinstance(self.every_k, int):
             return jnp.asarray(self.every_k, jnp.int32)
-        k = jnp.asarray(self.every_k(update_count))
-        if not jnp.issubdtype(k.dtype, jnp.integer):
-            raise TypeError(f"every_k schedule must return an integer K, got dtype {k.dtype}.")
-        return jnp.clip(k, 1, INT32_MAX).astype(jnp.int32)
+        every_k = jnp.asarray(self.every_k(update_count))
+        if not jnp.issubdtype(every_k.dtype, jnp.integer):
+            raise TypeError(
+                f"every_k schedule must return an integer K, got dtype {every_k.dtype}."
+            )
+        return jnp.clip(every_k, 1, INT32_MAX).astype(jnp.int32)
 
     @property
     def detects(self) -> bool:

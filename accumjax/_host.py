@@ -45,7 +45,7 @@ def _traced(tree: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
-def _abstract(tree: Any) -> bool:
+def _is_abstract(tree: Any) -> bool:
     leaves = jax.tree.leaves(tree)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
@@ -62,7 +62,7 @@ def _check_is_state(state: Any, f16: bool) -> None:
         )
 
 
-def _where(leaf: jax.Array) -> str:
+def _placement(leaf: jax.Array) -> str:
     """``mesh (data=4) of devices [0, 1, 2, 3]``, or ``devices [...]`` off a mesh."""
     sharding = leaf.sharding
     devices = f"devices {sorted(d.id for d in sharding.device_set)}"
@@ -87,7 +87,7 @@ def _devices_apart(state: Any, batch: Any) -> str | None:
     for name, leaf in named[1:]:
         if leaf.sharding.device_set != ref.sharding.device_set:
             return (
-                f"{first} is on the {_where(ref)}, but {name} is on the {_where(leaf)}: a "
+                f"{first} is on the {_placement(ref)}, but {name} is on the {_placement(leaf)}: a "
                 "step's arrays must all be on one mesh. Put the state and the batch on the "
                 "same mesh (jax.device_put(x, NamedSharding(mesh, spec)))."
             )
@@ -110,8 +110,8 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
             "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
             "into K microbatches; a stream-mode call is one microbatch."
         )
-    k = 1 if config is None else config.static_every_k
-    real_microbatches(n, k)  # the Python-side checks (a traced value is clipped in the step)
+    every_k = 1 if config is None else config.static_every_k
+    real_microbatches(n, every_k)  # the Python-side checks (a traced value is clipped in the step)
 
 
 def _microbatch_weights(
@@ -154,7 +154,7 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
             return x
         if isinstance(now, NamedSharding) and len(now.device_set) > 1:
             raise ValueError(
-                f"{name}{jax.tree_util.keystr(path)} lies on the {_where(x)}, but the step "
+                f"{name}{jax.tree_util.keystr(path)} lies on the {_placement(x)}, but the step "
                 f"runs on the mesh {dict(mesh.shape)} of devices "
                 f"{sorted(d.id for d in mesh.devices.flat)}; the two differ in "
                 f"{mesh_lib.mesh_difference(now.mesh, mesh)}. A step's arrays must lie on one "
@@ -177,7 +177,7 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
 
 def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     """Warns when parameters that are not on ``mesh`` (of several devices), the mesh the batch
-    lies on, are about to be put there replicated (`_on_mesh`): a whole copy on every device,
+    lies on, are about to be put there replicated (`_on_mesh`): a full copy on every device,
     not FSDP, without a word. (A step made with ``mesh=`` was asked to put what is off its
     mesh on it, and says nothing.)"""
     if mesh.size <= 1:
@@ -197,7 +197,7 @@ def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     more = f" (and {len(off) - 1} more)" if len(off) > 1 else ""
     warnings.warn(
         f"params{off[0]}{more} are not on the mesh {dict(mesh.shape)} the step runs on, so "
-        "accumjax puts them there replicated: a whole copy of each on every device. To shard "
+        "accumjax puts them there replicated: a full copy of each on every device. To shard "
         "them over the data axis (FSDP), place them first, e.g. "
         "jax.device_put(params['w'], NamedSharding(mesh, P('data', None))) for a kernel "
         "(see the data-parallel guide); to replicate them without this warning, "
@@ -207,25 +207,25 @@ def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     )
 
 
-def _check_rows(batch: Any, layout: mesh_lib.Layout, k: int | None) -> None:
+def _check_rows(batch: Any, layout: mesh_lib.Layout, every_k: int | None) -> None:
     """Refuses a batch whose rows do not split over the devices of the data axis (and, in
-    scan mode, into ``k`` microbatches on each device), stating the global rule with the
+    scan mode, into ``every_k`` microbatches on each device), stating the global rule with the
     numbers; for a batch off the mesh, that accumjax puts it there."""
     n = layout.shards
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        advice = split_advice(shape[0], k or 1, n) if shape else None
+        advice = split_advice(shape[0], every_k or 1, n) if shape else None
         if advice is None:
             continue
         rows, name = shape[0], f"batch{jax.tree_util.keystr(path)}"
-        if k is None:
+        if every_k is None:
             what = f"{rows} rows on {n} devices"
             rule = f"each call's rows are split over the {n} devices: they must divide by {n}"
         else:
-            what = f"{rows} rows on {n} devices with K={k}"
+            what = f"{rows} rows on {n} devices with K={every_k}"
             rule = (
-                f"scan mode needs the batch's rows to divide by devices x K = {n} x {k} = "
-                f"{n * k} (each device splits its rows into K microbatches)"
+                f"scan mode needs the batch's rows to divide by devices x K = {n} x {every_k} = "
+                f"{n * every_k} (each device splits its rows into K microbatches)"
             )
         now = mesh_lib.sharding_of(leaf)
         if isinstance(now, NamedSharding) and now.mesh == layout.mesh:
@@ -273,8 +273,8 @@ class TrainStep:
         if layout is not None:
             config = config_of(state.tx)
             scan = self._scan and setup.batch_axis == 0  # else refused in the step
-            k = (1 if config is None else config.static_every_k) if scan else None
-            _check_rows(batch, layout, k)
+            every_k = (1 if config is None else config.static_every_k) if scan else None
+            _check_rows(batch, layout, every_k)
         if layout is not None and isinstance(layout.mesh, Mesh):  # what is off the mesh, on it
             _warn_if_replicated(state.params, layout.mesh)
             state = _on_mesh(state, layout.mesh, PartitionSpec(), "state")
@@ -374,17 +374,18 @@ class TrainStep:
         """Refuses a short batch whose real rows are not where the strided rule puts them,
         where the step can tell: ``n`` real microbatches of K given, and a ``weight_fn``
         that weighs a microbatch after them more than 0 (one small program, run here)."""
-        setup, k = self._setup, 1 if config is None else config.static_every_k
-        if not self._scan or self._pmapped or n is None or setup.weight_fn is None or k is None:
+        setup, every_k = self._setup, 1 if config is None else config.static_every_k
+        scan_only = self._scan and not self._pmapped
+        if not scan_only or n is None or setup.weight_fn is None or every_k is None:
             return
         n = int(n)
-        if not 0 <= n < k:  # all real, or out of range (refused by the call)
+        if not 0 <= n < every_k:  # all real, or out of range (refused by the call)
             return
-        weigh = self._weighers.get(k)
-        if weigh is None:
-            weigh = jax.jit(partial(_microbatch_weights, setup.weight_fn, k, setup.batch_axis))
-            self._weighers[k] = weigh
-        why = _real_rows_left_out(np.asarray(weigh(batch)), n, k)
+        if every_k not in self._weighers:
+            weights = partial(_microbatch_weights, setup.weight_fn, every_k, setup.batch_axis)
+            self._weighers[every_k] = jax.jit(weights)
+        weigh = self._weighers[every_k]
+        why = _real_rows_left_out(np.asarray(weigh(batch)), n, every_k)
         if why is not None:
             raise ValueError(why)
 
@@ -446,7 +447,7 @@ class TrainStep:
         specs = self._zero_specs(tx, params, plan) or _opt_specs(tx, params)
         build, jitted = self._builder(tx, self._window_where(plan), specs)
         args = (params, model_state, loss_scale)
-        if _abstract(params):
+        if _is_abstract(params):
             shapes = jax.eval_shape(build, *args)
             shardings = jitted.lower(*args).compile().output_shardings
             state = jax.tree.map(

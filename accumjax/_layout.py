@@ -9,19 +9,20 @@ a user chooses are rows of one table (`leaf_layout`):
 ================  =========  ===========  =========  ==============================
 layout            parameter  accumulator  optimizer  reduction
 ================  =========  ===========  =========  ==============================
-replicated        whole      whole        whole      all-reduce per window
-ZeRO-1            whole      whole        d          reduce-scatter per window
-ZeRO-2            whole      d            d          reduce-scatter per microbatch
+replicated        full       full         full       all-reduce per window
+ZeRO-1            full       full         d          reduce-scatter per window
+ZeRO-2            full       d            d          reduce-scatter per microbatch
 FSDP              d          d            d          reduce-scatter per microbatch
-FSDP ``window``   d          whole        d          reduce-scatter per window
+FSDP ``window``   d          full         d          reduce-scatter per window
 ================  =========  ===========  =========  ==============================
 
-``d`` is the parameter's split dimension (FSDP) or, for ZeRO, its first dimension that divides
-by the number of devices and no other mesh axis splits; a leaf with none stays replicated.
+``full`` is a full-size copy on every device. ``d`` is the parameter's split dimension (FSDP)
+or, for ZeRO, its first dimension that divides by the number of devices and no other mesh axis
+splits; a leaf with none stays replicated.
 
 A window kept per data shard between calls (`accumjax.window.DeviceWindow`) holds, per leaf,
 as many partial sums as its row's accumulator says (`partial_sum_count`: one per device for a
-whole accumulator, one split over the devices for a split one), on a leading axis
+full-size accumulator, one split over the devices for a split one), on a leading axis
 (`partial_sums_layout` reads a leaf's shape back; `accumulator_bytes` sizes them).
 """
 
@@ -177,7 +178,7 @@ def leaf_layout(
 def partial_sum_count(accumulator: int | None, shards: int) -> int:
     """How many parameter-sized sums of one leaf the ``shards`` devices along the data axis
     hold together when its accumulator lies as ``accumulator`` (a `LeafLayout`'s): one per
-    device when it is whole on each, one split over them when it is split. A
+    device when it is full-size on each, one split over them when it is split. A
     `accumjax.window.DeviceWindow` holds them on its leading axis.
 
     Example:

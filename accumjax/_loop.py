@@ -1,9 +1,9 @@
 """The train step's window loop (internal): the pieces scan and stream mode share.
 
 `Setup` is what `accumjax.make_train_step` fixed; `begin` builds a call's `Context`, the one
-value every function here takes. `microbatch` runs one microbatch (its `gradient`, the add,
-`follow_decision`), `close_fields` closes a window and applies it, `finish` builds the new
-state and the metrics; `stream_step` and `stream_close` are a stream-mode call.
+value every function here takes. `run_microbatch` runs one microbatch (its `loss_and_grads`,
+the add, `follow_decision`), `close_fields` closes a window and applies it, `finish` builds the
+new state and the metrics; `stream_step` and `stream_close` are a stream-mode call.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState
 
 __all__ = [
-    "Carry",
+    "LoopCarry",
     "Context",
     "Outcome",
     "Pool",
@@ -40,9 +40,9 @@ __all__ = [
     "close_fields",
     "finish",
     "follow_decision",
-    "gradient",
+    "loss_and_grads",
     "loss_share",
-    "microbatch",
+    "run_microbatch",
     "pvary",
     "start_carry",
     "stream_close",
@@ -67,7 +67,7 @@ class Setup(NamedTuple):
       loss_positional: the most positional arguments ``loss_fn`` takes
         (`positional_limit`), or None when unknown; refuses ``rng`` for a loss without a key.
       batch_axis: scan mode: each batch leaf's batch axis, or None for a leaf every
-        microbatch sees whole (`accumjax._split`).
+        microbatch sees full-size (`accumjax._split`).
       aux_rows: scan mode: per-microbatch aux back in the batch's row order.
       mesh: the step's own mesh (``make_train_step(mesh=...)``), or None to run where the
         arrays lie.
@@ -125,7 +125,7 @@ class Context(NamedTuple):
       dims: inside ``shard_map``, the dimension each parameter is split on over the data
         axis (a pytree like the parameters), for a policy that reduces each microbatch's
         whole gradient; None for none.
-      split_params: ZeRO under ``jit``: ``(to_shards, to_whole)``, the parameters as the
+      split_params: ZeRO under ``jit``: ``(to_shards, to_param_layout)``, the parameters as the
         inner optimizer updates them (split like their reduced gradient) and back (one
         all-gather), inside the update's loop; None for the parameters as they are.
     """
@@ -201,7 +201,7 @@ class Context(NamedTuple):
         )
 
 
-class Carry(NamedTuple):
+class LoopCarry(NamedTuple):
     """What a step carries through its loops: while microbatches are added, the open window
     and the loss metric's running sums; through the window's close, the parts of the state
     it may change. A field the loop does not carry is None.
@@ -226,7 +226,7 @@ class Carry(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What microbatches produced: one microbatch (`microbatch`), or a window's run once over
+    """What microbatches produced: one microbatch (`run_microbatch`), or a window's run once over
     its microbatches (scan mode's pass, `accumjax._scan.window_loop`).
 
     Attributes:
@@ -243,7 +243,7 @@ class Outcome(NamedTuple):
         device, float32 ``(K, 2)`` (the window's loss is taken over the accepted ones).
     """
 
-    carry: Carry
+    carry: LoopCarry
     loss: Any
     aux: Any
     added: Any = None
@@ -267,8 +267,8 @@ def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
             f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
             f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
         )
-    k = config.static_every_k
-    if setup.mode == "scan" and k is None:
+    every_k = config.static_every_k
+    if setup.mode == "scan" and every_k is None:
         raise TypeError(
             "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
             "splits each batch into K microbatches inside its program. For windows of "
@@ -312,7 +312,7 @@ def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | N
     return w.astype(jnp.float32)
 
 
-def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
+def loss_and_grads(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
     """``(loss, new model state, aux, grads, weight)`` of one microbatch; at trace time, a
     warning for a plain ``BatchNorm`` whose statistics the loss moves while K > 1."""
     setup = ctx.setup
@@ -325,8 +325,8 @@ def gradient(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any
         device_loss_scale(ctx.loss_scale, ctx.config.scaling, ctx.axis_name),
     )
     if model_state is not None and ctx.config.static_every_k != 1:
-        k = ctx.config.static_every_k
-        warn_plain_batch_norm(new_model_state, "make_train_step", k, before=model_state)
+        every_k = ctx.config.static_every_k
+        warn_plain_batch_norm(new_model_state, "make_train_step", every_k, before=model_state)
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 
 
@@ -347,9 +347,9 @@ def loss_share(ctx: Context) -> Any:
 Pool = Callable[[Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
 
 
-def microbatch(
+def run_microbatch(
     ctx: Context,
-    carry: Carry,
+    carry: LoopCarry,
     params: Any,
     batch: Any,
     index: Any,
@@ -369,7 +369,7 @@ def microbatch(
     loss metric, the model state and the aux the whole microbatch's; ``carry.model_state`` is
     then the state its gradient starts from.
     """
-    loss, new_model_state, aux, grads, weight = gradient(
+    loss, new_model_state, aux, grads, weight = loss_and_grads(
         ctx, params, carry.model_state, batch, index
     )
     config = ctx.config
@@ -390,7 +390,7 @@ def microbatch(
 
 def follow_decision(
     ctx: Context,
-    carry: Carry,
+    carry: LoopCarry,
     window: Any,
     added: Any,
     weight: Any,
@@ -398,7 +398,7 @@ def follow_decision(
     new_state: Any,
     *,
     pooled: bool = False,
-) -> tuple[Carry, jax.Array]:
+) -> tuple[LoopCarry, jax.Array]:
     """``(carry, loss)`` after one microbatch: ``window`` (the window with it), the model
     state it left (``new_state``) kept only where ``added`` (``pooled``: the whole
     microbatch's, kept), its loss (cast as the loss sum) counted with ``weight`` (None: 1)."""
@@ -410,7 +410,7 @@ def follow_decision(
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_sum = carry.loss_sum + weigh(w, loss)
     loss_weight = carry.loss_weight + w * loss_share(ctx)
-    carry = Carry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
+    carry = LoopCarry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
     return carry, loss
 
 
@@ -419,9 +419,9 @@ def follow_decision(
 
 def close_fields(
     ctx: Context,
-    fields: Carry,
+    fields: LoopCarry,
     closed: window_lib.Closed | None = None,
-) -> Carry:
+) -> LoopCarry:
     """Closes the window: one reduction, the decision, the update, model state, loss scale.
 
     With ``closed`` (reduced and decided already, the model state closed too) only the update
@@ -443,13 +443,13 @@ def close_fields(
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule
-    return Carry(model_state, params=params, opt=opt, loss_scale=loss_scale)
+    return LoopCarry(model_state, params=params, opt=opt, loss_scale=loss_scale)
 
 
 def finish(
     ctx: Context,
     state: TrainState,
-    fields: Carry,
+    fields: LoopCarry,
     outcome: Outcome,
     *,
     skipped: jax.Array,
@@ -489,7 +489,7 @@ def finish(
 # ----------------------------------------------------------------------------- stream mode
 
 
-def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
+def start_carry(state: TrainState, acc: AccumulationState) -> LoopCarry:
     """The loop carry a step starts from: the state's window and model state, no loss yet.
 
     A scan-mode state holds no accumulator; the loop's own is made here, inside the step
@@ -499,7 +499,7 @@ def start_carry(state: TrainState, acc: AccumulationState) -> Carry:
     if window.grad_sum is None:
         dtype = cast(Config, config_of(state.tx)).accumulator_dtype
         window = window._replace(grad_sum=window_lib.init_window(state.params, dtype).grad_sum)
-    return Carry(state.model_state, window=window, loss_sum=zero, loss_weight=zero)
+    return LoopCarry(state.model_state, window=window, loss_sum=zero, loss_weight=zero)
 
 
 def stream_step(setup: Setup) -> Step:
@@ -511,7 +511,7 @@ def stream_step(setup: Setup) -> Step:
         params = pvary(state.params, setup.pmap_axis)
         first = not ctx.accumulating
         carry = start_carry(state, acc)
-        outcome = microbatch(ctx, carry, params, batch, acc.window.micro_step, first=first)
+        outcome = run_microbatch(ctx, carry, params, batch, acc.window.micro_step, first=first)
         return stream_close(ctx, state, acc, outcome)
 
     return step
@@ -523,8 +523,8 @@ def stream_close(
     acc: AccumulationState,
     outcome: Outcome,
     *,
-    close: Callable[[Carry], Carry] | None = None,
-    laid_out: Callable[[Carry], Carry] | None = None,
+    close: Callable[[LoopCarry], LoopCarry] | None = None,
+    laid_out: Callable[[LoopCarry], LoopCarry] | None = None,
     at_once: bool | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """A stream call's end, after its one microbatch (``outcome``): the window closed when it
@@ -532,10 +532,10 @@ def stream_close(
     (`finish`). ``acc``: the state's `AccumulationState`; ``laid_out`` (ZeRO on a mesh): the
     closed fields laid out where they lie again (GSPMD may lay the close's loop outputs out
     otherwise); ``at_once``: close without the condition (default: a plain optimizer's
-    window of one microbatch, which `microbatch` opened with ``first``)."""
+    window of one microbatch, which `run_microbatch` opened with ``first``)."""
     added = outcome.added
     opt = acc._replace(window=outcome.carry.window, updated=jnp.zeros((), bool), added=added)
-    fields = Carry(
+    fields = LoopCarry(
         outcome.carry.model_state, params=state.params, opt=opt, loss_scale=ctx.loss_scale
     )
     close = close or (lambda f: close_fields(ctx, f))

@@ -92,7 +92,7 @@ def _check_model_state(new: Any, old: Any, has_aux: bool) -> Any:
         )
 
     def kept(n: Any, o: Any) -> Any:  # the very array when its dtype is kept (an unchanged
-        n = jnp.asarray(n)  # leaf stays recognizable: `accumjax._loop.gradient`)
+        n = jnp.asarray(n)  # leaf stays recognizable: `accumjax._loop.loss_and_grads`)
         dtype = jnp.result_type(o)
         return n if n.dtype == dtype else n.astype(dtype)
 

@@ -65,7 +65,7 @@ class Layout(NamedTuple):
 
     @property
     def accumulator_dims(self) -> tuple[int | None, ...]:
-        """Per leaf, the window accumulator's dimension split over the axis (None: whole)."""
+        """Per leaf, the window accumulator's dimension split over the axis (None: replicated)."""
         return tuple(leaf.accumulator for leaf in self.leaves)
 
     @property
@@ -89,7 +89,7 @@ class Layout(NamedTuple):
 
     def local_sums(self, params: Any, dims: tuple[int | None, ...]) -> Any:
         """Inside ``shard_map``, the shapes of one device's window sums of ``params`` (its
-        local parameters): each parameter's whole shape, split over the data axis on
+        local parameters): each parameter's full-size shape, split over the data axis on
         ``dims``."""
         out = []
         leaves = self.treedef.flatten_up_to(params)
@@ -388,7 +388,7 @@ def check_one_mesh(params: Any, batch: Any) -> None:
 
 
 def gather_params(params: Any, layout: Layout) -> Any:
-    """Inside ``shard_map``: the whole parameters from this device's shards (all-gather)."""
+    """Inside ``shard_map``: the full-size parameters from this device's shards (all-gather)."""
     return gathered(params, layout.axis, jax.tree.unflatten(layout.treedef, layout.dims))
 
 
@@ -504,13 +504,13 @@ def device_window(
         lead = axis if held > 1 else None
         return _zeros((held, *p.shape), dtype, mesh, PartitionSpec(lead, *spec))
 
-    whole = lambda dtype: _zeros((), dtype, mesh, PartitionSpec())  # distinct: donatable
+    replicated = lambda dtype: _zeros((), dtype, mesh, PartitionSpec())  # distinct: donatable
     return window_lib.DeviceWindow(
         partial_sums=jax.tree.unflatten(
             treedef, [sums(p, d) for p, d in zip(leaves, dims, strict=True)]
         ),
-        weight_sum=whole(jnp.float32),
-        micro_step=whole(jnp.int32),
-        window_nonfinite=whole(jnp.int32),
-        window_skipped=whole(jnp.int32),
+        weight_sum=replicated(jnp.float32),
+        micro_step=replicated(jnp.int32),
+        window_nonfinite=replicated(jnp.int32),
+        window_skipped=replicated(jnp.int32),
     )

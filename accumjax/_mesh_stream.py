@@ -28,20 +28,20 @@ from accumjax._config import Config
 from accumjax._decision import Microbatch, pooled_decision, rows_decision, weigh
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
-    Carry,
     Context,
+    LoopCarry,
     Outcome,
     Setup,
     begin,
     close_fields,
     loss_share,
-    microbatch,
+    run_microbatch,
     stream_close,
     stream_step,
 )
 from accumjax._reduction import psum_together
 from accumjax._sharded_steps import (
-    WHOLE,
+    REPLICATED_SPEC,
     data_shard_map,
     field_specs,
     join_aux,
@@ -140,12 +140,19 @@ def _mesh_call(
     else:
         window_specs = field_specs(window_lib.Window, layout.accumulator_specs())
     local_state = state.replace(opt_state=None)
-    aux_specs = (PartitionSpec(layout.axis), WHOLE)  # `split_aux`'s rows and means
+    aux_specs = (PartitionSpec(layout.axis), REPLICATED_SPEC)  # `split_aux`'s rows and means
     window, model_state, loss, aux, added, nonfinite = data_shard_map(
         partial(_local_call, ctx, layout, aux_tree, per_shard),
         layout,
         in_specs=(step_specs(layout, local_state, window_specs),),
-        out_specs=(window_specs, WHOLE, WHOLE, aux_specs, WHOLE, WHOLE),
+        out_specs=(
+            window_specs,
+            REPLICATED_SPEC,
+            REPLICATED_SPEC,
+            aux_specs,
+            REPLICATED_SPEC,
+            REPLICATED_SPEC,
+        ),
     )((local_state, batch, rng, acc.window))
     if per_shard:
         close = partial(_close_device_window, ctx, layout)
@@ -157,7 +164,7 @@ def _mesh_call(
         acc = optimizer_side(layout, state.params, acc)[1]
         laid_out = partial(restore_layout, layout)
     aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-    carry = Carry(model_state=model_state, window=window)
+    carry = LoopCarry(model_state=model_state, window=window)
     outcome = Outcome(carry=carry, loss=loss, aux=aux, added=added, nonfinite=nonfinite)
     # The window came through `add_microbatch`: even a plain optimizer's closes when full.
     return stream_close(ctx, state, acc, outcome, close=close, laid_out=laid_out, at_once=False)
@@ -179,15 +186,15 @@ def _local_call(
     microbatch was added and whether it was non-finite."""
     state, batch, rng, open_window = inputs
     ctx = local_context(ctx, layout, state, rng)
-    reduce = reduce_gradient(layout, whole=not per_shard)
+    reduce = reduce_gradient(layout, replicated=not per_shard)
     ctx = ctx._replace(reduce=reduce)
     params = mesh_lib.gather_params(state.params, layout)
     window = _retyped(open_window, window_lib.Window)
     start = None if state.model_state is None else emptied(state.model_state)
     zero = jnp.zeros((), jnp.float32)
-    carry = Carry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
+    carry = LoopCarry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
     pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
-    out = microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
+    out = run_microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
     window = _retyped(out.carry.window, type(open_window))
     return window, out.carry.model_state, out.loss, out.aux, out.added, out.nonfinite
 
@@ -249,7 +256,7 @@ def _share(config: Config, m: Microbatch, layout: mesh_lib.Layout) -> Microbatch
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
 
 
-def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: Carry) -> Carry:
+def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: LoopCarry) -> LoopCarry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
     config = ctx.config
@@ -257,13 +264,13 @@ def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: Carry) -
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
         part = window_lib.local_window(window)
         return window_lib.close_window(
-            config, part, every_k, layout.axis, layout.leaves, whole_counts=True
+            config, part, every_k, layout.axis, layout.leaves, global_counts=True
         )
 
     closed = data_shard_map(
         local,
         layout,
-        in_specs=(layout.window_specs(), WHOLE),
+        in_specs=(layout.window_specs(), REPLICATED_SPEC),
         out_specs=field_specs(window_lib.Closed, layout.optimizer_specs()),
     )(fields.opt.window, fields.opt.every_k)
     fields = close_fields(ctx, fields, closed)

@@ -14,7 +14,7 @@ __all__ = ["MOVED", "REMOVED_IN", "forward_moved"]
 #: The release that removes what 0.5 deprecated.
 REMOVED_IN = "0.6"
 
-_WINDOW = ["add_microbatch", "close_window", "denominator", "empty_like", "first_microbatch"]
+_WINDOW = ["add_microbatch", "close_window", "denominator", "first_microbatch"]
 _WINDOW += ["init_window", "local_window", "saturating_add"]
 _WINDOW += ["scaled_gradient", "sum_dtype", "window_sum", "Closed"]
 _WINDOW_END = ["check_state", "close_and_apply", "close_and_update", "init_state"]
@@ -30,7 +30,10 @@ MOVED: dict[str, dict[str, str]] = {
         "window_closes": "_window_end",
         **dict.fromkeys(_WINDOW_END, "_window_end"),
     },
-    "accumjax.accumulation_state": dict.fromkeys(["CONFIG_ATTR", "config_of", "unwrap"], "_state"),
+    "accumjax.accumulation_state": {
+        **dict.fromkeys(["CONFIG_ATTR", "config_of"], "_state"),
+        "unwrap": "_state.accumulation_state_in",
+    },
     "accumjax.scaling": dict.fromkeys(
         ["concrete_value", "microbatch_weight", "validate_scaling"], "_scaling"
     ),
@@ -48,6 +51,7 @@ MOVED: dict[str, dict[str, str]] = {
         "global_norm": "_norms",
         "run_once": "_control",
         "ON_NONFINITE": "_config",
+        "empty_like": "_window.emptied_window",
     },
 }
 

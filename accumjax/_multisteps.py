@@ -14,7 +14,7 @@ from typing import Any
 
 import optax
 
-from accumjax._state import MULTISTEPS_NOTE, locate, where
+from accumjax._state import MULTISTEPS_NOTE, locate, path_string
 
 __all__ = [
     "MULTISTEPS_ARGS",
@@ -118,12 +118,13 @@ def check_inner_state(inner_state: Any) -> None:
     if multi:
         raise TypeError(
             f"accumulate's inner holds optax.MultiSteps (its state at "
-            f"inner_tx_state{where(multi[0][0])}). {MULTISTEPS_NOTE}"
+            f"inner_tx_state{path_string(multi[0][0])}). {MULTISTEPS_NOTE}"
         )
     nested = locate(inner_state)
     if nested:
         raise TypeError(
             f"accumulate's inner holds another accumulate (its state at "
-            f"inner_tx_state{where(nested[0][0])}): each update would take K x K' microbatches. "
+            f"inner_tx_state{path_string(nested[0][0])}): each update would take K x K' "
+            "microbatches. "
             "State K once: accumjax.accumulate(inner, K) with the product of the two Ks."
         )

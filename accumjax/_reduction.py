@@ -1,7 +1,7 @@
 """The window's cross-device reductions (internal): the one reduction of a sum's leaves as
 their `accumjax._layout.LeafLayout` says (`reduce_leaves`, `cross_device_reduce`), values
 packed into one all-reduce, the norm of a sum whose leaves are shards, and the gathers between
-shards and whole leaves.
+shards and full-size leaves.
 """
 
 from __future__ import annotations
@@ -19,23 +19,23 @@ __all__ = [
     "cross_device_reduce",
     "gathered",
     "own_shard",
-    "pack",
+    "pack_flat",
     "psum_together",
     "reduce_leaves",
     "sharded_norm",
-    "unpack",
+    "unpack_flat",
 ]
 
 
-def pack(parts: Any, dtype: Any) -> jax.Array:
+def pack_flat(parts: Any, dtype: Any) -> jax.Array:
     """The leaves of ``parts`` (a pytree of arrays) as one flat ``dtype`` vector: what travels
-    in one all-reduce (`unpack` cuts it back)."""
+    in one all-reduce (`unpack_flat` cuts it back)."""
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(parts)]
     return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves] or [jnp.zeros(0, dtype)])
 
 
-def unpack(flat: jax.Array, like: Any, dtype: Any = None) -> Any:
-    """`pack` undone: ``flat`` cut into the structure and shapes of ``like``, each leaf in
+def unpack_flat(flat: jax.Array, like: Any, dtype: Any = None) -> Any:
+    """`pack_flat` undone: ``flat`` cut into the structure and shapes of ``like``, each leaf in
     ``dtype`` (None: its own type, at least float32), real unless that type is complex."""
     leaves, treedef = jax.tree.flatten(like)
     out, offset = [], 0
@@ -64,7 +64,9 @@ def psum_together(parts: dict[str, Any], axis: str) -> dict[str, Any]:
     """
     values = list(parts.values())
     dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(values))
-    return dict(zip(parts, unpack(jax.lax.psum(pack(values, dtype), axis), values), strict=True))
+    return dict(
+        zip(parts, unpack_flat(jax.lax.psum(pack_flat(values, dtype), axis), values), strict=True)
+    )
 
 
 def cross_device_reduce(
@@ -96,8 +98,8 @@ def cross_device_reduce(
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
     into = {i: cast(int, plan[i].optimizer) for i in scattered}
-    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack(riders, dtype))
-    return jax.tree.unflatten(treedef, leaves), unpack(stacked, riders, jnp.float32)
+    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack_flat(riders, dtype))
+    return jax.tree.unflatten(treedef, leaves), unpack_flat(stacked, riders, jnp.float32)
 
 
 def reduce_leaves(
@@ -133,19 +135,19 @@ def reduce_leaves(
 
 def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:
     """Global norm of a reduced sum whose leaves split on ``dims`` (a pytree like it of
-    dimensions, None for a whole leaf; or None for all whole) are this device's shards of
-    the whole."""
+    dimensions, None for a replicated leaf; or None for all replicated) are this device's
+    shards of the full-size leaves."""
     if axis_name is None or dims is None:
         return global_norm(grad_sum)
     leaves, treedef = jax.tree.flatten(grad_sum)
     split = treedef.flatten_up_to(dims)
-    whole = global_norm([x for x, d in zip(leaves, split, strict=True) if d is None])
+    replicated = global_norm([x for x, d in zip(leaves, split, strict=True) if d is None])
     shards = global_norm([x for x, d in zip(leaves, split, strict=True) if d is not None])
-    return jnp.sqrt(abs_squared(whole) + jax.lax.psum(abs_squared(shards), axis_name))
+    return jnp.sqrt(abs_squared(replicated) + jax.lax.psum(abs_squared(shards), axis_name))
 
 
 def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
-    """The whole of a tree whose leaves split on ``dims`` are this device's shards."""
+    """The full-size leaves of a tree whose leaves split on ``dims`` are this device's shards."""
     if dims is None:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
@@ -157,7 +159,7 @@ def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
 
 
 def own_shard(tree: Any, axis_name: str | None, dims: Any) -> Any:
-    """`gathered` undone: of each leaf split on ``dims`` (whole here, the same on every
+    """`gathered` undone: of each leaf split on ``dims`` (full-size here, the same on every
     device), this device's shard along its dimension (no axis or no ``dims``: ``tree``)."""
     if axis_name is None or dims is None:
         return tree

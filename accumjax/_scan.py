@@ -22,8 +22,8 @@ from accumjax._batch_norm_windows import close_model_state
 from accumjax._control import run_once
 from accumjax._decision import MicrobatchDecision, sum_decision, weigh
 from accumjax._loop import (
-    Carry,
     Context,
+    LoopCarry,
     Outcome,
     Step,
     begin,
@@ -31,8 +31,8 @@ from accumjax._loop import (
     finish,
     follow_decision,
     loss_share,
-    microbatch,
     pvary,
+    run_microbatch,
     start_carry,
 )
 from accumjax._norms import global_norm
@@ -84,14 +84,14 @@ def real_microbatches(n: Any, every_k: int) -> jax.Array | None:
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
     rows = strided_microbatches(batch, ctx.every_k, ctx.setup.batch_axis)
-    whole = ctx.materialize or (lambda p, i: p)
-    return lambda i: (whole(params, i), rows(i))
+    gathered = ctx.materialize or (lambda p, i: p)
+    return lambda i: (gathered(params, i), rows(i))
 
 
 Run = Callable[..., Outcome]  # ``run(gate, over=None)``: the window's microbatches, once
 
 
-def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
+def window_loop(ctx: Context, params: Any, start: LoopCarry, batch: Any) -> Run:
     """``run(gate, over=None)``: the window over the K strided microbatches of ``batch``, in a
     loop of K trips (a known trip count, unless ``num_real_microbatches`` bounds it).
 
@@ -106,12 +106,12 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
     """
     take = _microbatches(ctx, params, batch)
 
-    def one(carry: Carry, i: jax.Array, gate: Any, reading: jax.Array) -> tuple[Carry, Any]:
+    def one(carry: LoopCarry, i: jax.Array, gate: Any, reading: jax.Array) -> tuple[LoopCarry, Any]:
         p, mb = take(i)
         if ctx.sum_can_decide:
             outcome = sum_decided(ctx, carry, p, mb, i, gate, reading)
         else:
-            outcome = microbatch(ctx, carry, p, mb, i, gate=gate)
+            outcome = run_microbatch(ctx, carry, p, mb, i, gate=gate)
         return outcome.carry, _marks(ctx, outcome)
 
     one = jax.jit(one)
@@ -129,11 +129,11 @@ def window_loop(ctx: Context, params: Any, start: Carry, batch: Any) -> Run:
 
 
 def sum_decided(
-    ctx: Context, carry: Carry, params: Any, batch: Any, index: Any, gate: Any, reading: Any
+    ctx: Context, carry: LoopCarry, params: Any, batch: Any, index: Any, gate: Any, reading: Any
 ) -> Outcome:
     """One microbatch of a window its sum decides (`Context.sum_can_decide`): added where
     ``gate`` without its gradient being read (the window's sum is), or, ``reading``, written
-    over the carry's sum (not read again) and read there as `accumjax._loop.microbatch`
+    over the carry's sum (not read again) and read there as `accumjax._loop.run_microbatch`
     reads it: found non-finite, it keeps no model state and counts in no loss.
 
     Only the write is this function's own; the decision is
@@ -142,7 +142,7 @@ def sum_decided(
     `accumjax._loop.follow_decision`'s, as for every other microbatch.
     """
     # No weight: `Context.sum_can_decide` holds only without a ``weight_fn``.
-    loss, new_model_state, aux, grads, _ = loop_lib.gradient(
+    loss, new_model_state, aux, grads, _ = loop_lib.loss_and_grads(
         ctx, params, carry.model_state, batch, index
     )
     gate = jnp.asarray(gate) & ~reading  # a reading pass adds nothing: its weight sum stays 0
@@ -163,11 +163,11 @@ def sum_decided(
     )
 
 
-def _empty(ctx: Context, like: Carry) -> Carry:
+def _empty(ctx: Context, like: LoopCarry) -> LoopCarry:
     """An empty window shaped like ``like``'s, no loss yet, on ``like``'s model state."""
     zero = jnp.zeros((), jnp.float32)
-    window = window_lib.empty_like(like.window)
-    carry = Carry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
+    window = window_lib.emptied_window(like.window)
+    carry = LoopCarry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
     return pvary(carry, ctx.setup.pmap_axis)
 
 
@@ -198,7 +198,7 @@ def _marks(
     ctx: Context, outcome: Outcome
 ) -> tuple[Any, MicrobatchDecision | None, jax.Array | None]:
     """What a microbatch leaves in the loop's stacked outputs: its aux, and its decision and
-    loss parts (as `accumjax._loop.microbatch` adds them) when it was added as it came."""
+    loss parts (as `accumjax._loop.run_microbatch` adds them) when it was added as it came."""
     v = outcome.decision
     if v is None:
         return outcome.aux, None, None
@@ -206,14 +206,14 @@ def _marks(
     return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight * loss_share(ctx)])
 
 
-def _pass(carry: Carry, marks: tuple[Any, Any, Any]) -> Outcome:
+def _pass(carry: LoopCarry, marks: tuple[Any, Any, Any]) -> Outcome:
     """A pass's `accumjax._loop.Outcome`: its carry and its microbatches' stacked `_marks`."""
     aux, decision, losses = marks
     return Outcome(carry=carry, loss=None, aux=aux, decision=decision, losses=losses)
 
 
 def _microbatch_loop(
-    ctx: Context, take: Take, one: Callable[..., Any], start: Carry, gate: Any, reading: bool
+    ctx: Context, take: Take, one: Callable[..., Any], start: LoopCarry, gate: Any, reading: bool
 ) -> Outcome:
     """One microbatch opens the window when K is 1 (no loop, no zeros); otherwise a
     ``lax.scan`` adds all K to a zero accumulator (``one`` is its body).
@@ -226,20 +226,20 @@ def _microbatch_loop(
         p, mb = take(jnp.zeros((), jnp.int32))
         first = ctx.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
-        outcome = microbatch(ctx, start, p, mb, 0, first=first)
+        outcome = run_microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
         return _pass(outcome.carry, marks)
     gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
     reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
-    def body(carry: Carry, i: jax.Array) -> tuple[Carry, Any]:
+    def body(carry: LoopCarry, i: jax.Array) -> tuple[LoopCarry, Any]:
         return one(carry, i, gates[i] if ctx.adds_before_deciding else None, reads)
 
     carry, marks = _loop_over(ctx, body, _empty(ctx, start))
     return _pass(carry, marks)
 
 
-def window_loss(carry: Carry) -> jax.Array:
+def window_loss(carry: LoopCarry) -> jax.Array:
     """The window's weighted mean loss over its added microbatches (NaN if none was)."""
     return jnp.where(carry.loss_weight > 0, carry.loss_sum / carry.loss_weight, jnp.nan)
 
@@ -260,7 +260,8 @@ def window_every_k(ctx: Context, every_k: Any) -> Any:
 #: and decided, its model state closed with the decision (BatchNorm windows pooled in the same
 #: reduction), and the values the caller reduces with it (the loss metric first).
 Close = Callable[
-    [Carry, MicrobatchDecision | None, jax.Array | None], tuple[window_lib.Closed, Any, list[Any]]
+    [LoopCarry, MicrobatchDecision | None, jax.Array | None],
+    tuple[window_lib.Closed, Any, list[Any]],
 ]
 
 
@@ -304,7 +305,7 @@ def decide_added(
     skips = ctx.config.on_nonfinite == "skip_microbatch"
     if first.decision is None or not (skips or read) or ctx.every_k == 1:
         return closed, model_state, extras
-    none_refused = closed.nonfinite_count == 0
+    all_finite = closed.nonfinite_count == 0
 
     def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
         before = operand[0]
@@ -313,12 +314,12 @@ def decide_added(
         counts = ("nonfinite_count", "skipped_count", "accepted")
         after = after._replace(**{name: getattr(before, name) for name in counts})
         if read:  # the loss metric as the first pass that read them has it
-            pick = lambda a, b: jnp.where(none_refused, a, b)
+            pick = lambda a, b: jnp.where(all_finite, a, b)
             extras = jax.tree.map(pick, operand[2], extras)
         return after, model_state, extras
 
-    redo = ~none_refused if skips else jnp.zeros((), bool)
-    redo = (redo | none_refused) if read else redo
+    redo = ~all_finite if skips else jnp.zeros((), bool)
+    redo = (redo | all_finite) if read else redo
     redo = redo & jnp.any(cast(jax.Array, closed.accepted))
     return run_once(redo, again, (closed, model_state, extras))
 
@@ -352,7 +353,9 @@ def scan_finish(
     opt = acc._replace(window=window, updated=jnp.zeros((), bool))
     if ctx.n_real is not None:  # "sum_over_k" divides by the real microbatches
         opt = opt._replace(every_k=ctx.n_real)
-    fields = Carry(params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale)
+    fields = LoopCarry(
+        params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale
+    )
     fields = close_fields(ctx, fields, closed)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
@@ -362,7 +365,7 @@ def scan_finish(
         kept = optax.tree.where(fields.opt.updated, fields.model_state, state.model_state)
         fields = fields._replace(model_state=kept)
     zero = jnp.zeros((), jnp.float32)
-    carry = Carry(window=window, model_state=model_state, loss_sum=zero, loss_weight=zero)
+    carry = LoopCarry(window=window, model_state=model_state, loss_sum=zero, loss_weight=zero)
     outcome = Outcome(carry=carry, loss=loss, aux=aux)
     skipped, nonfinite = closed.skipped_count, closed.nonfinite_count
     return finish(ctx, state, fields, outcome, skipped=skipped, nonfinite=nonfinite)
@@ -385,7 +388,9 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         # gradient-sized buffer of its own (docs/limits.md).
         every_k = window_every_k(ctx, acc.every_k)
 
-        def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+        def close(
+            carry: LoopCarry, decisions: Any, losses: Any
+        ) -> tuple[window_lib.Closed, Any, list]:
             closed = window_lib.close_window(
                 config, carry.window, every_k, axis, decisions=decisions
             )

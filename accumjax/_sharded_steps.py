@@ -23,7 +23,7 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout, reduced_per_microbatch
-from accumjax._loop import Carry, Context, Outcome, Setup, begin
+from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin
 from accumjax._reduction import reduce_leaves
 from accumjax._scan import (
     accepted_loss,
@@ -39,7 +39,7 @@ from accumjax._zero import optimizer_side, parameter_side, split_params
 from accumjax.train_state import TrainState
 
 __all__ = [
-    "WHOLE",
+    "REPLICATED_SPEC",
     "data_shard_map",
     "field_specs",
     "join_aux",
@@ -50,30 +50,35 @@ __all__ = [
     "step_specs",
 ]
 
-WHOLE = PartitionSpec()
+REPLICATED_SPEC = PartitionSpec()
 T = TypeVar("T")
 
 
 def step_specs(layout: mesh_lib.Layout, state: Any, more: Any) -> tuple[Any, ...]:
     """The ``shard_map`` specs of a step's inputs ``(state, batch, rng, more)``, whose part on
     one device is the mapped function's one argument: the train ``state``'s parameters as
-    they lie and every other field of it whole (one spec per field, so a subclass's fields
-    match too), the batch split over the data axis, the key whole, and ``more``'s specs
+    they lie and every other field of it replicated (one spec per field, so a subclass's fields
+    match too), the batch split over the data axis, the key replicated, and ``more``'s specs
     (what the mode adds: scan mode's real microbatches, stream mode's open window)."""
-    specs = jax.tree.map(lambda _: WHOLE, state, is_leaf=lambda x: x is not state)
-    return specs.replace(params=layout.param_specs()), PartitionSpec(layout.axis), WHOLE, more
+    specs = jax.tree.map(lambda _: REPLICATED_SPEC, state, is_leaf=lambda x: x is not state)
+    return (
+        specs.replace(params=layout.param_specs()),
+        PartitionSpec(layout.axis),
+        REPLICATED_SPEC,
+        more,
+    )
 
 
-def field_specs(cls: type[T], first: Any, rest: Any = WHOLE) -> T:
+def field_specs(cls: type[T], first: Any, rest: Any = REPLICATED_SPEC) -> T:
     """The ``shard_map`` specs of a NamedTuple ``cls`` whose first field is a sum (a
     `accumjax._window.Window`, `accumjax._window.DeviceWindow` or `accumjax._window.Closed`):
     ``first`` for it, ``rest`` for every other field, by name.
 
     Example:
       >>> from accumjax._window import Window
-      >>> field_specs(Window, "split", "whole")  # doctest: +NORMALIZE_WHITESPACE
-      Window(grad_sum='split', weight_sum='whole', micro_step='whole',
-             window_nonfinite='whole', window_skipped='whole')
+      >>> field_specs(Window, "split", "replicated")  # doctest: +NORMALIZE_WHITESPACE
+      Window(grad_sum='split', weight_sum='replicated', micro_step='replicated',
+             window_nonfinite='replicated', window_skipped='replicated')
     """
     fields = cast(Any, cls)._fields
     return cls(**{fields[0]: first}, **dict.fromkeys(fields[1:], rest))
@@ -184,8 +189,8 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         closed, model_state, loss, aux = data_shard_map(
             partial(_local_window, ctx, layout, aux_tree),
             layout,
-            in_specs=(step_specs(layout, local_state, WHOLE),),
-            out_specs=(closed_specs, WHOLE, WHOLE, (row_spec, WHOLE)),
+            in_specs=(step_specs(layout, local_state, REPLICATED_SPEC),),
+            out_specs=(closed_specs, REPLICATED_SPEC, REPLICATED_SPEC, (row_spec, REPLICATED_SPEC)),
         )((local_state, batch, rng, ctx.n_real))
         aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
         if layout.zero:
@@ -221,19 +226,19 @@ def _local_window(
             jax.lax.optimization_barrier((p, i))[0], layout
         )
         ctx = ctx._replace(materialize=gather)
-    ctx, layouts, whole_counts, sum_dims = _sum_layout(ctx, layout, config)
+    ctx, layouts, global_counts, sum_dims = _sum_layout(ctx, layout, config)
     shapes = layout.local_sums(state.params, sum_dims)
     like = window_lib.init_window(shapes, config.accumulator_dtype)
-    start = Carry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
+    start = LoopCarry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
     run = window_loop(ctx, params, start, batch)
     first = run(None)
     rows = ctx.setup.aux_rows ^ 1
     aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
     every_k = window_every_k(ctx, ctx.every_k)
 
-    def close(carry: Carry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
         # What the pass produced and the devices sum: its loss parts, aux means and losses.
-        parts = Carry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
+        parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
         riders = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
         closed = window_lib.close_window(
             config,
@@ -242,7 +247,7 @@ def _local_window(
             layout.axis,
             layouts,
             extras=jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), riders),
-            whole_counts=whole_counts,
+            global_counts=global_counts,
             decisions=decisions,
         )
         summed: Outcome = closed.extras
@@ -260,7 +265,7 @@ def _local_window(
 def _sum_layout(
     ctx: Context, layout: mesh_lib.Layout, config: Config
 ) -> tuple[Context, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
-    """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, whole_counts,
+    """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, global_counts,
     dims)``, ``ctx`` with the per-microbatch reduction it runs, ``layouts`` each leaf's
     `LeafLayout` as the window's close reads it (`accumjax._window.close_window`), ``dims``
     each sum's dimension split over the data axis.
@@ -278,19 +283,19 @@ def _sum_layout(
         return ctx._replace(dims=dims), layouts, True, opt_dims
     acc_dims = layout.accumulator_dims
     if any(d is not None for d in acc_dims):
-        ctx = ctx._replace(reduce=reduce_gradient(layout, whole=False))
+        ctx = ctx._replace(reduce=reduce_gradient(layout, replicated=False))
     return ctx, layout.leaves, False, acc_dims
 
 
-def reduce_gradient(layout: mesh_lib.Layout, whole: bool) -> Callable[[Any], Any] | None:
+def reduce_gradient(layout: mesh_lib.Layout, replicated: bool) -> Callable[[Any], Any] | None:
     """What a device's gradient goes through before it is added: reduce-scattered into the
     shards of parameters split over the data axis, and all-reduced for the others when the
-    window keeps one ``whole`` sum (None: nothing to do)."""
+    window keeps one ``replicated`` sum (None: nothing to do)."""
     dims = layout.accumulator_dims
-    if not whole and all(d is None for d in dims):
+    if not replicated and all(d is None for d in dims):
         return None
 
-    summed = [i for i, d in enumerate(dims) if d is None and whole]
+    summed = [i for i, d in enumerate(dims) if d is None and replicated]
     into = {i: d for i, d in enumerate(dims) if d is not None}
 
     def reduce(tree: Any) -> Any:

@@ -3,7 +3,7 @@
 Microbatch ``i`` is rows ``i, i + K, i + 2K, ...`` (`strided_microbatches`, as
 ``optax.microbatching.reshape_batch_axis``), so a sharded batch axis stays sharded. A leaf's
 batch axis is its ``batch_axis`` (per leaf or for the whole batch; ``None``: not batched,
-every microbatch sees it whole). `rows_in_order` puts per-microbatch outputs back in row
+every microbatch sees it full-size). `rows_in_order` puts per-microbatch outputs back in row
 order; `split_advice` is the split rule: the rows divide by K, on a mesh by the devices x K.
 """
 
@@ -95,18 +95,19 @@ def _axes(batch: Any, batch_axis: BatchAxis) -> list[int | None]:
 
 
 def strided_microbatches(
-    batch: Any, k: int, batch_axis: BatchAxis = 0
+    batch: Any, every_k: int, batch_axis: BatchAxis = 0
 ) -> Callable[[jax.Array], Any]:
-    """``i -> microbatch i`` of ``batch``: rows ``i, i + k, ...`` along each leaf's batch axis.
+    """``i -> microbatch i`` of ``batch``: rows ``i, i + every_k, ...`` along each leaf's
+    batch axis.
 
-    Each batched leaf is reshaped ``(..., B, ...) -> (..., B // k, k, ...)`` (a bitcast:
-    a Fortran-order reshape would pick the same rows but transpose every leaf whole, a copy
-    XLA keeps), and microbatch ``i`` is a dynamic index on the new ``k`` axis. Leaves whose
-    ``batch_axis`` is None are passed whole.
+    Each batched leaf is reshaped ``(..., B, ...) -> (..., B // every_k, every_k, ...)`` (a
+    bitcast: a Fortran-order reshape would pick the same rows but transpose every leaf, a
+    copy XLA keeps), and microbatch ``i`` is a dynamic index on the new ``every_k`` axis.
+    Leaves whose ``batch_axis`` is None are passed full-size.
 
     Args:
       batch: the batch (per device).
-      k: the number of microbatches.
+      every_k: the number of microbatches.
       batch_axis: see the module docstring.
 
     Returns:
@@ -114,7 +115,7 @@ def strided_microbatches(
 
     Raises:
       ValueError: if the batched leaves do not share one batch size, or it is not divisible
-        by ``k``.
+        by ``every_k``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -133,11 +134,11 @@ def strided_microbatches(
             f"(batch_axis={batch_axis!r}); got shapes {shapes}."
         )
     size = sizes.pop()
-    advice = split_advice(size, k)
+    advice = split_advice(size, every_k)
     if advice is not None:
         raise ValueError(
-            f"scan mode splits the batch's {size} rows (a device's, under pmap) into K={k} "
-            f"microbatches, but {size} is not divisible by K={k}: use {advice}. (On a mesh "
+            f"scan mode splits the batch's {size} rows (a device's, under pmap) into K={every_k} "
+            f"microbatches, but {size} is not divisible by K={every_k}: use {advice}. (On a mesh "
             "the rule is global: the batch's rows must divide by devices x K.)"
         )
 
@@ -145,7 +146,7 @@ def strided_microbatches(
         if a is None:
             return x
         shape = jnp.shape(x)
-        return jnp.reshape(x, (*shape[:a], size // k, k, *shape[a + 1 :]))
+        return jnp.reshape(x, (*shape[:a], size // every_k, every_k, *shape[a + 1 :]))
 
     rows = [strided(x, a) for x, a in zip(leaves, axes, strict=True)]
 
@@ -177,7 +178,7 @@ def rows_in_order(stacked: Any) -> Any:
                 f"per row of the microbatch); got a leaf of shape {jnp.shape(a)[1:]} per "
                 "microbatch."
             )
-        k, m = jnp.shape(a)[:2]
-        return jnp.reshape(jnp.swapaxes(a, 0, 1), (k * m, *jnp.shape(a)[2:]))
+        every_k, m = jnp.shape(a)[:2]
+        return jnp.reshape(jnp.swapaxes(a, 0, 1), (every_k * m, *jnp.shape(a)[2:]))
 
     return jax.tree.map(unstride, stacked)

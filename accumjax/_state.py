@@ -1,7 +1,7 @@
 """`AccumulationState`, the state of `accumjax.accumulate`, and how the package finds and
-checks it: K in its type (`k_tag`), the state inside an optax combinator's (`locate`,
-`unwrap`), a state made for another K or scaling (`check_made_for`), a transformation's
-`Config` (`config_of`).
+checks it: K in its type (`tag_for_every_k`), the state inside an optax combinator's
+(`locate`, `accumulation_state_in`), a state made for another K or scaling
+(`check_made_for`), a transformation's `Config` (`config_of`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ __all__ = [
     "check_made_for",
     "closed_its_window",
     "config_of",
-    "k_changed",
-    "k_of_tag",
-    "k_tag",
+    "every_k_changed",
+    "every_k_of_tag",
+    "tag_for_every_k",
     "locate",
-    "unwrap",
-    "where",
+    "accumulation_state_in",
+    "path_string",
 ]
 
 
@@ -47,7 +47,7 @@ class AccumulationState(NamedTuple):
       every_k: K of the current window (from the schedule), int32.
       every_k_tag: K in the state's type, so that ``jit`` sees it at trace time: ``False``
         repeated K times (shape ``(K,)``, K bytes) for an int K, shape ``(1, 1)`` for a
-        schedule (`k_tag`). A state restored into an `accumjax.accumulate` of another K is
+        schedule (`tag_for_every_k`). A state restored into an `accumjax.accumulate` of another K is
         refused when traced, and by orbax's restore into a target of another K.
       scaling_code: index of the scaling strategy in `accumjax.scaling.SCALINGS`, int32; a
         state is refused by an `accumulate` with another strategy (or another int K).
@@ -85,39 +85,39 @@ class AccumulationState(NamedTuple):
 _SCHEDULE_TAG = (1, 1)
 
 
-def k_tag(every_k: int | None) -> jax.Array:
+def tag_for_every_k(every_k: int | None) -> jax.Array:
     """`AccumulationState.every_k_tag` for an int K, or for a schedule (None).
 
     Example:
-      >>> k_tag(4).shape, k_tag(None).shape
+      >>> tag_for_every_k(4).shape, tag_for_every_k(None).shape
       ((4,), (1, 1))
     """
     return jnp.zeros(_SCHEDULE_TAG if every_k is None else (every_k,), bool)
 
 
-def k_of_tag(shape: tuple[int, ...]) -> int | None:
+def every_k_of_tag(shape: tuple[int, ...]) -> int | None:
     """The int K an `AccumulationState.every_k_tag` of this shape was made for, None for a
     schedule.
 
     Example:
-      >>> k_of_tag((4,)), k_of_tag((1, 1))
+      >>> every_k_of_tag((4,)), every_k_of_tag((1, 1))
       (4, None)
     """
     if tuple(shape) == _SCHEDULE_TAG:
         return None
-    (k,) = shape
-    return k
+    (every_k,) = shape
+    return every_k
 
 
-def k_changed(made: int | None, uses: int | None) -> str:
+def every_k_changed(made: int | None, uses: int | None) -> str:
     """Why a state made for K ``made`` does not fit an `accumjax.accumulate` of K ``uses``
     (None: a schedule), and what to write instead.
 
     Example:
-      >>> print(k_changed(4, 8).splitlines()[0])
+      >>> print(every_k_changed(4, 8).splitlines()[0])
       this optimizer state was made with every_k=4; this accumulate uses every_k=8.
     """
-    name = lambda k: "an every_k schedule" if k is None else f"every_k={k}"
+    name = lambda every_k: "an every_k schedule" if every_k is None else f"every_k={every_k}"
     resume = "the same schedule" if made is None else f"accumjax.with_every_k(tx, {made})"
     return (
         f"this optimizer state was made with {name(made)}; this accumulate uses {name(uses)}.\n"
@@ -170,14 +170,14 @@ def locate(state: Any, kind: type = AccumulationState) -> list[Found]:
     Returns:
       A list of ``(keys, nodes)``, one for each node found (a node inside a found one is not
       looked for): ``keys``, the ``jax.tree_util`` key of each step down to it
-      (`where` writes them as ``"[1].inner_state"``); ``nodes``, the nodes along the way,
+      (`path_string` writes them as ``"[1].inner_state"``); ``nodes``, the nodes along the way,
       ``state`` first and the node found last (a ``tuple`` for a chain's state, an
       ``optax.MaskedState``, ...).
 
     Example:
       >>> import jax.numpy as jnp, optax, accumjax
       >>> tx = optax.chain(optax.scale(1.0), accumjax.accumulate(optax.sgd(0.1), 4))
-      >>> [(where(keys), [type(n) for n in nodes[:-1]])
+      >>> [(path_string(keys), [type(n) for n in nodes[:-1]])
       ...  for keys, nodes in locate(tx.init({"w": jnp.zeros(2)}))]
       [('[1]', [<class 'tuple'>])]
     """
@@ -186,12 +186,12 @@ def locate(state: Any, kind: type = AccumulationState) -> list[Found]:
     return found
 
 
-def where(keys: tuple[Any, ...]) -> str:
+def path_string(keys: tuple[Any, ...]) -> str:
     """Where `locate`'s ``keys`` lead, as ``jax.tree_util.keystr`` writes it: ``state<where>``
     is the node found.
 
     Example:
-      >>> where((jax.tree_util.SequenceKey(1),))
+      >>> path_string((jax.tree_util.SequenceKey(1),))
       '[1]'
     """
     return jax.tree_util.keystr(keys)
@@ -223,9 +223,9 @@ def check_made_for(state: AccumulationState, every_k: int | None, scaling: str) 
       ...
       ValueError: this optimizer state was made with every_k=4; this accumulate uses every_k=8...
     """
-    made_k = k_of_tag(jnp.shape(state.every_k_tag))
-    if made_k != every_k:
-        raise ValueError(k_changed(made_k, every_k))
+    made_every_k = every_k_of_tag(jnp.shape(state.every_k_tag))
+    if made_every_k != every_k:
+        raise ValueError(every_k_changed(made_every_k, every_k))
     got_code = scaling_lib.concrete_value(state.scaling_code)
     made = None if got_code is None else scaling_lib.SCALINGS[int(got_code)]
     if made is not None and not scaling_lib.compatible(made, scaling):
@@ -234,7 +234,7 @@ def check_made_for(state: AccumulationState, every_k: int | None, scaling: str) 
         )
 
 
-def unwrap(state: Any) -> AccumulationState:
+def accumulation_state_in(state: Any) -> AccumulationState:
     """The `AccumulationState` inside ``state``: itself, Flax NNX's variable-wrapped copy, or
     the one inside an optax combinator's state (``optax.chain``, ``optax.masked``, ...);
     refused when a train step donated its arrays.
@@ -259,17 +259,18 @@ def unwrap(state: Any) -> AccumulationState:
             "or the optax state that holds it."
         )
     if len(found) > 1:
-        paths = ", ".join(f"state{where(keys)}" for keys, _ in found)
+        paths = ", ".join(f"state{path_string(keys)}" for keys, _ in found)
         raise ValueError(
             f"this {type(state).__name__} holds {len(found)} accumjax AccumulationStates, at "
-            f"{paths}: pass the one you mean (e.g. accumjax.stats(state{where(found[0][0])}))."
+            f"{paths}: pass the one you mean "
+            f"(e.g. accumjax.stats(state{path_string(found[0][0])}))."
         )
     ((keys, nodes),) = found
     for wrapper in map(type, nodes[:-1]):
         if wrapper in _DOUBLE_COUNTING:
             name, note = _DOUBLE_COUNTING[wrapper]
             raise ValueError(
-                f"the accumjax AccumulationState at state{where(keys)} sits inside {name}'s "
+                f"the accumjax AccumulationState at state{path_string(keys)} sits inside {name}'s "
                 f"state ({wrapper.__name__}). {note}"
             )
     return nodes[-1]

@@ -22,7 +22,14 @@ from accumjax._batch_norm_windows import check_no_self_closing
 from accumjax._checks import is_transformation
 from accumjax._config import Config
 from accumjax._multisteps import check_inner_state
-from accumjax._state import APPLY_IF_FINITE_NOTE, MULTISTEPS_NOTE, Found, config_of, locate, where
+from accumjax._state import (
+    APPLY_IF_FINITE_NOTE,
+    MULTISTEPS_NOTE,
+    Found,
+    config_of,
+    locate,
+    path_string,
+)
 from accumjax._window import DeviceWindow, window_sum
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
@@ -258,7 +265,7 @@ def _buried(found: list[Found]) -> str:
     layers = _layers(found[0])
     written = _fill([w for w, _ in layers], "accumjax.accumulate(inner, K)")
     working = _fill([w for _, w in layers], "inner")
-    paths = ", ".join(f"state.opt_state{where(keys)}" for keys, _ in found)
+    paths = ", ".join(f"state.opt_state{path_string(keys)}" for keys, _ in found)
     held = (
         f"holds one: tx = {written} (its state at {paths})"
         if layers

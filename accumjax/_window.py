@@ -1,6 +1,6 @@
 """The accumulation window (internal): its state, the add and the close every entry point runs.
 
-`Window` and `DeviceWindow` are the open window (`init_window`, `empty_like`). `add_microbatch`
+`Window` and `DeviceWindow` are the open window (`init_window`, `emptied_window`). `add_microbatch`
 adds a microbatch's ``w_i * c_i * T(g_i)`` (its weight, clip factor and the policy's
 ``microbatch_transform``) as `accumjax._decision` decides and counts it (`count_microbatch`).
 `close_window` reduces the window once across devices, divides it by its `denominator` and
@@ -38,7 +38,7 @@ __all__ = [
     "close_window",
     "count_microbatch",
     "denominator",
-    "empty_like",
+    "emptied_window",
     "first_microbatch",
     "init_window",
     "local_window",
@@ -76,7 +76,7 @@ class DeviceWindow(NamedTuple):
     A step on a mesh reduces a window's gradient once, when it closes, so between calls each
     data shard keeps its own partial sum. ``step.init`` of a stream-mode step builds this
     layout on every topology (one shard on one device); `accumjax.restore_checkpoint` moves it
-    to another number of devices, `accumjax.accumulated_gradients` reads its whole sum.
+    to another number of devices, `accumjax.accumulated_gradients` reads its total.
 
     Attributes:
       partial_sums: like the parameters, each leaf with a leading axis of partial sums whose
@@ -167,7 +167,7 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
     return Window(grad_sum, jnp.zeros((), jnp.float32), count(), count(), count())
 
 
-def empty_like(window: Any) -> Any:
+def emptied_window(window: Any) -> Any:
     """``window`` (a `Window` or `DeviceWindow`) emptied: zero sums and counters, with the
     same shapes, dtypes and shardings."""
     return window._replace(
@@ -180,7 +180,7 @@ def empty_like(window: Any) -> Any:
 
 
 def window_sum(window: Any) -> Any:
-    """The window's whole sum, shaped like the parameters: a `Window`'s ``grad_sum``, or the
+    """The window's full-size sum, shaped like the parameters: a `Window`'s ``grad_sum``, or the
     total of a `DeviceWindow`'s partial sums (None for a scan-mode window, which has none).
 
     Example:
@@ -250,7 +250,7 @@ def add_microbatch(
         (`accumjax._decision.add_condition`).
       first: open a window with this microbatch (`first_microbatch`): ``window`` only gives
         the accumulator dtypes, and the gradient becomes the accumulator, without the zeros
-        of ``add_microbatch(config, empty_like(window), ...)`` (XLA can reuse the
+        of ``add_microbatch(config, emptied_window(window), ...)`` (XLA can reuse the
         gradient's buffer); ``reduce`` is not used.
 
     Returns:
@@ -305,7 +305,7 @@ def _opened(
         g = _scaled(config, m, g.astype(a.dtype))
         return g if gate is None else jnp.where(gate, g, jnp.zeros_like(g))
 
-    return empty_like(like)._replace(
+    return emptied_window(like)._replace(
         grad_sum=jax.tree.map(start, like.grad_sum, source),
         weight_sum=m.weight,
         micro_step=jnp.ones((), jnp.int32),
@@ -342,7 +342,7 @@ def denominator(
     microbatches it used, each of weight 1; ``"weighted"``: their weights), 1 (``"sum"``) or
     K times the devices (``"sum_over_k"``, skips or not).
 
-    ``weight_sum`` is the whole window's: on a mapped axis whose devices each counted the
+    ``weight_sum`` is the window's over all devices: on a mapped axis whose devices each counted the
     window (``devices`` of them), their sum, so ``"mean"`` divides by the microbatches used
     times the devices, as ``"sum_over_k"`` by K times the devices.
 
@@ -369,7 +369,7 @@ def close_window(
     layouts: Sequence[LeafLayout] | None = None,
     *,
     extras: Any = None,
-    whole_counts: bool = False,
+    global_counts: bool = False,
     decisions: MicrobatchDecision | None = None,
 ) -> Closed:
     """Reduces the window once across devices, scales it and decides whether it is usable.
@@ -390,7 +390,7 @@ def close_window(
       extras: with ``axis_name``, a pytree of the caller's own per-device values (a loss
         sum, say) that travels in the same ``psum`` and comes back summed, in its structure,
         float32 (`Closed.extras`).
-      whole_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
+      global_counts: with ``axis_name``, the window's weight sum and counts are whole-batch
         values already (the devices agreed about each microbatch, or the window is one
         device's part of a `DeviceWindow`): they are not reduced, and ``"sum_over_k"``
         divides by K.
@@ -407,16 +407,16 @@ def close_window(
     if axis_name is not None and config.reads and layouts is None:
         # `add_microbatch` added each microbatch's whole gradient, its counts agreed on.
         every_microbatch = reduced_per_microbatch(REPLICATED)
-        layouts, whole_counts = (every_microbatch,) * len(jax.tree.leaves(window.grad_sum)), True
+        layouts, global_counts = (every_microbatch,) * len(jax.tree.leaves(window.grad_sum)), True
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices, ok = 1, None
     if axis_name is not None:
         # The window's counts travel as its own fields (weight sum, non-finite, skipped).
-        counts = None if whole_counts else window._replace(grad_sum=None, micro_step=None)
+        counts = None if global_counts else window._replace(grad_sum=None, micro_step=None)
         riders = {"counts": counts, "decisions": decisions, "extras": extras}
         grad_sum, summed = cross_device_reduce(grad_sum, riders, axis_name, layouts)
-        if not whole_counts:
+        if not global_counts:
             devices = jax.lax.axis_size(axis_name)
             # Every device decided the same about each microbatch
             # (`accumjax._decision.agreed`), so each counted the same: the sum is the devices'

@@ -17,7 +17,7 @@ import accumjax._window as window_lib
 from accumjax._config import Config
 from accumjax._control import run_once, select_once
 from accumjax._multisteps import check_inner_state
-from accumjax._state import check_made_for, k_tag
+from accumjax._state import check_made_for, tag_for_every_k
 from accumjax.accumulation_state import AccumulationState
 
 __all__ = [
@@ -75,7 +75,7 @@ def init_state(
     return AccumulationState(
         window=window,
         every_k=config.every_k_at(update_count),
-        every_k_tag=k_tag(config.static_every_k),
+        every_k_tag=tag_for_every_k(config.static_every_k),
         scaling_code=jnp.asarray(scaling_lib.SCALINGS.index(config.scaling), jnp.int32),
         update_count=update_count,
         inner_tx_state=inner_tx_state,
@@ -161,8 +161,8 @@ def close_and_apply(
         around the microbatch loop), or None to close ``state.window`` here.
       every_step: a window closes on every step (scan mode): its update is selected rather
         than branched to on a GPU (`accumjax._control.select_once`).
-      split: ``(to_shards, to_whole)``: ``inner`` updates ``to_shards(params)`` (ZeRO: split
-        like the reduced gradient) and the result goes back through ``to_whole``, both in
+      split: ``(to_shards, to_param_layout)``: ``inner`` updates ``to_shards(params)`` (ZeRO: split
+        like the reduced gradient) and the result goes back through ``to_param_layout``, both in
         the update's loop (so only an applied window gathers); None for ``params`` as is.
 
     Returns:
@@ -247,7 +247,7 @@ def _after_close(
     apply = closed.apply
     update_count = jnp.where(apply, optax.safe_increment(state.update_count), state.update_count)
     return state._replace(
-        window=window_lib.empty_like(state.window),
+        window=window_lib.emptied_window(state.window),
         every_k=config.every_k_at(update_count),
         update_count=update_count,
         inner_tx_state=inner_state,

@@ -4,7 +4,7 @@ axis whose optimizer state is split over it (`accumjax._layout`'s ZeRO rows).
 The inner optimizer runs in the global view on the parameters sliced like their reduced
 gradient, and the new slices are all-gathered back: inside the update's loop of at most one
 trip (`split_params`, scan mode) or around the window's close (`zero_close`, stream mode).
-The parameters are pinned whole (`pinned`) wherever XLA could otherwise carry them split
+The parameters are pinned in their layout (`pinned`) wherever XLA could otherwise carry them split
 through a loop and gather them on every call.
 """
 
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._mesh as mesh_lib
 from accumjax._layout import REPLICATED, LeafLayout, Reduction
-from accumjax._loop import Carry
+from accumjax._loop import LoopCarry
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
 
@@ -50,21 +50,21 @@ def _planned(layout: mesh_lib.Layout, inner: Any) -> Any:
     return mesh_lib.lay_out(inner, layout.mesh, layout.opt_specs)
 
 
-def _whole(layout: mesh_lib.Layout, params: Any) -> Any:
+def _to_param_layout(layout: mesh_lib.Layout, params: Any) -> Any:
     """The parameters gathered back where they lie, pinned there."""
     return pinned(layout, mesh_lib.lay_out(params, layout.mesh, layout.global_specs(layout.dims)))
 
 
 def split_params(layout: mesh_lib.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """`accumjax._loop.Context.split_params` of a ZeRO layout: the whole parameters (pinned
-    where they lie, so that XLA keeps them whole in the update's loop carry) sliced like the
+    """`accumjax._loop.Context.split_params` of a ZeRO layout: the parameters (pinned
+    where they lie, so that XLA keeps them so in the update's loop carry) sliced like the
     reduced gradient, and the new slices all-gathered back.
 
     Args:
       layout: the call's `accumjax.sharded.Layout` with a ZeRO plan.
 
     Returns:
-      ``(to_shards, to_whole)``, functions of the parameters in the global view (traced).
+      ``(to_shards, to_param_layout)``, functions of the parameters in the global view (traced).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -74,15 +74,15 @@ def split_params(layout: mesh_lib.Layout) -> tuple[Callable[[Any], Any], Callabl
       >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
       >>> params = {"w": jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P()))}
       >>> layout = mesh_lib.layout_of(params, None, mesh=mesh, optimizer_sharding="zero1")
-      >>> to_shards, to_whole = split_params(layout)
+      >>> to_shards, to_param_layout = split_params(layout)
       >>> tuple(jax.jit(to_shards)(params)["w"].sharding.spec)
       ('data', None)
-      >>> jax.jit(lambda p: to_whole(to_shards(p)))(params)["w"].sharding.is_fully_replicated
+      >>> jax.jit(lambda p: to_param_layout(to_shards(p)))(params)["w"].sharding.is_fully_replicated
       True
     """
     mesh, split = layout.mesh, layout.global_specs(layout.optimizer_dims)
     to_shards = lambda p: mesh_lib.lay_out(pinned(layout, p), mesh, split)
-    return to_shards, partial(_whole, layout)
+    return to_shards, partial(_to_param_layout, layout)
 
 
 def parameter_side(layout: mesh_lib.Layout, state: TrainState, accumulating: bool) -> TrainState:
@@ -98,8 +98,11 @@ def parameter_side(layout: mesh_lib.Layout, state: TrainState, accumulating: boo
 
 
 def zero_close(
-    layout: mesh_lib.Layout, accumulating: bool, close: Callable[[Carry], Carry], fields: Carry
-) -> Carry:
+    layout: mesh_lib.Layout,
+    accumulating: bool,
+    close: Callable[[LoopCarry], LoopCarry],
+    fields: LoopCarry,
+) -> LoopCarry:
     """``close`` with the update on the parameters split like their reduced gradient, and
     the parameters and optimizer state laid out back as they lie."""
     params, opt = optimizer_side(layout, pinned(layout, fields.params), fields.opt)
@@ -123,18 +126,18 @@ def pinned(layout: mesh_lib.Layout, params: Any) -> Any:
     return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 
-def restore_layout(layout: mesh_lib.Layout, fields: Carry) -> Carry:
-    """``fields`` (a window close's `accumjax._loop.Carry`) with the parameters where they
+def restore_layout(layout: mesh_lib.Layout, fields: LoopCarry) -> LoopCarry:
+    """``fields`` (a window close's `accumjax._loop.LoopCarry`) with the parameters where they
     lie (one all-gather of a ZeRO update) and the optimizer state as planned."""
     opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))
-    return fields._replace(params=_whole(layout, fields.params), opt=opt)
+    return fields._replace(params=_to_param_layout(layout, fields.params), opt=opt)
 
 
 def placed_zero(inner: Any, params: Any, layout: mesh_lib.Layout) -> dict[Any, int | None]:
     """Where the user split the optimizer state over the data axis beside replicated
     parameters: for each replicated parameter's shape, the dimension its state leaves lie
     split on (None: replicated); empty when no state leaf of such a shape is split."""
-    whole = {
+    replicated_shapes = {
         tuple(jnp.shape(p))
         for p, d in zip(layout.treedef.flatten_up_to(params), layout.dims, strict=True)
         if d is None
@@ -142,7 +145,7 @@ def placed_zero(inner: Any, params: Any, layout: mesh_lib.Layout) -> dict[Any, i
     found: dict[Any, int | None] = {}
     for x in jax.tree.leaves(inner):
         shape = tuple(jnp.shape(x))
-        if shape not in whole:
+        if shape not in replicated_shapes:
             continue
         spec = getattr(mesh_lib.sharding_of(x), "spec", ()) or ()
         dims = [i for i, e in enumerate(spec) if layout.axis in mesh_lib.names(e)]

@@ -24,7 +24,7 @@ from accumjax._checks import (
     check_choice,
     check_int,
     check_real,
-    refuse_unknown,
+    raise_on_unknown_kwargs,
 )
 from accumjax._config import (
     ON_NONFINITE,
@@ -199,7 +199,7 @@ def accumulate(
         ``AGC(g / K, c) == AGC(g, K * c) / K``, its ``clip_factor=c`` is
         ``microbatch_transform=accumjax.adaptive_clip(K * c, eps)`` with ``scaling="mean"``
         (``docs/guides/clipping.md``). It reads the gradient as ``max_norm`` does, at that
-        memory cost (more under FSDP, where it gathers the whole gradient:
+        memory cost (more under FSDP, where it gathers the gradient full-size:
         ``docs/limits.md``); exclusive with ``max_norm`` (chain the two instead).
       **multisteps: none taken: ``optax.MultiSteps``' argument names (``every_k_schedule``,
         ``use_grad_mean``, ``should_skip_update_fn``) raise a ``TypeError`` naming what to
@@ -234,7 +234,7 @@ def accumulate(
       >>> params["w"]
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    refuse_unknown("accumulate", multisteps, MULTISTEPS_ARGS)
+    raise_on_unknown_kwargs("accumulate", multisteps, MULTISTEPS_ARGS)
     if every_k is None:
         raise TypeError("accumulate needs every_k, K: accumulate(inner, every_k=K).")
     check_inner(inner)

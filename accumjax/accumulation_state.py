@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +19,7 @@ import accumjax._scaling as scaling_lib
 import accumjax._state as state_lib
 import accumjax._window as window_lib
 from accumjax._layout import REPLICATED, accumulator_bytes, partial_sums_layout
-from accumjax._moved import forward_moved
+from accumjax._moved import REMOVED_IN, forward_moved
 from accumjax._state import AccumulationState
 
 __all__ = [
@@ -40,7 +41,9 @@ class AccumulationStats(NamedTuple):
     """What `stats` reports about an `AccumulationState`.
 
     Attributes:
-      accumulation_steps: K of the current window.
+      every_k: K of the current window, as ``accumulate(inner, every_k)`` states it (the
+        property ``accumulation_steps``, its 0.5 name, still reads it, with a
+        ``DeprecationWarning``).
       current_step: calls seen in the current window.
       total_cycles: inner updates applied so far.
       max_grad_norm: largest norm of an applied window gradient.
@@ -56,7 +59,7 @@ class AccumulationStats(NamedTuple):
         scan-mode train state, whose window opens and closes inside one call, the sums the
         step makes as its layout plan lays them out (`stats`' ``layout``; one
         parameter-shaped sum in the accumulator dtype without). Laid out by a train step on
-        N devices along the data axis, an accumulator whole on each device (replicated,
+        N devices along the data axis, an accumulator full-size on each device (replicated,
         ZeRO-1, FSDP with ``reduce_scatter="window"``) counts N full-size partial sums, one
         split over them (ZeRO-2, FSDP) one: each device holds ``memory_bytes / N`` (less
         where another mesh axis splits it too). A parameter-shaped window
@@ -66,7 +69,7 @@ class AccumulationStats(NamedTuple):
     measure, nor the parameters): pass the train state, ``accumjax.stats(state)``.
     """
 
-    accumulation_steps: jax.Array
+    every_k: jax.Array
     current_step: jax.Array
     total_cycles: jax.Array
     max_grad_norm: jax.Array
@@ -76,6 +79,17 @@ class AccumulationStats(NamedTuple):
     skipped_windows: jax.Array
     num_parameters: int | None
     memory_bytes: int | None
+
+    @property
+    def accumulation_steps(self) -> jax.Array:
+        """``every_k`` under its 0.5 name, with a ``DeprecationWarning`` (removed in 0.6)."""
+        warnings.warn(
+            "AccumulationStats.accumulation_steps is deprecated and will be removed in "
+            f"accumjax {REMOVED_IN}: read every_k (the K of accumulate(inner, every_k)).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.every_k
 
 
 def should_update(state: Any) -> jax.Array:
@@ -94,7 +108,7 @@ def should_update(state: Any) -> jax.Array:
       >>> bool(accumjax.should_update(state))
       True
     """
-    state = state_lib.unwrap(state)
+    state = state_lib.accumulation_state_in(state)
     return state.window.micro_step + 1 >= state.every_k
 
 
@@ -117,7 +131,7 @@ def has_updated(state: Any) -> jax.Array:
       >>> bool(accumjax.has_updated(state))
       True
     """
-    return state_lib.unwrap(state).updated
+    return state_lib.accumulation_state_in(state).updated
 
 
 def accumulated_gradients(state: Any) -> Any:
@@ -143,7 +157,7 @@ def accumulated_gradients(state: Any) -> Any:
       >>> accumjax.accumulated_gradients(state)["w"]
       Array(3., dtype=float32)
     """
-    state = state_lib.unwrap(state)
+    state = state_lib.accumulation_state_in(state)
     window = state.window
     total = window_lib.window_sum(window)
     if total is None:
@@ -161,7 +175,7 @@ def reset(state: Any) -> Any:
 
     Args:
       state: an `AccumulationState`, or an optax combinator's state holding exactly one
-        (``optax.chain``, ``optax.masked``, ...; see `unwrap`).
+        (``optax.chain``, ``optax.masked``, ...; see `accumulation_state_in`).
 
     Returns:
       ``state`` with its `AccumulationState`'s window empty: a zero accumulator,
@@ -174,9 +188,9 @@ def reset(state: Any) -> Any:
       >>> int(accumjax.reset(state)[1].window.micro_step)
       0
     """
-    state_lib.unwrap(state)  # exactly one, where it can be used
+    state_lib.accumulation_state_in(state)  # exactly one, where it can be used
     is_acc = lambda x: isinstance(x, AccumulationState)
-    empty = lambda acc: acc._replace(window=window_lib.empty_like(acc.window))
+    empty = lambda acc: acc._replace(window=window_lib.emptied_window(acc.window))
     return jax.tree.map(lambda x: empty(x) if is_acc(x) else x, state, is_leaf=is_acc)
 
 
@@ -206,7 +220,7 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
       >>> import jax.numpy as jnp, optax, accumjax
       >>> state = accumjax.accumulate(optax.sgd(0.1), 8).init({"w": jnp.zeros((4, 4))})
       >>> s = accumjax.stats(state)
-      >>> int(s.accumulation_steps), s.num_parameters, s.memory_bytes
+      >>> int(s.every_k), s.num_parameters, s.memory_bytes
       (8, 16, 64)
       >>> scan = accumjax.make_train_step(lambda p, b: jnp.sum(p["w"] * b), mode="scan")
       >>> train_state = scan.init({"w": jnp.zeros((4, 4))}, accumjax.accumulate(optax.sgd(0.1), 8))
@@ -224,12 +238,12 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
     params, tx = getattr(state, "params", None), getattr(state, "tx", None)
     if layout is not None and params is not None:
         _check_plan_fits(layout, params)
-    state = state_lib.unwrap(getattr(state, "opt_state", state))
+    state = state_lib.accumulation_state_in(getattr(state, "opt_state", state))
     window = state.window
     # The closed windows' counts plus the open window's, so a NaN shows at once.
     nonfinite = window_lib.saturating_add(state.nonfinite_count, window.window_nonfinite)
     return AccumulationStats(
-        accumulation_steps=state.every_k,
+        every_k=state.every_k,
         current_step=window.micro_step,
         total_cycles=state.update_count,
         max_grad_norm=state.max_grad_norm,

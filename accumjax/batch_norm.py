@@ -63,7 +63,7 @@ from accumjax._batch_norm_windows import (
     warn_if_open,
     warn_plain_batch_norm,
 )
-from accumjax._state import closed_its_window, unwrap
+from accumjax._state import accumulation_state_in, closed_its_window
 from accumjax._variables import is_variable, unwrap_variables
 from accumjax.batch_norm_convert import convert_batch_norm_variables
 
@@ -454,14 +454,14 @@ def sync_batch_norm(new_stats: _Tree, old_stats: _Tree, opt_state: Any) -> _Tree
       >>> int(net.norm.acc_step[...])
       0
     """
-    state = unwrap(opt_state)
+    state = accumulation_state_in(opt_state)
     check_no_self_closing(new_stats, "sync_batch_norm")
     _check_not_live(new_stats, old_stats)
     new_stats, old_stats = _pure(new_stats), _pure(old_stats)
     _check_order(new_stats, old_stats)
-    k = None if isinstance(state.every_k, jax.core.Tracer) else int(state.every_k)
-    if k != 1:  # K=1: a plain BatchNorm is what trains
-        warn_plain_batch_norm(new_stats, "sync_batch_norm", k, before=old_stats)
+    every_k = None if isinstance(state.every_k, jax.core.Tracer) else int(state.every_k)
+    if every_k != 1:  # K=1: a plain BatchNorm is what trains
+        warn_plain_batch_norm(new_stats, "sync_batch_norm", every_k, before=old_stats)
     kept = optax.tree.where(state.added, new_stats, old_stats)
     closed = close_step_driven_windows(kept, jnp.asarray(state.updated), None)
     return optax.tree.where(closed_its_window(state), closed, kept)

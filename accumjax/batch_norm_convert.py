@@ -33,7 +33,7 @@ def _is_batch_norm_stats(node: Mapping[str, Any]) -> bool:
     return all(key in node and not isinstance(node[key], Mapping) for key in ("mean", "var"))
 
 
-def _where(path: tuple[Any, ...]) -> str:
+def _path_string(path: tuple[Any, ...]) -> str:
     """A readable ``batch_stats/...`` path."""
     return "/".join(["batch_stats", *map(str, path)])
 
@@ -67,7 +67,8 @@ def _default_renames(layers: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], dic
         keys = _auto_named(layers, parent)
         if any(k.startswith("Accum") for k in keys) and any(k.startswith("Batch") for k in keys):
             raise ValueError(
-                f"{_where(parent)} holds both BatchNorm_* and AccumBatchNorm_* layers {keys}; "
+                f"{_path_string(parent)} holds both BatchNorm_* and AccumBatchNorm_* layers "
+                f"{keys}; "
                 "pass target= (the new model's init variables) to map them."
             )
         renames[parent] = {k: f"Accum{k}" for k in keys if k.startswith("Batch")}
@@ -85,14 +86,14 @@ def _target_renames(
             continue
         if len(source) != len(wanted) or any(k.startswith("Accum") for k in source):
             raise ValueError(
-                f"{_where(parent)}: cannot match the unnamed norm layers of variables "
+                f"{_path_string(parent)}: cannot match the unnamed norm layers of variables "
                 f"{sorted(source)} with those of target {wanted}: the models differ."
             )
         for family in ("BatchNorm_", "AccumBatchNorm_"):
             indices = [_index(k) for k in wanted if k.startswith(family)]
             if indices != list(range(len(indices))):
                 raise ValueError(
-                    f"{_where(parent)}: target's {family}* keys {wanted} are not in creation "
+                    f"{_path_string(parent)}: target's {family}* keys {wanted} are not in creation "
                     "order; pass the dict returned by an eager model.init, unsorted."
                 )
         renames[parent] = dict(zip(sorted(source, key=_index), wanted, strict=True))
@@ -119,7 +120,7 @@ def _with_accumulators(
         mean, var = jnp.asarray(node["mean"]), jnp.asarray(node["var"])
         if mean.shape != var.shape:
             raise ValueError(
-                f"{_where(path)}: mean {mean.shape} and var {var.shape} shapes differ."
+                f"{_path_string(path)}: mean {mean.shape} and var {var.shape} shapes differ."
             )
         fresh = stats_window_values(empty_stats_window(mean.shape))
         if momentum is not None:

@@ -28,7 +28,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Shard
 
 import accumjax._window as window_lib
 from accumjax._layout import partial_sums_layout
-from accumjax._state import k_changed, k_of_tag
+from accumjax._state import every_k_changed, every_k_of_tag
 
 __all__ = ["restore_checkpoint"]
 
@@ -103,7 +103,9 @@ class _Plan:
             return lambda read: None
         sharding = _sharding(target, self.mesh)
         if tuple(stored.shape) != tuple(target.shape):
-            raise ValueError(_k_mismatch(path, stored, target) or _mismatch(path, stored, target))
+            raise ValueError(
+                _every_k_mismatch(path, stored, target) or _mismatch(path, stored, target)
+            )
         self.read[path] = _like(tuple(stored.shape), target.dtype, sharding)
         return lambda read: read[path]
 
@@ -115,10 +117,12 @@ class _Plan:
         sharding = _sharding(target, self.mesh)
 
         def build(read: Any) -> Any:
-            uses = k_of_tag(tuple(target.shape)) if len(target.shape) < 2 else None
+            uses = every_k_of_tag(tuple(target.shape)) if len(target.shape) < 2 else None
             made = int(jax.device_get(read[every_k]).flat[0])
             if uses is not None and made != uses:
-                raise ValueError(f"the checkpoint does not fit the target: {k_changed(made, uses)}")
+                raise ValueError(
+                    f"the checkpoint does not fit the target: {every_k_changed(made, uses)}"
+                )
             return jax.device_put(jnp.zeros(target.shape, target.dtype), sharding)
 
         return build
@@ -171,9 +175,9 @@ class _Plan:
         stored = _stored_at(self.stored, full)
         stored_shape = tuple(stored.shape)
         stored_shards = name == "partial_sums"
-        old, whole = _held(stored_shape, stored_shards)
-        new, target_whole = _held(shape, per_shard)
-        if whole != target_whole:
+        old, full_shape = _held(stored_shape, stored_shards)
+        new, target_full_shape = _held(shape, per_shard)
+        if full_shape != target_full_shape:
             raise ValueError(_mismatch(full, stored, target))
         spec = _spec_of(sharding, len(shape))
         rest = spec[1:] if per_shard else spec
@@ -189,7 +193,7 @@ class _Plan:
             if not per_shard:
                 return jax.device_put(total.astype(target.dtype), sharding)
             if stored_shards and old % new == 0:  # each new shard sums old ones, in place
-                grouped = jnp.sum(jnp.reshape(x, (new, old // new, *whole)), axis=1)
+                grouped = jnp.sum(jnp.reshape(x, (new, old // new, *full_shape)), axis=1)
             else:  # the first shard takes the sum, the others start empty
                 grouped = jnp.zeros(shape, target.dtype).at[0].set(total.astype(target.dtype))
             return jax.device_put(grouped.astype(target.dtype), sharding)
@@ -229,17 +233,17 @@ def _mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str:
     )
 
 
-def _k_mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str | None:
+def _every_k_mismatch(path: tuple[Any, ...], stored: Any, target: Any) -> str | None:
     """For an `accumjax.AccumulationState.every_k_tag`, that the checkpoint was made for
     another K; else None (a ``pmap`` state's tags, with their device axis, get the general
     message)."""
     if _key(path[-1]) != "every_k_tag":
         return None
     try:
-        made, uses = k_of_tag(tuple(stored.shape)), k_of_tag(tuple(target.shape))
+        made, uses = every_k_of_tag(tuple(stored.shape)), every_k_of_tag(tuple(target.shape))
     except ValueError:
         return None
-    return f"the checkpoint does not fit the target: {k_changed(made, uses)}"
+    return f"the checkpoint does not fit the target: {every_k_changed(made, uses)}"
 
 
 def _read_tree(read: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:

@@ -3,7 +3,7 @@
 AGC (Brock et al. 2021) rescales each *unit* of a gradient so that its L2 norm is at most
 ``clip_factor * max(||param unit||, eps)``. A unit is the slice of a parameter that feeds one
 output: a column of a ``(in, out)`` Dense kernel, one output channel of a ``HWIO`` conv kernel
-(or of a ``DHWIO`` Conv3D kernel), or a whole bias/scale vector. See :func:`unitwise_norm` for
+(or of a ``DHWIO`` Conv3D kernel), or an entire bias/scale vector. See :func:`unitwise_norm` for
 the exact convention.
 
 Two public entry points do the same arithmetic:
@@ -176,7 +176,7 @@ def unitwise_norm(x: jax.typing.ArrayLike, axis: Axis = None) -> jax.Array:
     ``(out, in)`` kernels). With ``axis=None`` the reduced axes depend only on the shape of ``x``:
 
     - at most one dimension larger than 1 (scalars, biases, shapes like ``(1, n)``): one unit,
-      the whole array (``optax`` uses the same squeeze rule);
+      the entire array (``optax`` uses the same squeeze rule);
     - rank 2, Dense kernel ``(in, out)``: per output unit, reduce axis 0;
     - rank 3, e.g. a multi-head kernel ``(in, heads, head_dim)``: reduce axis 0;
     - rank 4, conv kernel ``HWIO``: per output channel, reduce axes ``(0, 1, 2)``;

@@ -92,7 +92,7 @@ def unreplicate(tree: Any) -> Any:
     # Not flax.jax_utils.unreplicate (flax 0.12.8): it returns leaf[0] for pmap outputs (one
     # row per device along axis 0), NumPy arrays and single-device arrays, but reads the
     # first device's shard of any other leaf on several devices: a fully replicated leaf
-    # comes back whole (shape (n, ...), not leaf[0]); one split otherwise (several rows per
+    # comes back full-size (shape (n, ...), not leaf[0]); one split otherwise (several rows per
     # device, or along another axis) raises ValueError or comes back as the first device's
     # part only; a 0-d leaf comes back as it is (IndexError here). Pinned by
     # test_unreplicate_takes_leaf_zero_of_pmap_outputs_numpy_and_replicated_arrays. On pmap

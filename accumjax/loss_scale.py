@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from accumjax._checks import check_int, check_real
-from accumjax._state import closed_its_window, unwrap
+from accumjax._state import accumulation_state_in, closed_its_window
 from accumjax.accumulation_state import AccumulationState
 
 __all__ = [
@@ -249,7 +249,7 @@ def update_loss_scale(ls: DynamicLossScale, opt_state: Any, new_opt_state: Any) 
 def _accumulation_state(name: str, state: Any) -> AccumulationState:
     """``state`` as an `AccumulationState`, or a TypeError naming the argument."""
     try:
-        return unwrap(state)
+        return accumulation_state_in(state)
     except TypeError:
         raise TypeError(
             f"update_loss_scale(ls, opt_state, new_opt_state): {name} is a "

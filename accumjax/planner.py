@@ -59,8 +59,8 @@ class MicrobatchPlan(NamedTuple):
         given ``batch_size``).
       predicted_bytes: :func:`compiled_memory_bytes` of the chosen step, per device.
       budget_bytes: the budget it was planned against, per device.
-      tried: ``(k, predicted_bytes)`` for every candidate compiled, in increasing K;
-        planned over ``optimizer_shardings``, ``(k, predicted_bytes, optimizer_sharding)``
+      tried: ``(every_k, predicted_bytes)`` for every candidate compiled, in increasing K;
+        planned over ``optimizer_shardings``, ``(every_k, predicted_bytes, optimizer_sharding)``
         for every step compiled, in increasing K and each K's layouts in the order given.
       devices: how many devices the planned step runs on (1 off a mesh); each of them
         needs ``predicted_bytes``.
@@ -124,11 +124,11 @@ def _check_candidates(candidates: Any) -> tuple[int, ...]:
         raise TypeError(f"candidates must be a sequence of ints >= 1, got {candidates!r}.")
     if not candidates:
         raise ValueError("candidates must not be empty.")
-    return tuple(sorted({check_int("candidates' K", k) for k in candidates}))
+    return tuple(sorted({check_int("candidates' K", every_k) for every_k in candidates}))
 
 
 def _named(key: tuple[Any, ...]) -> str:
-    """A candidate ``(k,)`` or ``(k, optimizer_sharding)`` in words."""
+    """A candidate ``(every_k,)`` or ``(every_k, optimizer_sharding)`` in words."""
     return f"K={key[0]}" + (f" with optimizer_sharding={key[1]!r}" if key[1:] else "")
 
 
@@ -167,7 +167,7 @@ def _first_fit(
     budget_bytes: int,
     batch_size: int | None,
 ) -> MicrobatchPlan:
-    """The plan of the first ``(k,)`` or ``(k, optimizer_sharding)`` in ``keys`` whose
+    """The plan of the first ``(every_k,)`` or ``(every_k, optimizer_sharding)`` in ``keys`` whose
     ``compile_for(*key)`` fits ``budget_bytes``; ``ValueError`` if none does."""
     tried: list[Any] = []
     for key in keys:
@@ -223,11 +223,13 @@ def plan_microbatches_for(
     """
     if not callable(compile_for_k):
         raise TypeError(f"compile_for_k must be callable, got {type(compile_for_k).__name__}.")
-    ks = _check_candidates(candidates)
+    sorted_candidates = _check_candidates(candidates)
     budget_bytes = _check_budget(budget_bytes, "budget_bytes")
     if batch_size is not None:
         _check_budget(batch_size, "batch_size")
-    return _first_fit(compile_for_k, [(k,) for k in ks], budget_bytes, batch_size)
+    return _first_fit(
+        compile_for_k, [(every_k,) for every_k in sorted_candidates], budget_bytes, batch_size
+    )
 
 
 def _batch_size(batch: Any) -> int:
@@ -241,7 +243,7 @@ def _batch_size(batch: Any) -> int:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _device_budget() -> int:
@@ -318,14 +320,14 @@ def scan_step_for_k(
         (``"scan"``).
 
     Returns:
-      ``(step, state_k)``: ``step`` is ``make_train_step(loss_fn, mode="scan", ...)`` (or
-      ``make_nnx_train_step``), called as ``step(state_k, batch[, rng])`` with the whole
-      batch (it splits it into K microbatches); ``state_k`` is the state
-      ``step.init(params, state_k.tx, ...)`` builds, in ``jax.ShapeDtypeStruct`` leaves
+      ``(step, abstract_state)``: ``step`` is ``make_train_step(loss_fn, mode="scan", ...)`` (or
+      ``make_nnx_train_step``), called as ``step(abstract_state, batch[, rng])`` with the whole
+      batch (it splits it into K microbatches); ``abstract_state`` is the state
+      ``step.init(params, abstract_state.tx, ...)`` builds, in ``jax.ShapeDtypeStruct`` leaves
       with its shardings (a scan-mode ``opt_state``: no accumulator; with
       ``mixed_precision="float16"`` the state's loss scale, or a default one): enough to
-      ``step.lower(state_k, batch[, rng])``, the very program of
-      ``step(step.init(params, state_k.tx, ...), batch[, rng])``; to run the step, build
+      ``step.lower(abstract_state, batch[, rng])``, the very program of
+      ``step(step.init(params, abstract_state.tx, ...), batch[, rng])``; to run the step, build
       the state with it so.
 
     Raises:
@@ -514,8 +516,12 @@ def plan_microbatches(
         )
     if candidates is None:
         candidates = _divisors(batch_size // shards)
-    ks = _check_candidates(candidates)
-    bad = [k for k in ks if split_advice(batch_size, k, shards) is not None]
+    sorted_candidates = _check_candidates(candidates)
+    bad = [
+        every_k
+        for every_k in sorted_candidates
+        if split_advice(batch_size, every_k, shards) is not None
+    ]
     if bad:
         raise ValueError(
             f"candidates {bad} do not divide the batch: {batch_size} rows on {shards} "
@@ -529,21 +535,30 @@ def plan_microbatches(
     abstract_rng = None if rng is None else _abstract(rng)
     steps: dict[str | None, tuple[Any, Any]] = {}
 
-    def compile_for(k: int, layout: str | None = None) -> jax.stages.Compiled:
+    def compile_for(every_k: int, layout: str | None = None) -> jax.stages.Compiled:
         # One step for every K (K lives in tx), and its state built once, per layout.
         if layout not in steps:
             kwargs = make_train_step_kwargs | ({} if layout is None else {_SHARDING: layout})
-            steps[layout] = scan_step_for_k(loss_fn, state, ks[0], **kwargs)
+            steps[layout] = scan_step_for_k(loss_fn, state, sorted_candidates[0], **kwargs)
         step, laid_out = steps[layout]
         opt, tag = laid_out.opt_state, laid_out.opt_state.every_k_tag  # K is in its shape
-        tag = jax.ShapeDtypeStruct((k,), tag.dtype, sharding=tag.sharding)
-        state_k = laid_out.replace(tx=_tx_for(state.tx, k), opt_state=opt._replace(every_k_tag=tag))
-        return step.lower(state_k, abstract_batch, abstract_rng).compile()
+        tag = jax.ShapeDtypeStruct((every_k,), tag.dtype, sharding=tag.sharding)
+        abstract_state = laid_out.replace(
+            tx=_tx_for(state.tx, every_k), opt_state=opt._replace(every_k_tag=tag)
+        )
+        return step.lower(abstract_state, abstract_batch, abstract_rng).compile()
 
     if layouts is None:
-        plan = _first_fit(compile_for, [(k,) for k in ks], budget, batch_size)
+        plan = _first_fit(
+            compile_for, [(every_k,) for every_k in sorted_candidates], budget, batch_size
+        )
         return plan._replace(optimizer_sharding=make_train_step_kwargs.get(_SHARDING, "replicated"))
-    return _first_fit(compile_for, [(k, lay) for k in ks for lay in layouts], budget, batch_size)
+    return _first_fit(
+        compile_for,
+        [(every_k, lay) for every_k in sorted_candidates for lay in layouts],
+        budget,
+        batch_size,
+    )
 
 
 _SHARDING = "optimizer_sharding"

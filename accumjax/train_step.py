@@ -32,7 +32,7 @@ from accumjax._checks import (
     check_choice,
     check_int,
     check_mesh_axis,
-    refuse_unknown,
+    raise_on_unknown_kwargs,
 )
 from accumjax._host import TrainStep, wrap
 from accumjax._layout import check_optimizer_sharding
@@ -142,7 +142,7 @@ def make_train_step(
         reduces it once, when the window closes (one reduction, three full-size gradients
         of memory per device). Replicated parameters are reduced once per window either way.
       optimizer_sharding: under ``jit`` on a mesh, where parameters replicated over the data
-        axis keep their optimizer state: ``"replicated"`` (default: every device the whole
+        axis keep their optimizer state: ``"replicated"`` (default: every device the full
         state, one all-reduce of the window's gradient), ``"zero1"`` (ZeRO-1: the state
         split over the data axis; each device's full-size window sum is reduce-scattered
         once, the optimizer runs on the shards and the new parameters are all-gathered once)
@@ -153,7 +153,7 @@ def make_train_step(
         ``pmap`` keeps its replicated layout (a ZeRO choice with ``axis_name`` and no ``mesh``
         is refused). See :doc:`/guides/data_parallel`.
       batch_axis: scan mode: the batch axis split into microbatches, an int or a pytree prefix
-        of the batch (``None`` at a leaf leaves it whole); only 0 on a mesh.
+        of the batch (``None`` at a leaf leaves it unsplit, full-size); only 0 on a mesh.
       aux_rows: scan mode with ``has_aux``: aux in the batch's row order, shape ``(B, ...)``,
         instead of stacked per microbatch, ``(K, B // K, ...)``.
       **removed: none taken: the arguments accumjax 0.4 removed (``accum_steps``,
@@ -215,7 +215,7 @@ def make_train_step(
       >>> int(state.step), bool(metrics["updated"]), round(float(metrics["loss"]), 2)
       (1, True, 8.35)
     """
-    refuse_unknown("make_train_step", removed, _REMOVED)
+    raise_on_unknown_kwargs("make_train_step", removed, _REMOVED)
     check_callable("loss_fn", loss_fn, optional=False)
     compute_dtype = _PRECISIONS[
         check_choice("mixed_precision", mixed_precision, tuple(_PRECISIONS))
@@ -268,7 +268,7 @@ def _check_zero_on_a_mesh(optimizer_sharding: Any, axis_name: Any, mesh: Any) ->
         raise ValueError(
             f"optimizer_sharding={choice!r} splits the optimizer state over a mesh's data axis "
             f"under jit; make_train_step(axis_name={axis_name!r}) without mesh= runs under "
-            "jax.pmap, which keeps a whole replica per device. Put the arrays on a mesh "
+            "jax.pmap, which keeps a full replica per device. Put the arrays on a mesh "
             "(parameters replicated, the batch split over its data axis) and leave axis_name "
             f"out, or pass mesh=...; or keep optimizer_sharding='replicated' under pmap."
         )

@@ -27,7 +27,7 @@ __all__ = ["DeviceWindow", "Window"]
 
 def _reduced_scatter(dims: Any, like: Any) -> Any:
     """0.4's ``close_window`` scatter markers for a sum reduced microbatch by microbatch
-    (-1 a reduced shard, -2 a whole sum); the close reads each leaf's layout plan instead."""
+    (-1 a reduced shard, -2 a replicated sum); the close reads each leaf's layout plan instead."""
     leaves, treedef = jax.tree.flatten(like)
     split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
     return jax.tree.unflatten(treedef, [-2 if d is None else -1 for d in split])

@@ -167,10 +167,18 @@ def test_every_k_schedule_as_multisteps():
         for _ in range(2):
             _, state = tx.update(grad, state, params)
             assert not bool(accumjax.has_updated(state))
-            assert int(accumjax.stats(state).accumulation_steps) == 3
+            assert int(accumjax.stats(state).every_k) == 3
         assert bool(accumjax.should_update(state))
         _, state = tx.update(grad, state, params)
         assert bool(accumjax.has_updated(state))
+
+
+def test_stats_accumulation_steps_is_every_k_under_its_old_name_with_a_deprecation_warning():
+    stats = accumjax.stats(accumjax.accumulate(optax.sgd(0.1), 8).init({"a": jnp.zeros(2)}))
+    with pytest.warns(DeprecationWarning, match=r"accumulation_steps .*0\.6.*every_k"):
+        old = stats.accumulation_steps
+    assert old is stats.every_k and int(old) == 8
+    assert "accumulation_steps" not in stats._fields and stats._fields[0] == "every_k"
 
 
 def test_computes_mean_exactly():

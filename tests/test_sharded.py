@@ -751,7 +751,7 @@ def _check_against_reference(state, metrics, mode, params, expected):
     counts = expected.counts
     assert _counts_of(state) == {
         **counts,
-        "accumulation_steps": K,
+        "every_k": K,
         "current_step": 0,
         "overflow_detected": int(counts["num_nonfinite"] > 0),
     }
