@@ -230,29 +230,25 @@ def _batch_axis(batch: Any) -> tuple[AnyMesh, str] | None:
 
 def _split_dim(path: str, leaf: Any, axis: str) -> int | None:
     """The dimension of a parameter split over the data axis ``axis`` (None: replicated)."""
-    sharding = sharding_of(leaf)
-    found = None
-    for dim, entry in enumerate(getattr(sharding, "spec", ())):
-        axes = names(entry)
+    spec = getattr(sharding_of(leaf), "spec", ())
+    for axes in map(names, spec):
         if axis in axes and len(axes) > 1:
             raise NotImplementedError(
                 f"params{path} has a dimension split over {axes} together: the train step "
                 f"supports parameters split over the data axis {axis!r} or over other axes, "
                 "one axis per dimension."
             )
-        if axis in axes:
-            found = dim
-    return found
+    return next((dim for dim, entry in enumerate(spec) if axis in names(entry)), None)
 
 
 def layout_of(
     params: Any,
     batch: Any,
     *,
-    mesh: AnyMesh | None = None,
-    axis: str | None = None,
     optimizer_sharding: str = "replicated",
     reduce_scatter: str = "microbatch",
+    mesh: AnyMesh | None = None,
+    axis: str | None = None,
 ) -> Layout | None:
     """The `Layout` of a call, or None when it runs off any mesh.
 
