@@ -282,6 +282,7 @@ def test_public_modules_export_only_public_names(path):
         ("window", "add_microbatch"),
         ("accumulation", "init_state"),
         ("scaling", "microbatch_weight"),
+        ("sharded", "layout_of"),
     ],
 )
 def test_a_name_a_public_module_exported_in_0_4_resolves_with_a_deprecation_warning(module, name):
@@ -291,6 +292,24 @@ def test_a_name_a_public_module_exported_in_0_4_resolves_with_a_deprecation_warn
     assert name not in public.__all__ and callable(value)
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         public.nothing_here  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "where", "new_name"),
+    [
+        ("sharded", "gather", "_mesh", "gather_params"),
+        ("sharded", "place", "_mesh", "lay_out"),
+        ("window", "empty_like", "_window", "emptied_window"),
+        ("accumulation_state", "unwrap", "_state", "accumulation_state_in"),
+    ],
+)
+def test_a_renamed_0_4_name_resolves_to_its_new_name_with_a_deprecation_warning(
+    module, name, where, new_name
+):
+    public = importlib.import_module(f"accumjax.{module}")
+    with pytest.warns(DeprecationWarning, match=rf"accumjax\.{where}\.{new_name}"):
+        value = getattr(public, name)
+    assert value is getattr(importlib.import_module(f"accumjax.{where}"), new_name)
 
 
 def test_the_0_4_scatter_markers_of_accumjax_window_resolve_with_a_deprecation_warning():
