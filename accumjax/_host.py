@@ -207,7 +207,7 @@ def _warn_if_replicated(params: Any, mesh: Mesh) -> None:
     )
 
 
-def _check_rows(batch: Any, layout: mesh_lib.Layout, every_k: int | None) -> None:
+def _check_rows(batch: Any, layout: mesh_lib.MeshLayout, every_k: int | None) -> None:
     """Refuses a batch whose rows do not split over the devices of the data axis (and, in
     scan mode, into ``every_k`` microbatches on each device), stating the global rule with the
     numbers; for a batch off the mesh, that accumjax puts it there."""
@@ -282,10 +282,10 @@ class TrainStep:
             batch = _on_mesh(batch, layout.mesh, PartitionSpec(layout.axis), "batch")
         return (state, batch, rng, layout, n) if self._scan else (state, batch, rng, layout)
 
-    def layout(self, state: Any, batch: Any = None) -> mesh_lib.Layout | None:
+    def layout(self, state: Any, batch: Any = None) -> mesh_lib.MeshLayout | None:
         """The layout plan the step runs ``state`` (and ``batch``) with: per parameter leaf,
         where it, its window accumulator and its optimizer state lie along the data axis
-        (`accumjax.sharded.Layout`; ``accumjax.stats(state, step.layout(state))`` sizes a
+        (`accumjax.sharded.MeshLayout`; ``accumjax.stats(state, step.layout(state))`` sizes a
         scan-mode window by it), or None off a mesh and under ``pmap``."""
         if self._pmapped:
             return None
@@ -295,7 +295,7 @@ class TrainStep:
         )
         return None if layout is None else self._optimizer_plan(layout, state)
 
-    def _optimizer_plan(self, layout: mesh_lib.Layout, state: Any) -> mesh_lib.Layout:
+    def _optimizer_plan(self, layout: mesh_lib.MeshLayout, state: Any) -> mesh_lib.MeshLayout:
         """``layout`` with its optimizer plan: ZeRO where ``optimizer_sharding`` says so, or
         where the optimizer state lies split over the data axis beside replicated parameters
         (`accumjax._zero.placed_zero`); a stream state without a per-shard window stays
@@ -320,11 +320,11 @@ class TrainStep:
     def _new_plan(
         self,
         state: Any,
-        layout: mesh_lib.Layout,
+        layout: mesh_lib.MeshLayout,
         choice: str,
         placed: dict[Any, int | None] | None,
         mine: tuple[Any, ...],
-    ) -> mesh_lib.Layout:
+    ) -> mesh_lib.MeshLayout:
         """The ZeRO plan of ``layout`` for ``choice``: where the user ``placed`` the state
         (its leaves' specs ``mine``), or where ``step.init`` lays it out."""
         plan = mesh_lib.layout_of(
@@ -469,7 +469,7 @@ class TrainStep:
             found = self._builders[key] = (tx, build, jax.jit(build))
         return found[1], found[2]
 
-    def _init_plan(self, params: Any) -> mesh_lib.Layout | None:
+    def _init_plan(self, params: Any) -> mesh_lib.MeshLayout | None:
         """The layout plan ``init`` lays the state out by, where it lays out one by a plan (a
         stream window's partial sums, a ZeRO optimizer state): on the step's mesh and data
         axis, or the parameters' mesh and its data axis, read here, before tracing (None:
@@ -490,14 +490,16 @@ class TrainStep:
             reduce_scatter=setup.reduce_scatter,
         )
 
-    def _window_where(self, plan: mesh_lib.Layout | None) -> tuple[Any, str | None, Any]:
+    def _window_where(self, plan: mesh_lib.MeshLayout | None) -> tuple[Any, str | None, Any]:
         """Where a stream window's partial sums are laid out: the plan's mesh, data axis and
         accumulator dimensions (None, None, None: one device, or scan mode's no window)."""
         if plan is None or self._scan:
             return None, None, None
         return plan.mesh, plan.axis, plan.accumulator_dims
 
-    def _zero_specs(self, tx: Any, params: Any, plan: mesh_lib.Layout | None) -> OptSpecs | None:
+    def _zero_specs(
+        self, tx: Any, params: Any, plan: mesh_lib.MeshLayout | None
+    ) -> OptSpecs | None:
         """With ``optimizer_sharding`` ZeRO on a concrete mesh: the mesh and each optimizer
         state leaf's partition spec of the layout plan (None otherwise)."""
         if self._setup.optimizer_sharding == "replicated" or plan is None:

@@ -1,6 +1,6 @@
-"""Where a train step runs on a mesh: its data axis and the `Layout` of one call.
+"""Where a train step runs on a mesh: its data axis and the `MeshLayout` of one call.
 
-A `Layout` holds the mesh, its data axis (the batch's leading dimension is split over it) and
+A `MeshLayout` holds the mesh, its data axis (the batch's leading dimension is split over it) and
 each parameter leaf's row of the layout plan (`accumjax._layout`), from the step's
 ``mesh=``/``axis_name=`` or from the arrays themselves (`layout_of`). This module also lays
 out what the plan says: partition specs, the parameters gathered or placed inside a trace,
@@ -23,7 +23,7 @@ from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count
 from accumjax._reduction import gathered
 
 __all__ = [
-    "Layout",
+    "MeshLayout",
     "check_one_mesh",
     "data_axis",
     "device_window",
@@ -41,7 +41,7 @@ __all__ = [
 AnyMesh = Mesh | AbstractMesh
 
 
-class Layout(NamedTuple):
+class MeshLayout(NamedTuple):
     """Where a step's batch and parameters lie (static, hashable).
 
     Attributes:
@@ -249,8 +249,8 @@ def layout_of(
     reduce_scatter: str = "microbatch",
     mesh: AnyMesh | None = None,
     axis: str | None = None,
-) -> Layout | None:
-    """The `Layout` of a call, or None when it runs off any mesh.
+) -> MeshLayout | None:
+    """The `MeshLayout` of a call, or None when it runs off any mesh.
 
     Args:
       params: the parameters (arrays, ``jax.ShapeDtypeStruct`` leaves or traced values).
@@ -260,7 +260,7 @@ def layout_of(
       optimizer_sharding, reduce_scatter: the plan's choices (`accumjax._layout.leaf_layout`).
 
     Returns:
-      A `Layout` (a one-device mesh too: the step runs there as on N devices), or None (no
+      A `MeshLayout` (a one-device mesh too: the step runs there as on N devices), or None (no
       mesh, or a batch that is not split and no data axis known).
 
     Raises:
@@ -308,7 +308,7 @@ def layout_of(
                 reduce_scatter=reduce_scatter,
             )
         )
-    return Layout(mesh, axis, treedef, dims, tuple(leaves), tuple(specs))
+    return MeshLayout(mesh, axis, treedef, dims, tuple(leaves), tuple(specs))
 
 
 def mesh_difference(a: AnyMesh, b: AnyMesh) -> str:
@@ -383,7 +383,7 @@ def check_one_mesh(params: Any, batch: Any) -> None:
         )
 
 
-def gather_params(params: Any, layout: Layout) -> Any:
+def gather_params(params: Any, layout: MeshLayout) -> Any:
     """Inside ``shard_map``: the full-size parameters from this device's shards (all-gather)."""
     return gathered(params, layout.axis, jax.tree.unflatten(layout.treedef, layout.dims))
 
@@ -430,7 +430,7 @@ def lay_out(tree: Any, mesh: AnyMesh, specs: Any) -> Any:
 
 
 def optimizer_state_specs(
-    init: Any, params: Any, layout: Layout
+    init: Any, params: Any, layout: MeshLayout
 ) -> tuple[PartitionSpec | None, ...] | None:
     """Per leaf of ``init(params)`` (an optimizer state), its partition spec when each
     parameter is laid out as its optimizer dimension of ``layout`` says (`state_specs`: Adam's
@@ -474,7 +474,7 @@ def device_window(
     per leaf, on a leading axis, the sums its accumulator's row holds
     (`accumjax._layout.partial_sum_count`): one per data shard (the devices along ``axis`` of
     ``mesh``; one without a mesh), each split like its parameter, or, for an accumulator
-    split over the data axis (``dims``: the plan's `Layout.accumulator_dims`; by default
+    split over the data axis (``dims``: the plan's `MeshLayout.accumulator_dims`; by default
     `layout_of`'s without other choices: a parameter split over that axis), one split there.
 
     Example:

@@ -84,7 +84,7 @@ def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
     return step
 
 
-def _check_shards(window: window_lib.DeviceWindow, layout: mesh_lib.Layout | None) -> None:
+def _check_shards(window: window_lib.DeviceWindow, layout: mesh_lib.MeshLayout | None) -> None:
     """Refuses a `DeviceWindow` laid out for another number of data shards than the call's."""
     want = 1 if layout is None else layout.shards
     dims = (None,) * len(jax.tree.leaves(window.partial_sums))
@@ -128,7 +128,7 @@ def _retyped(window: Any, cls: type) -> Any:
 
 
 def _mesh_call(
-    setup: Setup, layout: mesh_lib.Layout, state: TrainState, batch: Any, rng: Any
+    setup: Setup, layout: mesh_lib.MeshLayout, state: TrainState, batch: Any, rng: Any
 ) -> tuple[TrainState, dict]:
     """One stream call on a mesh: the microbatch added in a ``shard_map`` (its decision, loss
     and model state pooled), and the window closed when it is full."""
@@ -172,7 +172,7 @@ def _mesh_call(
 
 def _local_call(
     ctx: Context,
-    layout: mesh_lib.Layout,
+    layout: mesh_lib.MeshLayout,
     aux_tree: list[Any],
     per_shard: bool,
     inputs: tuple[Any, ...],
@@ -201,7 +201,7 @@ def _local_call(
 
 def _pool(
     ctx: Context,
-    layout: mesh_lib.Layout,
+    layout: mesh_lib.MeshLayout,
     aux_tree: list[Any],
     before: Any,
     m: Microbatch,
@@ -240,7 +240,7 @@ def _pool(
     return m, (loss, model_state, (aux_rows, pooled["aux_means"]))
 
 
-def _share(config: Config, m: Microbatch, layout: mesh_lib.Layout) -> Microbatch:
+def _share(config: Config, m: Microbatch, layout: mesh_lib.MeshLayout) -> Microbatch:
     """A device's decision about its rows, as its share of the whole microbatch: for losses
     that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight count 1/shards of
     the microbatch's, so that a `accumjax.window.DeviceWindow` holds what one device's window
@@ -256,7 +256,7 @@ def _share(config: Config, m: Microbatch, layout: mesh_lib.Layout) -> Microbatch
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
 
 
-def _close_device_window(ctx: Context, layout: mesh_lib.Layout, fields: LoopCarry) -> LoopCarry:
+def _close_device_window(ctx: Context, layout: mesh_lib.MeshLayout, fields: LoopCarry) -> LoopCarry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
     over the data axis are reduced already), then the update in the global view."""
     config = ctx.config

@@ -39,6 +39,7 @@ MOVED: dict[str, dict[str, str]] = {
     ),
     "accumjax.sharded": {
         **dict.fromkeys(_MESH, "_mesh"),
+        "Layout": "_mesh.MeshLayout",
         "gather": "_mesh.gather_params",
         "place": "_mesh.lay_out",
     },

@@ -54,7 +54,7 @@ REPLICATED_SPEC = PartitionSpec()
 T = TypeVar("T")
 
 
-def step_specs(layout: mesh_lib.Layout, state: Any, more: Any) -> tuple[Any, ...]:
+def step_specs(layout: mesh_lib.MeshLayout, state: Any, more: Any) -> tuple[Any, ...]:
     """The ``shard_map`` specs of a step's inputs ``(state, batch, rng, more)``, whose part on
     one device is the mapped function's one argument: the train ``state``'s parameters as
     they lie and every other field of it replicated (one spec per field, so a subclass's fields
@@ -84,7 +84,9 @@ def field_specs(cls: type[T], first: Any, rest: Any = REPLICATED_SPEC) -> T:
     return cls(**{fields[0]: first}, **dict.fromkeys(fields[1:], rest))
 
 
-def data_shard_map(fn: Callable[..., Any], layout: mesh_lib.Layout, in_specs: Any, out_specs: Any):
+def data_shard_map(
+    fn: Callable[..., Any], layout: mesh_lib.MeshLayout, in_specs: Any, out_specs: Any
+):
     """``fn`` mapped over the data axis (the others stay automatic); its inputs are first
     moved to the data-axis placement ``in_specs`` says (on an ``Explicit`` axis ``shard_map``
     takes no other)."""
@@ -99,7 +101,7 @@ def data_shard_map(fn: Callable[..., Any], layout: mesh_lib.Layout, in_specs: An
     return lambda *args: mapped(*_fit(args, in_specs, layout))
 
 
-def _fit(args: Any, specs: Any, layout: mesh_lib.Layout) -> Any:
+def _fit(args: Any, specs: Any, layout: mesh_lib.MeshLayout) -> Any:
     """``args`` resharded where their data-axis placement differs from ``specs`` (a pytree
     prefix), other axes kept; only an ``Explicit`` data axis needs it."""
     mesh = layout.mesh
@@ -129,7 +131,7 @@ def _fit(args: Any, specs: Any, layout: mesh_lib.Layout) -> Any:
     )
 
 
-def local_context(ctx: Context, layout: mesh_lib.Layout, state: Any, rng: Any) -> Context:
+def local_context(ctx: Context, layout: mesh_lib.MeshLayout, state: Any, rng: Any) -> Context:
     """``ctx`` inside the ``shard_map``: the call's traced values read again from the train
     ``state`` and key as one device sees them (`accumjax._loop.Context.reading`), and its
     config's axis the layout's data axis, the one the devices decide along."""
@@ -207,7 +209,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 
 
 def _local_window(
-    ctx: Context, layout: mesh_lib.Layout, aux_tree: list[Any], inputs: tuple[Any, ...]
+    ctx: Context, layout: mesh_lib.MeshLayout, aux_tree: list[Any], inputs: tuple[Any, ...]
 ) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
     """One device's part of a window, from its ``(state, batch, rng, n_real)`` (`step_specs`):
     its rows' gradients summed as they come (decided at the window's end, with the
@@ -263,7 +265,7 @@ def _local_window(
 
 
 def _sum_layout(
-    ctx: Context, layout: mesh_lib.Layout, config: Config
+    ctx: Context, layout: mesh_lib.MeshLayout, config: Config
 ) -> tuple[Context, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
     """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, global_counts,
     dims)``, ``ctx`` with the per-microbatch reduction it runs, ``layouts`` each leaf's
@@ -287,7 +289,7 @@ def _sum_layout(
     return ctx, layout.leaves, False, acc_dims
 
 
-def reduce_gradient(layout: mesh_lib.Layout, replicated: bool) -> Callable[[Any], Any] | None:
+def reduce_gradient(layout: mesh_lib.MeshLayout, replicated: bool) -> Callable[[Any], Any] | None:
     """What a device's gradient goes through before it is added: reduce-scattered into the
     shards of parameters split over the data axis, and all-reduced for the others when the
     window keeps one ``replicated`` sum (None: nothing to do)."""

@@ -36,32 +36,32 @@ __all__ = [
 ]
 
 
-def optimizer_side(layout: mesh_lib.Layout, params: Any, acc: AccumulationState) -> tuple:
+def optimizer_side(layout: mesh_lib.MeshLayout, params: Any, acc: AccumulationState) -> tuple:
     """A ZeRO window's update inputs in the global view: the parameters split like their
     reduced gradient (a local slice) and the optimizer state laid out as planned."""
     params = mesh_lib.lay_out(params, layout.mesh, layout.global_specs(layout.optimizer_dims))
     return params, acc._replace(inner_tx_state=_planned(layout, acc.inner_tx_state))
 
 
-def _planned(layout: mesh_lib.Layout, inner: Any) -> Any:
+def _planned(layout: mesh_lib.MeshLayout, inner: Any) -> Any:
     """The inner optimizer state laid out as the plan says (as it is without a plan)."""
     if layout.opt_specs is None:
         return inner
     return mesh_lib.lay_out(inner, layout.mesh, layout.opt_specs)
 
 
-def _to_param_layout(layout: mesh_lib.Layout, params: Any) -> Any:
+def _to_param_layout(layout: mesh_lib.MeshLayout, params: Any) -> Any:
     """The parameters gathered back where they lie, pinned there."""
     return pinned(layout, mesh_lib.lay_out(params, layout.mesh, layout.global_specs(layout.dims)))
 
 
-def split_params(layout: mesh_lib.Layout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+def split_params(layout: mesh_lib.MeshLayout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """`accumjax._loop.Context.split_params` of a ZeRO layout: the parameters (pinned
     where they lie, so that XLA keeps them so in the update's loop carry) sliced like the
     reduced gradient, and the new slices all-gathered back.
 
     Args:
-      layout: the call's `accumjax.sharded.Layout` with a ZeRO plan.
+      layout: the call's `accumjax.sharded.MeshLayout` with a ZeRO plan.
 
     Returns:
       ``(to_shards, to_param_layout)``, functions of the parameters in the global view (traced).
@@ -85,7 +85,9 @@ def split_params(layout: mesh_lib.Layout) -> tuple[Callable[[Any], Any], Callabl
     return to_shards, partial(_to_param_layout, layout)
 
 
-def parameter_side(layout: mesh_lib.Layout, state: TrainState, accumulating: bool) -> TrainState:
+def parameter_side(
+    layout: mesh_lib.MeshLayout, state: TrainState, accumulating: bool
+) -> TrainState:
     """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
     the optimizer state where it lies."""
     params = mesh_lib.lay_out(state.params, layout.mesh, layout.global_specs(layout.dims))
@@ -98,7 +100,7 @@ def parameter_side(layout: mesh_lib.Layout, state: TrainState, accumulating: boo
 
 
 def zero_close(
-    layout: mesh_lib.Layout,
+    layout: mesh_lib.MeshLayout,
     accumulating: bool,
     close: Callable[[LoopCarry], LoopCarry],
     fields: LoopCarry,
@@ -109,7 +111,7 @@ def zero_close(
     return restore_layout(layout, close(fields._replace(params=params, opt=opt)))
 
 
-def pinned(layout: mesh_lib.Layout, params: Any) -> Any:
+def pinned(layout: mesh_lib.MeshLayout, params: Any) -> Any:
     """``params`` constrained where they lie, so that XLA keeps them so in a loop's carry
     (on an ``Explicit`` mesh through `jax.sharding.auto_axes`: under ``jax.set_mesh`` a
     constraint equal to the type is dropped)."""
@@ -126,14 +128,14 @@ def pinned(layout: mesh_lib.Layout, params: Any) -> Any:
     return jax.tree.unflatten(layout.treedef, list(constrain(leaves)))
 
 
-def restore_layout(layout: mesh_lib.Layout, fields: LoopCarry) -> LoopCarry:
+def restore_layout(layout: mesh_lib.MeshLayout, fields: LoopCarry) -> LoopCarry:
     """``fields`` (a window close's `accumjax._loop.LoopCarry`) with the parameters where they
     lie (one all-gather of a ZeRO update) and the optimizer state as planned."""
     opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))
     return fields._replace(params=_to_param_layout(layout, fields.params), opt=opt)
 
 
-def placed_zero(inner: Any, params: Any, layout: mesh_lib.Layout) -> dict[Any, int | None]:
+def placed_zero(inner: Any, params: Any, layout: mesh_lib.MeshLayout) -> dict[Any, int | None]:
     """Where the user split the optimizer state over the data axis beside replicated
     parameters: for each replicated parameter's shape, the dimension its state leaves lie
     split on (None: replicated); empty when no state leaf of such a shape is split."""
@@ -153,7 +155,7 @@ def placed_zero(inner: Any, params: Any, layout: mesh_lib.Layout) -> dict[Any, i
     return found if any(d is not None for d in found.values()) else {}
 
 
-def as_placed(plan: mesh_lib.Layout, params: Any, placed: dict[Any, int | None]) -> tuple:
+def as_placed(plan: mesh_lib.MeshLayout, params: Any, placed: dict[Any, int | None]) -> tuple:
     """``plan``'s leaves with each replicated parameter's optimizer dimension as placed."""
     leaves = []
     for p, leaf in zip(plan.treedef.flatten_up_to(params), plan.leaves, strict=True):

@@ -202,7 +202,7 @@ def stats(state: Any, layout: Any = None) -> AccumulationStats:
         train state (`accumjax.TrainState`, `accumjax.NNXTrainState`) whose optimizer is an
         `accumjax.accumulate`: its sizes are known for every layout, scan mode's included.
       layout: for a scan-mode train state on a mesh, the layout plan its step runs it with,
-        ``step.layout(state)`` (an `accumjax.sharded.Layout`): where the sums the step
+        ``step.layout(state)`` (an `accumjax.sharded.MeshLayout`): where the sums the step
         makes lie; None: one device's. A window the state holds (stream mode) is measured
         as it lies: ``step.init`` laid it out by that plan. A plan made for other
         parameters or another number of devices is refused (``ValueError``).

@@ -253,7 +253,7 @@ SUBMODULE_ONLY = {
     "ACCUMULATOR_NAMES",
     "COLLECTIVE_OPS",
     "DeviceWindow",
-    "Layout",
+    "MeshLayout",
     "SCALINGS",
     "Scaling",
     "Window",
@@ -297,6 +297,7 @@ def test_a_name_a_public_module_exported_in_0_4_resolves_with_a_deprecation_warn
 @pytest.mark.parametrize(
     ("module", "name", "where", "new_name"),
     [
+        ("sharded", "Layout", "_mesh", "MeshLayout"),
         ("sharded", "gather", "_mesh", "gather_params"),
         ("sharded", "place", "_mesh", "lay_out"),
         ("window", "empty_like", "_window", "emptied_window"),
