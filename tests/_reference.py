@@ -128,29 +128,14 @@ class Window(NamedTuple):
         return {k: p[k] - lr * self.gradient[k] for k in p}
 
 
-def window(
-    params: dict,
-    micro: list[dict],
-    *,
-    scaling: str = "mean",
-    max_norm: float | None = None,
-    on_nonfinite: str = "skip_microbatch",
-    skip_norm: float | None = None,
-) -> Window:
+def window(params: dict, micro: list[dict], **policy: Any) -> Window:
     """The reference for one window of ``micro`` (the model's microbatches, ``"m"`` their
-    rows' weights) under a policy of `accumjax.accumulate`, from ``params``."""
-    total = scaling == "sum"
+    rows' weights) under a policy of `accumjax.accumulate`, from ``params``; ``policy``:
+    `window_of`'s keywords ``scaling``, ``max_norm``, ``on_nonfinite`` and ``skip_norm``."""
+    total = policy.get("scaling") == "sum"
     values, grads = zip(*(value_and_grad(params, mb, total) for mb in micro), strict=True)
     weights = [float(np.sum(np.asarray(mb["m"], np.float64))) for mb in micro]
-    return window_of(
-        list(grads),
-        losses=list(values),
-        weights=weights,
-        scaling=scaling,
-        max_norm=max_norm,
-        on_nonfinite=on_nonfinite,
-        skip_norm=skip_norm,
-    )
+    return window_of(list(grads), losses=list(values), weights=weights, **policy)
 
 
 def window_of(
