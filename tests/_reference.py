@@ -188,6 +188,44 @@ def window_of(
     return Window(gradient, loss, list(losses), counts)
 
 
+# ----------------------------------------------------------------------------- an MLP
+
+
+def mlp_loss(params: Any, batch: Any) -> Any:
+    """The mean squared error (JAX) of the one-hidden-layer MLP ``tanh(x @ w1 + b1) @ w2`` on
+    ``batch["x"]`` against ``batch["y"]``."""
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def mlp_params(
+    rng: np.random.Generator, sizes: tuple[int, int, int], scales: tuple[float, float]
+) -> dict:
+    """float32 parameters of `mlp_loss`'s MLP of ``sizes`` (inputs, hidden, outputs): ``w1``
+    then ``w2`` drawn from ``rng``'s standard normal and multiplied by ``scales``, ``b1``
+    zeros."""
+    inputs, hidden, outputs = sizes
+    return {
+        "w1": rng.normal(size=(inputs, hidden)).astype(np.float32) * scales[0],
+        "b1": np.zeros(hidden, np.float32),
+        "w2": rng.normal(size=(hidden, outputs)).astype(np.float32) * scales[1],
+    }
+
+
+def mlp_problem(
+    rows: int, sizes: tuple[int, int, int], scales: tuple[float, float]
+) -> tuple[dict, dict]:
+    """`mlp_params` drawn from seed 0, then a float32 batch of ``rows`` rows of standard
+    normal inputs ``x`` and targets ``y``."""
+    rng = np.random.default_rng(0)
+    params = mlp_params(rng, sizes, scales)
+    batch = {
+        "x": rng.normal(size=(rows, sizes[0])).astype(np.float32),
+        "y": rng.normal(size=(rows, sizes[2])).astype(np.float32),
+    }
+    return params, batch
+
+
 # ----------------------------------------------------------------------------- GradientAccumulator
 
 # GradientAccumulator v0.5.2 (andreped/GradientAccumulator, TensorFlow), as its source reads:
