@@ -36,7 +36,7 @@ def run_example(name: str, args: tuple[str, ...] = ()) -> str:
 
 
 # Each example, its arguments and the lines its output must contain (its key claims).
-# --quick: digits_cnn_accum_bn.py trains 50 updates, not 150; nnx_digits.py 8 epochs, not 25;
+# --quick: digits_cnn_accum_bn.py trains 30 updates, not 150; nnx_digits.py 8 epochs, not 25;
 # demo.py (the one-command demo in the README) 2 epochs. demo.py exits non-zero (failing
 # run_example) if the two runs' parameters differ beyond its tolerance.
 CLAIMS = {
