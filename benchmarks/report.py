@@ -3,6 +3,7 @@ results file given: ``python -m benchmarks.report OUT/results.json``)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -133,23 +134,9 @@ if __name__ == "__main__":
             f"{gather['temp_mib_window']:.1f} (window) / {gather['temp_mib_microbatch']:.1f} "
             f"(microbatch), bit-identical params: {gather['bit_identical']}"
         )
-    if "transformer" in results:
-        from benchmarks.bench_transformer import table as transformer_table
-
-        print()
-        print(transformer_table(results["transformer"]))
-    if "compile" in results:
-        from benchmarks.bench_compile import table as compile_table
-
-        print()
-        print(compile_table(results["compile"]))
-    if "memory" in results:
-        from benchmarks.bench_memory import table as memory_table
-
-        print()
-        print(memory_table(results["memory"]))
-    if "nonfinite" in results:
-        from benchmarks.bench_nonfinite import table as nonfinite_table
-
-        print()
-        print(nonfinite_table(results["nonfinite"]))
+    # The tables each benchmark module prints of its own results, in this order.
+    for name in ("transformer", "compile", "memory", "nonfinite"):
+        if name in results:
+            bench = importlib.import_module(f"benchmarks.bench_{name}")
+            print()
+            print(bench.table(results[name]))

@@ -34,9 +34,9 @@ from sklearn.datasets import load_digits
 
 import accumjax
 
-assert jax.device_count() == 8, f"expected 8 CPU devices, got {jax.device_count()}"
 DEVICES, ACCUM, MICRO = 8, 4, 16  # 8 devices x 4 microbatches x 16 examples = batch 512
 BATCH = DEVICES * ACCUM * MICRO
+assert jax.device_count() == DEVICES, f"expected {DEVICES} CPU devices, got {jax.device_count()}"
 DIMS = (64, 256, 256, 10)
 UPDATES = 30
 

@@ -1,4 +1,5 @@
-"""Comparisons the tests share: what "equal up to rounding" means for two programs."""
+"""Comparisons the tests share: what "equal up to rounding" means for two programs, and the
+collective counts a compiled program is compared with."""
 
 import numpy as np
 
@@ -23,3 +24,21 @@ def assert_within_ulps(actual, expected, ulps: int = 2, err_msg: str = "") -> No
     np.testing.assert_allclose(
         actual.astype(wide), reference, rtol=ulps * eps, atol=ulps * eps * scale, err_msg=err_msg
     )
+
+
+def collective_counts(
+    all_reduce: int = 0,
+    all_gather: int = 0,
+    reduce_scatter: int = 0,
+    permute: int = 0,
+    all_to_all: int = 0,
+) -> dict[str, int]:
+    """What `accumjax.collectives.count_collectives` must return: every collective it counts,
+    by its HLO name, with the number given (0 for those not named)."""
+    return {
+        "all-reduce": all_reduce,
+        "all-gather": all_gather,
+        "reduce-scatter": reduce_scatter,
+        "collective-permute": permute,
+        "all-to-all": all_to_all,
+    }

@@ -128,29 +128,14 @@ class Window(NamedTuple):
         return {k: p[k] - lr * self.gradient[k] for k in p}
 
 
-def window(
-    params: dict,
-    micro: list[dict],
-    *,
-    scaling: str = "mean",
-    max_norm: float | None = None,
-    on_nonfinite: str = "skip_microbatch",
-    skip_norm: float | None = None,
-) -> Window:
+def window(params: dict, micro: list[dict], **policy: Any) -> Window:
     """The reference for one window of ``micro`` (the model's microbatches, ``"m"`` their
-    rows' weights) under a policy of `accumjax.accumulate`, from ``params``."""
-    total = scaling == "sum"
+    rows' weights) under a policy of `accumjax.accumulate`, from ``params``; ``policy``:
+    `window_of`'s keywords ``scaling``, ``max_norm``, ``on_nonfinite`` and ``skip_norm``."""
+    total = policy.get("scaling") == "sum"
     values, grads = zip(*(value_and_grad(params, mb, total) for mb in micro), strict=True)
     weights = [float(np.sum(np.asarray(mb["m"], np.float64))) for mb in micro]
-    return window_of(
-        list(grads),
-        losses=list(values),
-        weights=weights,
-        scaling=scaling,
-        max_norm=max_norm,
-        on_nonfinite=on_nonfinite,
-        skip_norm=skip_norm,
-    )
+    return window_of(list(grads), losses=list(values), weights=weights, **policy)
 
 
 def window_of(
@@ -201,6 +186,44 @@ def window_of(
         "total_cycles": int(gradient is not None),
     }
     return Window(gradient, loss, list(losses), counts)
+
+
+# ----------------------------------------------------------------------------- an MLP
+
+
+def mlp_loss(params: Any, batch: Any) -> Any:
+    """The mean squared error (JAX) of the one-hidden-layer MLP ``tanh(x @ w1 + b1) @ w2`` on
+    ``batch["x"]`` against ``batch["y"]``."""
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def mlp_params(
+    rng: np.random.Generator, sizes: tuple[int, int, int], scales: tuple[float, float]
+) -> dict:
+    """float32 parameters of `mlp_loss`'s MLP of ``sizes`` (inputs, hidden, outputs): ``w1``
+    then ``w2`` drawn from ``rng``'s standard normal and multiplied by ``scales``, ``b1``
+    zeros."""
+    inputs, hidden, outputs = sizes
+    return {
+        "w1": rng.normal(size=(inputs, hidden)).astype(np.float32) * scales[0],
+        "b1": np.zeros(hidden, np.float32),
+        "w2": rng.normal(size=(hidden, outputs)).astype(np.float32) * scales[1],
+    }
+
+
+def mlp_problem(
+    rows: int, sizes: tuple[int, int, int], scales: tuple[float, float]
+) -> tuple[dict, dict]:
+    """`mlp_params` drawn from seed 0, then a float32 batch of ``rows`` rows of standard
+    normal inputs ``x`` and targets ``y``."""
+    rng = np.random.default_rng(0)
+    params = mlp_params(rng, sizes, scales)
+    batch = {
+        "x": rng.normal(size=(rows, sizes[0])).astype(np.float32),
+        "y": rng.normal(size=(rows, sizes[2])).astype(np.float32),
+    }
+    return params, batch
 
 
 # ----------------------------------------------------------------------------- GradientAccumulator

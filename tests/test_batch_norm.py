@@ -636,12 +636,13 @@ class _TwoNorms(nn.Module):
         return a + b
 
 
-def test_close_pools_across_devices_with_one_all_reduce():
-    devices, steps = 8, 3
+def _single_and_sharded_windows(model, variables, data, devices):
+    """A window of the global microbatches ``data`` through ``model``'s step-driven norms,
+    closed: on one device (``single``: every call sees the whole global microbatch), and under
+    shard_map on ``devices`` devices (each normalizes its rows alone; the close pools the
+    windows). Returns ``single``, the compiled sharded program and its result."""
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-    data = _microbatches(26, steps, (devices * 2, 3))  # global microbatches (K, B, C)
-    model = _TwoNorms()
-    variables = _init(model, data[0])
+    assert len(mesh.devices) == devices
     params = variables["params"]
 
     def window(stats, xs, axis_name):
@@ -652,10 +653,7 @@ def test_close_pools_across_devices_with_one_all_reduce():
             stats = updates["batch_stats"]
         return close_batch_norm_windows(stats, True, axis_name=axis_name)
 
-    # Single device: every call sees the whole global microbatch.
     single = jax.jit(partial(window, axis_name=None))(variables["batch_stats"], data)
-
-    # 8 devices: each normalizes its rows alone; the close pools the windows.
     sharded = jax.jit(
         jax.shard_map(
             partial(window, axis_name="data"),
@@ -665,8 +663,17 @@ def test_close_pools_across_devices_with_one_all_reduce():
         )
     )
     compiled = sharded.lower(variables["batch_stats"], data).compile()
+    return single, compiled, compiled(variables["batch_stats"], data)
+
+
+def test_close_pools_across_devices_with_one_all_reduce():
+    devices, steps = 8, 3
+    data = _microbatches(26, steps, (devices * 2, 3))  # global microbatches (K, B, C)
+    model = _TwoNorms()
+    single, compiled, pooled = _single_and_sharded_windows(
+        model, _init(model, data[0]), data, devices
+    )
     assert count_collectives(compiled)["all-reduce"] == 1  # both layers, one all-reduce
-    pooled = compiled(variables["batch_stats"], data)
     for layer in ("AccumBatchNorm_0", "AccumBatchNorm_1"):
         for name in ("mean", "var"):
             # Shifted per-device sums vs one-device sums: float32 rounding only.
@@ -1024,33 +1031,12 @@ class _ComplexAndRealNorms(nn.Module):
 
 def test_complex_windows_pool_across_devices_with_one_all_reduce():
     devices, steps = 8, 3
-    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-    assert len(mesh.devices) == devices
     data = _complex_microbatches(35, steps, (devices * 2, 3))
     model = _ComplexAndRealNorms()
-    variables = _init(model, data[0])
-    params = variables["params"]
-
-    def window(stats, xs, axis_name):
-        for x in xs:
-            _, updates = model.apply(
-                {"params": params, "batch_stats": stats}, x, mutable=["batch_stats"]
-            )
-            stats = updates["batch_stats"]
-        return close_batch_norm_windows(stats, True, axis_name=axis_name)
-
-    single = jax.jit(partial(window, axis_name=None))(variables["batch_stats"], data)
-    sharded = jax.jit(
-        jax.shard_map(
-            partial(window, axis_name="data"),
-            mesh=mesh,
-            in_specs=(P(), P(None, "data")),
-            out_specs=P(),
-        )
+    single, compiled, pooled = _single_and_sharded_windows(
+        model, _init(model, data[0]), data, devices
     )
-    compiled = sharded.lower(variables["batch_stats"], data).compile()
     assert count_collectives(compiled)["all-reduce"] == 1  # complex and real, one all-reduce
-    pooled = compiled(variables["batch_stats"], data)
     for layer in ("AccumBatchNorm_0", "AccumBatchNorm_1"):
         for name in ("mean", "var"):
             assert pooled[layer][name].dtype == single[layer][name].dtype

@@ -9,8 +9,8 @@ on one device.
 
 import functools
 
+import _reference as reference
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -24,18 +24,9 @@ K = 4
 ROWS = 16  # a stream call's rows: 2 per device on 8
 
 
-def _loss(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
-
-
 def _problem():
     rng = np.random.default_rng(0)
-    params = {
-        "w1": rng.normal(size=(8, 16)).astype(np.float32) * 0.5,
-        "b1": np.zeros(16, np.float32),
-        "w2": rng.normal(size=(16, 2)).astype(np.float32) * 0.5,
-    }
+    params = reference.mlp_params(rng, (8, 16, 2), (0.5, 0.5))
     x = rng.normal(size=(2 * K * ROWS, 8)).astype(np.float32)
     return params, {"x": x, "y": np.sin(x[:, :2])}
 
@@ -72,7 +63,7 @@ ADAM = accumjax.accumulate(optax.adam(1e-2), K)
 @functools.cache
 def _step(mode, optimizer_sharding="replicated"):
     return accumjax.make_train_step(
-        _loss, mode=mode, donate=False, optimizer_sharding=optimizer_sharding
+        reference.mlp_loss, mode=mode, donate=False, optimizer_sharding=optimizer_sharding
     )
 
 
@@ -227,7 +218,7 @@ def test_windows_move_between_layouts_and_an_open_one_is_not_dropped(tmp_path):
 def test_abstract_targets_and_what_cannot_be_restored(tmp_path):
     params, _ = _problem()
     tx = accumjax.accumulate(optax.adam(1e-2), K)
-    step = accumjax.make_train_step(_loss)
+    step = accumjax.make_train_step(reference.mlp_loss)
     mesh = _mesh(8)
     state = step.init(_place(params, mesh, {}), tx)
     with ocp.StandardCheckpointer() as checkpointer:

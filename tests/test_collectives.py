@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from _assertions import collective_counts
 
 import accumjax
 from accumjax import collectives, distributed
@@ -61,23 +62,13 @@ ENTRY %main (x.1: f32[4]) -> f32[4] {
 """.replace("TRIP_COUNT", 'backend_config={"known_trip_count":{"n":"5"}}')
 
 
-def _counts(all_reduce=0, all_gather=0, reduce_scatter=0, permute=0, all_to_all=0):
-    return {
-        "all-reduce": all_reduce,
-        "all-gather": all_gather,
-        "reduce-scatter": reduce_scatter,
-        "collective-permute": permute,
-        "all-to-all": all_to_all,
-    }
-
-
 def test_count_collectives_static_hlo_text():
-    assert count_collectives(HLO) == _counts(all_reduce=2, all_gather=1, permute=1)
+    assert count_collectives(HLO) == collective_counts(all_reduce=2, all_gather=1, permute=1)
 
 
 def test_count_collectives_per_execution_hlo_text():
     # entry all-reduce 1 + loop body 1 x 5 trips; the all-gather branch counts once.
-    assert count_collectives(HLO, per_execution=True) == _counts(
+    assert count_collectives(HLO, per_execution=True) == collective_counts(
         all_reduce=6, all_gather=1, permute=1
     )
 
@@ -88,7 +79,7 @@ def test_count_collectives_unknown_trip_count_raises():
     with pytest.raises(ValueError, match="trip count"):
         count_collectives(text, per_execution=True)
     counts = count_collectives(text, per_execution=True, default_trip_count=1)
-    assert counts == _counts(all_reduce=2, all_gather=1, permute=1)
+    assert counts == collective_counts(all_reduce=2, all_gather=1, permute=1)
 
 
 def test_count_collectives_rejects_bad_input():
@@ -113,7 +104,7 @@ def test_count_collectives_real_pmap_program():
 
     lowered = jax.pmap(f, axis_name="i").lower(jnp.ones((n, 2 * n)))
     compiled = lowered.compile()
-    expected = _counts(1, 1, 1, 1, 1)
+    expected = collective_counts(1, 1, 1, 1, 1)
     assert count_collectives(lowered) == expected
     assert count_collectives(compiled) == expected
     assert count_collectives(compiled.as_text(), per_execution=True) == expected
@@ -121,7 +112,7 @@ def test_count_collectives_real_pmap_program():
 
 def test_count_collectives_no_collectives():
     compiled = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
-    assert count_collectives(compiled) == _counts()
+    assert count_collectives(compiled) == collective_counts()
 
 
 def test_count_collectives_is_one_function_under_three_names():

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _assertions import collective_counts
 from conftest import with_subprocess_warnings
 from jax.sharding import Mesh, PartitionSpec
 
@@ -22,16 +23,6 @@ from accumjax.distributed import count_collectives, data_sharding, replicate, un
 
 HERE = Path(__file__).parent
 K = 4
-
-
-def _counts(all_reduce=0, all_gather=0, reduce_scatter=0, permute=0, all_to_all=0):
-    return {
-        "all-reduce": all_reduce,
-        "all-gather": all_gather,
-        "reduce-scatter": reduce_scatter,
-        "collective-permute": permute,
-        "all-to-all": all_to_all,
-    }
 
 
 def test_replicate_unreplicate_and_data_sharding():
@@ -126,9 +117,9 @@ def _once_per_window(lowered):
     devices refused a microbatch runs again (a loop of at most one trip) and reduces once
     more."""
     clean = count_collectives(lowered, per_execution=True, default_trip_count=0)
-    assert clean == _counts(all_reduce=1)
+    assert clean == collective_counts(all_reduce=1)
     again = count_collectives(lowered, per_execution=True, default_trip_count=1)
-    assert again == _counts(all_reduce=2)
+    assert again == collective_counts(all_reduce=2)
 
 
 def test_scan_step_all_reduces_once_per_window_vs_naive():
@@ -215,8 +206,9 @@ def test_stream_step_reduces_the_gradient_only_in_the_window_end_branch():
     state = step.init(params, tx)
     lowered = step.lower(state, microbatch)
     every = count_collectives(lowered, per_execution=True, default_trip_count=0)
-    assert every == _counts(all_reduce=1)  # the call's loss and counts
-    assert count_collectives(lowered, per_execution=True, default_trip_count=1) == _counts(2)
+    assert every == collective_counts(all_reduce=1)  # the call's loss and counts
+    closing = count_collectives(lowered, per_execution=True, default_trip_count=1)
+    assert closing == collective_counts(2)
     gradient_lines = [line for line in _all_reduce_lines(lowered) if "f32[5,3]" in line]
     (line,) = gradient_lines  # both parameters' partial sums, once
     assert "f32[3]" in line
@@ -224,7 +216,7 @@ def test_stream_step_reduces_the_gradient_only_in_the_window_end_branch():
     # reduction, and the loss scale is adjusted once per window from that count.
     f16 = accumjax.make_train_step(_loss, axis_name="data", mesh=mesh, mixed_precision="float16")
     counted = count_collectives(f16.lower(f16.init(params, tx), microbatch))
-    assert counted == _counts(all_reduce=2)
+    assert counted == collective_counts(all_reduce=2)
 
 
 # ----------------------------------------------------------------------------- multi-process

@@ -35,55 +35,63 @@ def run_example(name: str, args: tuple[str, ...] = ()) -> str:
     return out.getvalue()
 
 
-@pytest.mark.slow
-def test_digits_cnn_accum_bn():
-    out = run_example("digits_cnn_accum_bn.py", args=("--quick",))  # 50 updates, not 150
-    assert "accumulated training matches full-batch training: True" in out
-    assert "running BN stats after the first update" in out
+# Each example, its arguments and the lines its output must contain (its key claims).
+# --quick: digits_cnn_accum_bn.py trains 30 updates, not 150; nnx_digits.py 8 epochs, not 25;
+# demo.py (the one-command demo in the README) 2 epochs. demo.py exits non-zero (failing
+# run_example) if the two runs' parameters differ beyond its tolerance.
+CLAIMS = {
+    "digits_cnn_accum_bn.py": (
+        ["--quick"],
+        [
+            "accumulated training matches full-batch training: True",
+            "running BN stats after the first update",
+        ],
+    ),
+    "token_weighted_sequence.py": (
+        [],
+        ["weighted scaling reproduces the full-batch token-mean gradient: True"],
+    ),
+    "data_parallel_8_devices.py": (
+        [],
+        [
+            "gradient all-reduces per update: accumjax 1,",
+            "all-reduces per update, of any size: 1",
+            "matches the single-device full batch: True",
+        ],
+    ),
+    "checkpoint_resume.py": ([], ["bit-identical: True"]),
+    "fsdp_8_devices.py": (
+        [],
+        [
+            "collectives per window (K=4): all-reduce 1, reduce-scatter 12, all-gather 3",
+            "FSDP accumulation matches the single-device run: True",
+        ],
+    ),
+    "nnx_digits.py": (
+        ["--quick"],
+        [
+            "running BN stats after the first update",
+            "accumulated training matches full-batch training: True",
+        ],
+    ),
+    "demo.py": (
+        ["--quick"],
+        [
+            "epoch   loss full    loss K=8  max |dparam|",
+            "XLA temp memory per step: full batch",
+            "accumulated training matches full-batch training (max |dparam| <= 0.0001): True",
+        ],
+    ),
+}
 
 
 @pytest.mark.slow
-def test_token_weighted_sequence():
-    out = run_example("token_weighted_sequence.py")
-    assert "weighted scaling reproduces the full-batch token-mean gradient: True" in out
-
-
-@pytest.mark.slow
-def test_data_parallel_8_devices():
-    out = run_example("data_parallel_8_devices.py")
-    assert "gradient all-reduces per update: accumjax 1," in out
-    assert "all-reduces per update, of any size: 1" in out
-    assert "matches the single-device full batch: True" in out
-
-
-@pytest.mark.slow
-def test_checkpoint_resume():
-    out = run_example("checkpoint_resume.py")
-    assert "bit-identical: True" in out
-
-
-@pytest.mark.slow
-def test_fsdp_8_devices():
-    out = run_example("fsdp_8_devices.py")
-    assert "collectives per window (K=4): all-reduce 1, reduce-scatter 12, all-gather 3" in out
-    assert "FSDP accumulation matches the single-device run: True" in out
-
-
-@pytest.mark.slow
-def test_nnx_digits():
-    out = run_example("nnx_digits.py", args=("--quick",))  # 8 epochs, not 25
-    assert "running BN stats after the first update" in out
-    assert "accumulated training matches full-batch training: True" in out
-
-
-@pytest.mark.slow
-def test_demo_runs_quick():
-    # examples/demo.py is the one-command demo in the README; --quick trains 2 epochs. It exits
-    # non-zero (failing run_example) if the two runs' parameters differ beyond its tolerance.
-    out = run_example("demo.py", args=("--quick",))
-    assert "epoch   loss full    loss K=8  max |dparam|" in out
-    assert "XLA temp memory per step: full batch" in out
-    assert "accumulated training matches full-batch training (max |dparam| <= 0.0001): True" in out
+@pytest.mark.parametrize("name", CLAIMS)
+def test_example_runs_and_prints_its_claims(name):
+    args, claims = CLAIMS[name]
+    out = run_example(name, args=tuple(args))
+    for claim in claims:
+        assert claim in out, f"{name} did not print {claim!r}\n{out}"
 
 
 def _transformer_lm():

@@ -8,15 +8,6 @@ import optax
 import pytest
 
 import accumjax
-from accumjax.loss_scale import (
-    DynamicLossScale,
-    adjust_loss_scale,
-    all_finite,
-    dynamic_loss_scale,
-    scale_loss,
-    unscale_grads,
-    update_loss_scale,
-)
 
 # initial=8, period=3, factor=2, min=2. Worked by hand from the rule: a finite step
 # counts; the 3rd consecutive one doubles the scale and restarts the count; an
@@ -27,13 +18,13 @@ COUNTERS = [1, 2, 0, 1, 0, 0, 0, 0, 1, 2, 0]
 
 
 def test_constructor_values_and_dtypes():
-    ls = dynamic_loss_scale(initial=1024.0, period=7, factor=3.0, min_loss_scale=0.5)
-    assert isinstance(ls, DynamicLossScale)
+    ls = accumjax.dynamic_loss_scale(initial=1024.0, period=7, factor=3.0, min_loss_scale=0.5)
+    assert isinstance(ls, accumjax.DynamicLossScale)
     assert [float(ls.loss_scale), int(ls.counter), int(ls.period)] == [1024.0, 0, 7]
     assert [float(ls.factor), float(ls.min_loss_scale)] == [3.0, 0.5]
     assert [x.dtype for x in ls] == [jnp.float32, jnp.int32, jnp.int32, jnp.float32, jnp.float32]
     assert all(x.shape == () for x in ls)
-    defaults = dynamic_loss_scale()
+    defaults = accumjax.dynamic_loss_scale()
     assert float(defaults.loss_scale) == 2.0**15 and int(defaults.period) == 2000
 
 
@@ -53,14 +44,14 @@ def test_constructor_values_and_dtypes():
 )
 def test_constructor_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
-        dynamic_loss_scale(**kwargs)
+        accumjax.dynamic_loss_scale(**kwargs)
 
 
 def test_adjust_exact_sequence_eager():
-    ls = dynamic_loss_scale(initial=8.0, period=3, factor=2.0, min_loss_scale=2.0)
+    ls = accumjax.dynamic_loss_scale(initial=8.0, period=3, factor=2.0, min_loss_scale=2.0)
     scales, counters = [], []
     for flag in FLAGS:
-        ls = adjust_loss_scale(ls, flag)
+        ls = accumjax.adjust_loss_scale(ls, flag)
         scales.append(float(ls.loss_scale))
         counters.append(int(ls.counter))
     assert scales == SCALES
@@ -69,10 +60,10 @@ def test_adjust_exact_sequence_eager():
 
 
 def test_adjust_exact_sequence_under_jit_scan():
-    ls = dynamic_loss_scale(initial=8.0, period=3, factor=2.0, min_loss_scale=2.0)
+    ls = accumjax.dynamic_loss_scale(initial=8.0, period=3, factor=2.0, min_loss_scale=2.0)
 
     def body(ls, flag):
-        ls = adjust_loss_scale(ls, flag)
+        ls = accumjax.adjust_loss_scale(ls, flag)
         return ls, (ls.loss_scale, ls.counter)
 
     final, (scales, counters) = jax.jit(lambda ls, f: jax.lax.scan(body, ls, f))(
@@ -85,35 +76,35 @@ def test_adjust_exact_sequence_under_jit_scan():
 
 
 def test_adjust_non_power_of_two_factor_and_floor():
-    ls = dynamic_loss_scale(initial=9.0, period=1, factor=3.0, min_loss_scale=2.0)
-    ls = adjust_loss_scale(ls, jnp.asarray(False))
+    ls = accumjax.dynamic_loss_scale(initial=9.0, period=1, factor=3.0, min_loss_scale=2.0)
+    ls = accumjax.adjust_loss_scale(ls, jnp.asarray(False))
     assert float(ls.loss_scale) == 3.0
-    ls = adjust_loss_scale(ls, jnp.asarray(False))
+    ls = accumjax.adjust_loss_scale(ls, jnp.asarray(False))
     assert float(ls.loss_scale) == 2.0  # 3 / 3 = 1 is below the floor
-    ls = adjust_loss_scale(ls, jnp.asarray(True))  # period 1: grows on every finite step
+    ls = accumjax.adjust_loss_scale(ls, jnp.asarray(True))  # period 1: grows on every finite step
     assert float(ls.loss_scale) == 6.0 and int(ls.counter) == 0
 
 
 def test_adjust_never_grows_to_inf():
     big = float(np.finfo(np.float32).max) / 1.5
-    ls = dynamic_loss_scale(initial=big, period=1, factor=2.0)
-    ls = adjust_loss_scale(ls, True)
+    ls = accumjax.dynamic_loss_scale(initial=big, period=1, factor=2.0)
+    ls = accumjax.adjust_loss_scale(ls, True)
     assert float(ls.loss_scale) == np.float32(big)  # 2 * big overflows float32: kept
 
 
 def test_scale_loss_keeps_dtype():
-    ls = dynamic_loss_scale(initial=4.0)
-    out = scale_loss(ls, jnp.float32(0.75))
+    ls = accumjax.dynamic_loss_scale(initial=4.0)
+    out = accumjax.scale_loss(ls, jnp.float32(0.75))
     assert out.dtype == jnp.float32 and float(out) == 3.0
-    out16 = scale_loss(ls, jnp.float16(0.75))
+    out16 = accumjax.scale_loss(ls, jnp.float16(0.75))
     assert out16.dtype == jnp.float16 and float(out16) == 3.0
 
 
 def test_unscale_grads_casts_to_float32_and_keeps_ints():
-    ls = dynamic_loss_scale(initial=8.0)
+    ls = accumjax.dynamic_loss_scale(initial=8.0)
     grads = {"a": jnp.asarray([8.0, -16.0], jnp.float16), "b": jnp.asarray(4.0, jnp.bfloat16)}
     grads["i"] = jnp.asarray([3], jnp.int32)
-    out = unscale_grads(ls, grads)
+    out = accumjax.unscale_grads(ls, grads)
     assert out["a"].dtype == jnp.float32 and out["b"].dtype == jnp.float32
     np.testing.assert_array_equal(out["a"], np.asarray([1.0, -2.0], np.float32))
     assert float(out["b"]) == 0.5
@@ -129,8 +120,8 @@ def test_scaled_float16_gradients_recover_underflowing_values():
         return jnp.float16(1e-4) * (x * x) / 2
 
     assert float(jax.grad(loss)(x)) == 0.0
-    ls = dynamic_loss_scale(initial=2.0**15)
-    g = unscale_grads(ls, jax.grad(lambda x: scale_loss(ls, loss(x)))(x))
+    ls = accumjax.dynamic_loss_scale(initial=2.0**15)
+    g = accumjax.unscale_grads(ls, jax.grad(lambda x: accumjax.scale_loss(ls, loss(x)))(x))
     # float16 keeps ~3 significant digits at this magnitude (plus the rounding of 1e-4).
     np.testing.assert_allclose(float(g), 1e-8, rtol=5e-3)
 
@@ -138,29 +129,29 @@ def test_scaled_float16_gradients_recover_underflowing_values():
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
 def test_all_finite_detects_nonfinite(bad):
     tree = {"a": jnp.ones((2, 2)), "b": [jnp.zeros(3), jnp.asarray([1.0, bad])]}
-    assert bool(all_finite(tree)) is False
+    assert bool(accumjax.all_finite(tree)) is False
     tree["b"][1] = jnp.asarray([1.0, 2.0])
-    assert bool(all_finite(tree)) is True
-    assert bool(jax.jit(all_finite)(tree)) is True
+    assert bool(accumjax.all_finite(tree)) is True
+    assert bool(jax.jit(accumjax.all_finite)(tree)) is True
 
 
 def test_all_finite_ignores_non_float_and_empty():
-    assert bool(all_finite({})) is True
-    assert bool(all_finite({"i": jnp.asarray([1, 2]), "f": jnp.float16(1.0)})) is True
-    assert bool(all_finite({"f": jnp.asarray(jnp.inf, jnp.bfloat16)})) is False
+    assert bool(accumjax.all_finite({})) is True
+    assert bool(accumjax.all_finite({"i": jnp.asarray([1, 2]), "f": jnp.float16(1.0)})) is True
+    assert bool(accumjax.all_finite({"f": jnp.asarray(jnp.inf, jnp.bfloat16)})) is False
 
 
 def test_loss_scale_is_a_pytree_under_jit():
-    ls = dynamic_loss_scale(initial=4.0, period=2)
-    out = jax.jit(lambda ls: adjust_loss_scale(ls, False))(ls)
-    assert isinstance(out, DynamicLossScale)
+    ls = accumjax.dynamic_loss_scale(initial=4.0, period=2)
+    out = jax.jit(lambda ls: accumjax.adjust_loss_scale(ls, False))(ls)
+    assert isinstance(out, accumjax.DynamicLossScale)
     assert len(jax.tree.leaves(ls)) == 5
     assert float(out.loss_scale) == 2.0
 
 
 def test_public_export():
-    assert accumjax.dynamic_loss_scale is dynamic_loss_scale
-    assert accumjax.update_loss_scale is update_loss_scale
+    assert accumjax.dynamic_loss_scale is accumjax.loss_scale.dynamic_loss_scale
+    assert accumjax.update_loss_scale is accumjax.loss_scale.update_loss_scale
 
 
 # ----------------------------------------------------------------------------- update_loss_scale
@@ -177,7 +168,7 @@ def _run_windows(tx, grads, ls):
     @jax.jit
     def call(opt_state, ls, g):
         _, new_opt_state = tx.update({"w": jnp.full(2, g)}, opt_state, params)
-        return new_opt_state, update_loss_scale(ls, opt_state, new_opt_state)
+        return new_opt_state, accumjax.update_loss_scale(ls, opt_state, new_opt_state)
 
     opt_state, rows = tx.init(params), []
     for g in grads:
@@ -196,7 +187,9 @@ def test_update_loss_scale_changes_the_scale_only_when_a_window_closes(on_nonfin
     # finite: each counts once (at its end), and the second in a row doubles the scale.
     tx = accumjax.accumulate(optax.sgd(0.1), 3, on_nonfinite=on_nonfinite)
     grads = [1.0, 1.0, INF, INF, 1.0, 1.0] + [1.0] * 6
-    scales, counters, seen, closed = _run_windows(tx, grads, dynamic_loss_scale(2.0**15, 2))
+    scales, counters, seen, closed = _run_windows(
+        tx, grads, accumjax.dynamic_loss_scale(2.0**15, 2)
+    )
     assert scales == [2.0**15] * 2 + [2.0**14] * 3 + [2.0**13] * 6 + [2.0**14]
     assert counters == [0] * 8 + [1, 1, 1, 0]
     # stats counts an overflow at the call that met it; nonfinite_count at its window's end.
@@ -221,7 +214,9 @@ def test_update_loss_scale_changes_the_scale_only_when_a_window_closes(on_nonfin
 )
 def test_update_loss_scale_follows_the_state_k(every_k, grads, scales, counters):
     tx = accumjax.accumulate(optax.sgd(0.1), every_k)
-    got_scales, got_counters, _, _ = _run_windows(tx, grads, dynamic_loss_scale(2.0**15, 2))
+    got_scales, got_counters, _, _ = _run_windows(
+        tx, grads, accumjax.dynamic_loss_scale(2.0**15, 2)
+    )
     assert (got_scales, got_counters) == (scales, counters)
 
 
@@ -229,9 +224,11 @@ def test_update_loss_scale_names_an_argument_that_is_not_accumulates_state():
     plain = optax.sgd(0.1).init({"w": jnp.zeros(2)})
     ours = accumjax.accumulate(optax.sgd(0.1), 2).init({"w": jnp.zeros(2)})
     with pytest.raises(TypeError, match=r"opt_state is a tuple, not the state of accumjax"):
-        update_loss_scale(dynamic_loss_scale(), plain, ours)
+        accumjax.update_loss_scale(accumjax.dynamic_loss_scale(), plain, ours)
     with pytest.raises(TypeError, match=r"new_opt_state is a DynamicLossScale"):
-        update_loss_scale(dynamic_loss_scale(), ours, dynamic_loss_scale())
+        accumjax.update_loss_scale(
+            accumjax.dynamic_loss_scale(), ours, accumjax.dynamic_loss_scale()
+        )
 
 
 # The float16 train step and a hand loop with update_loss_scale, on the same microbatches:
@@ -272,11 +269,11 @@ def _hand_loop(tx, params, ls, microbatches):
     def step(params, opt_state, ls, batch):
         def scaled_loss(p):
             loss = _hand_loss(_to_float16(p), batch).astype(jnp.float32)  # the batch as given
-            return scale_loss(ls, loss)
+            return accumjax.scale_loss(ls, loss)
 
-        grads = unscale_grads(ls, jax.grad(scaled_loss)(params))
+        grads = accumjax.unscale_grads(ls, jax.grad(scaled_loss)(params))
         updates, new_opt_state = tx.update(grads, opt_state, params)
-        ls = update_loss_scale(ls, opt_state, new_opt_state)
+        ls = accumjax.update_loss_scale(ls, opt_state, new_opt_state)
         return optax.apply_updates(params, updates), new_opt_state, ls
 
     opt_state, out = tx.init(params), []
@@ -306,7 +303,7 @@ def test_update_loss_scale_is_the_float16_train_steps_rule():
     # apply_updates and the step's fused one agree to the bit (Adam's can differ by an ulp).
     tx = accumjax.accumulate(optax.sgd(2.0**-3), HAND_K)
     params = {"w": jnp.asarray([0.5, -0.25, 1.0]), "b": jnp.asarray([0.1, 0.2, 0.3])}
-    ls = dynamic_loss_scale(2.0**10, period=2)
+    ls = accumjax.dynamic_loss_scale(2.0**10, period=2)
     micro = _hand_microbatches()
     hand, opt_state = _hand_loop(tx, params, ls, micro)
     assert [scale for _, scale in hand] == HAND_SCALES

@@ -9,6 +9,7 @@ whole batch's. Each mode refuses the other's layout, and `accumjax.with_mode` co
 (a checkpoint of accumjax 0.2, whose scan states held the accumulator).
 """
 
+import _reference as reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,28 +26,13 @@ K = 4
 N = 8
 
 
-def _loss(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
-
-
 def _problem(width=512):
-    rng = np.random.default_rng(0)
-    params = {
-        "w1": rng.normal(size=(256, width)).astype(np.float32) * 0.05,
-        "b1": np.zeros(width, np.float32),
-        "w2": rng.normal(size=(width, 256)).astype(np.float32) * 0.05,
-    }
-    batch = {
-        "x": rng.normal(size=(N * K, 256)).astype(np.float32),
-        "y": rng.normal(size=(N * K, 256)).astype(np.float32),
-    }
-    return params, batch
+    return reference.mlp_problem(N * K, (256, width, 256), (0.05, 0.05))
 
 
 def _init(params, mode="scan", k=K, **kwargs):
     """The state ``make_train_step(mode=mode)`` builds for ``params`` (and the step)."""
-    step = accumjax.make_train_step(_loss, mode=mode, donate=False, **kwargs)
+    step = accumjax.make_train_step(reference.mlp_loss, mode=mode, donate=False, **kwargs)
     return step.init(params, accumjax.accumulate(optax.adam(1e-3), k)), step
 
 
@@ -111,11 +97,11 @@ def test_each_mode_refuses_the_other_layout_and_names_the_fix():
     params, batch = _problem(width=8)
     (scan_state, _), (stream_state, _) = _init(params), _init(params, "stream")
     with pytest.raises(ValueError, match=r"holds a stream-mode accumulator.*step\.init"):
-        accumjax.make_train_step(_loss, mode="scan")(stream_state, batch)
+        accumjax.make_train_step(reference.mlp_loss, mode="scan")(stream_state, batch)
     with pytest.raises(ValueError, match=r"holds a stream-mode accumulator.*step\.init"):
-        accumjax.make_train_step(_loss, mode="scan")(_create(params), batch)
+        accumjax.make_train_step(reference.mlp_loss, mode="scan")(_create(params), batch)
     with pytest.raises(ValueError, match=r"built for scan mode.*step\.init"):
-        accumjax.make_train_step(_loss, mode="stream")(scan_state, batch)
+        accumjax.make_train_step(reference.mlp_loss, mode="stream")(scan_state, batch)
     grads = jax.tree.map(jnp.ones_like, params)
     with pytest.raises(ValueError, match=r"no accumulator.*tx\.init"):
         scan_state.apply_gradients(grads=grads)
@@ -176,7 +162,7 @@ def test_a_window_kept_per_data_shard_reads_as_the_whole_batch_and_is_refused_by
     params, batch = _problem(width=8)
     mesh = jax.make_mesh((N,), ("data",))
     tx = accumjax.accumulate(optax.sgd(0.1), K)
-    step = accumjax.make_train_step(_loss, donate=False)
+    step = accumjax.make_train_step(reference.mlp_loss, donate=False)
     runs = {}
     for where, placed in (
         ("one", params),
@@ -202,7 +188,7 @@ def test_a_window_kept_per_data_shard_reads_as_the_whole_batch_and_is_refused_by
     with pytest.raises(ValueError, match=r"per data shard.*tx\.init\(params\)"):
         meshed.apply_gradients(grads=grads)
     with pytest.raises(ValueError, match=r"pmap.*step\.init\(params, tx\)"):
-        pmap_step = accumjax.make_train_step(_loss, axis_name="data")
+        pmap_step = accumjax.make_train_step(reference.mlp_loss, axis_name="data")
         pmap_step(
             accumjax.replicate(one, N), jax.tree.map(lambda x: x[: N * N].reshape(N, N, -1), batch)
         )

@@ -145,23 +145,13 @@ def test_zero_matches_the_replicated_layout_and_the_float64_reference(
 
 
 def _loss(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2) + jnp.sum(params["odd"] ** 2)
+    return reference.mlp_loss(params, batch) + jnp.sum(params["odd"] ** 2)
 
 
 def _problem():
-    rng = np.random.default_rng(0)
-    params = {
-        "w1": rng.normal(size=(16, 32)).astype(np.float32),
-        "b1": np.zeros(32, np.float32),
-        "w2": rng.normal(size=(32, 4)).astype(np.float32) * 0.3,
-        "odd": np.ones(3, np.float32),  # no dimension divides by 8: stays replicated
-    }
-    batch = {
-        "x": rng.normal(size=(N * K * 2, 16)).astype(np.float32),
-        "y": rng.normal(size=(N * K * 2, 4)).astype(np.float32),
-    }
-    return params, batch
+    params, batch = reference.mlp_problem(N * K * 2, (16, 32, 4), (1.0, 0.3))
+    # "odd": no dimension divides by 8, so it stays replicated.
+    return {**params, "odd": np.ones(3, np.float32)}, batch
 
 
 def _compiled_window(kind, layout):
