@@ -135,10 +135,10 @@ assert short(mu["w1"].sharding.spec) == P("data")
 assert state.opt_state.window.grad_sum is None  # scan mode: the state holds no accumulator
 
 # Collectives of 64 bytes or more: the gradient's and the parameters', on a clean window
-# (default_trip_count=0: the loop that runs a window again after a refused microbatch does not
+# (default_trip_count=0: the loop that runs a window again after a rejected microbatch does not
 # run). Each microbatch's gradient of a sharded kernel is reduce-scattered into an accumulator
-# sharded like it (issue 37); each microbatch's verdict travels in the window's one small
-# all-reduce (biases and scalars).
+# sharded like it; each microbatch's decision travels in the window's one small all-reduce
+# (biases and scalars).
 counts = accumjax.collectives.count_collectives(
     compiled, per_execution=True, default_trip_count=0, min_bytes=64
 )

@@ -113,8 +113,8 @@ def _all_reduce_lines(lowered):
 
 def _once_per_window(lowered):
     """One all-reduce per window and no other collective: the gradient, with each
-    microbatch's verdict in it (issue 37: no all-reduce per microbatch). Only a window whose
-    devices refused a microbatch runs again (a loop of at most one trip) and reduces once
+    microbatch's decision in it (no all-reduce per microbatch). Only a window whose
+    devices rejected a microbatch runs again (a loop of at most one trip) and reduces once
     more."""
     clean = count_collectives(lowered, per_execution=True, default_trip_count=0)
     assert clean == collective_counts(all_reduce=1)
