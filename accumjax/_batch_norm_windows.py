@@ -351,10 +351,10 @@ def _float_leaves(tree: Any) -> tuple[list[int], list[Any]]:
     return where, [leaves[i] for i in where]
 
 
-def model_state_sums(called: Any) -> list[Any]:
+def model_state_sums(called: Any) -> dict[str, Any]:
     """What a stream call's model state puts into the call's one all-reduce on a mesh, to
-    sum across devices for `pooled_model_state`: its BatchNorm statistics (`call_sums`) and
-    its other floating leaves.
+    sum across devices for `pooled_model_state`: its BatchNorm statistics (`call_sums`,
+    ``"batch_norm_sums"``) and its other floating leaves (``"float_leaves"``).
 
     Args:
       called: this device's model state after the call, run from `emptied` windows (None:
@@ -368,12 +368,12 @@ def model_state_sums(called: Any) -> list[Any]:
       [(2,), (2,), (2,), (1,), (3,)]
     """
     if called is None:
-        return [jnp.zeros(1)]
-    return [call_sums(called), *_float_leaves(called)[1]]
+        return {"batch_norm_sums": jnp.zeros(1), "float_leaves": []}
+    return {"batch_norm_sums": call_sums(called), "float_leaves": _float_leaves(called)[1]}
 
 
 def pooled_model_state(
-    before: Any, called: Any, summed: list[Any], added: Array, shards: int
+    before: Any, called: Any, summed: dict[str, Any], added: Array, shards: int
 ) -> Any:
     """The global model state after a stream call on a mesh (None without a model state).
 
@@ -393,11 +393,12 @@ def pooled_model_state(
     """
     if called is None:
         return None
-    bn = jax.tree.map(lambda x: jnp.where(added, x, jnp.zeros_like(x)), summed[0])
+    pick = lambda x: jnp.where(added, x, jnp.zeros_like(x))
+    bn = jax.tree.map(pick, summed["batch_norm_sums"])
     merged, treedef = jax.tree.flatten(merge_pooled(before, bn), is_leaf=is_step_driven)
     ours = _nodes(called)[0]
     where, _ = _float_leaves(called)
-    for i, total in zip(where, summed[1:], strict=True):
+    for i, total in zip(where, summed["float_leaves"], strict=True):
         ours[i] = (total / shards).astype(jnp.result_type(ours[i]))
     out = [
         m if is_step_driven(m) else jnp.where(added, o, m)
