@@ -48,7 +48,6 @@ class MeshLayout(NamedTuple):
       mesh: the mesh (a ``Mesh``, or an ``AbstractMesh`` inside another ``jit``).
       axis: the data axis: the batch's leading dimension is split over it.
       treedef: the parameters' tree structure.
-      dims: per parameter leaf, the dimension split over ``axis`` (None: replicated over it).
       leaves: per parameter leaf, its `accumjax._layout.LeafLayout` (the layout plan).
       specs: per parameter leaf, its partition spec over every mesh axis (a tuple).
       opt_specs: with a ZeRO layout, per leaf of the inner optimizer's state, its partition
@@ -58,10 +57,14 @@ class MeshLayout(NamedTuple):
     mesh: AnyMesh
     axis: str
     treedef: Any
-    dims: tuple[int | None, ...]
-    leaves: tuple[LeafLayout, ...] = ()
+    leaves: tuple[LeafLayout, ...]
     specs: tuple[tuple[Any, ...], ...] = ()
     opt_specs: tuple[PartitionSpec | None, ...] | None = None
+
+    @property
+    def param_dims(self) -> tuple[int | None, ...]:
+        """Per leaf, the parameter's dimension split over the axis (None: replicated)."""
+        return tuple(leaf.param for leaf in self.leaves)
 
     @property
     def accumulator_dims(self) -> tuple[int | None, ...]:
@@ -119,7 +122,7 @@ class MeshLayout(NamedTuple):
 
     def param_specs(self) -> Any:
         """The parameters' partition specs over the data axis, for ``shard_map``."""
-        return jax.tree.unflatten(self.treedef, [_spec(d, self.axis) for d in self.dims])
+        return jax.tree.unflatten(self.treedef, [_spec(d, self.axis) for d in self.param_dims])
 
     def window_specs(self) -> window_lib.DeviceWindow:
         """The ``shard_map`` specs of a `accumjax.window.DeviceWindow`: each device its own
@@ -275,7 +278,7 @@ def layout_of(
       >>> batch = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P("data")))
       >>> params = jax.device_put(jnp.ones((2, 3)), NamedSharding(mesh, P("data", None)))
       >>> layout = mesh_lib.layout_of({"w": params}, batch)
-      >>> layout.axis, layout.dims, layout.shards
+      >>> layout.axis, layout.param_dims, layout.shards
       ('data', (0,), 2)
     """
     if mesh is None:
@@ -308,7 +311,9 @@ def layout_of(
                 reduce_scatter=reduce_scatter,
             )
         )
-    return MeshLayout(mesh, axis, treedef, dims, tuple(leaves), tuple(specs))
+    return MeshLayout(
+        mesh=mesh, axis=axis, treedef=treedef, leaves=tuple(leaves), specs=tuple(specs)
+    )
 
 
 def mesh_difference(a: AnyMesh, b: AnyMesh) -> str:
@@ -385,7 +390,7 @@ def check_one_mesh(params: Any, batch: Any) -> None:
 
 def gather_params(params: Any, layout: MeshLayout) -> Any:
     """Inside ``shard_map``: the full-size parameters from this device's shards (all-gather)."""
-    return gathered(params, layout.axis, jax.tree.unflatten(layout.treedef, layout.dims))
+    return gathered(params, layout.axis, jax.tree.unflatten(layout.treedef, layout.param_dims))
 
 
 # ----------------------------------------------------------------------------- stream mode

@@ -52,7 +52,8 @@ def _planned(layout: mesh_lib.MeshLayout, inner: Any) -> Any:
 
 def _to_param_layout(layout: mesh_lib.MeshLayout, params: Any) -> Any:
     """The parameters gathered back where they lie, pinned there."""
-    return pinned(layout, mesh_lib.lay_out(params, layout.mesh, layout.global_specs(layout.dims)))
+    specs = layout.global_specs(layout.param_dims)
+    return pinned(layout, mesh_lib.lay_out(params, layout.mesh, specs))
 
 
 def split_params(layout: mesh_lib.MeshLayout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
@@ -90,7 +91,7 @@ def parameter_side(
 ) -> TrainState:
     """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
     the optimizer state where it lies."""
-    params = mesh_lib.lay_out(state.params, layout.mesh, layout.global_specs(layout.dims))
+    params = mesh_lib.lay_out(state.params, layout.mesh, layout.global_specs(layout.param_dims))
     opt: Any = state.opt_state
     if accumulating:
         opt = opt._replace(inner_tx_state=_planned(layout, opt.inner_tx_state))
@@ -116,7 +117,7 @@ def pinned(layout: mesh_lib.MeshLayout, params: Any) -> Any:
     (on an ``Explicit`` mesh through `jax.sharding.auto_axes`: under ``jax.set_mesh`` a
     constraint equal to the type is dropped)."""
     specs = jax.tree.leaves(
-        layout.global_specs(layout.dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
+        layout.global_specs(layout.param_dims), is_leaf=lambda s: isinstance(s, PartitionSpec)
     )
     shardings = [NamedSharding(layout.mesh, spec) for spec in specs]
     leaves = layout.treedef.flatten_up_to(params)
@@ -141,7 +142,7 @@ def placed_zero(inner: Any, params: Any, layout: mesh_lib.MeshLayout) -> dict[An
     split on (None: replicated); empty when no state leaf of such a shape is split."""
     replicated_shapes = {
         tuple(jnp.shape(p))
-        for p, d in zip(layout.treedef.flatten_up_to(params), layout.dims, strict=True)
+        for p, d in zip(layout.treedef.flatten_up_to(params), layout.param_dims, strict=True)
         if d is None
     }
     found: dict[Any, int | None] = {}

@@ -155,7 +155,7 @@ def test_layout_of_reads_the_data_axis_and_refuses_what_it_cannot_split():
     tp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "model")))
     fsdp = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("data", "model")))
     layout = mesh_lib.layout_of({"tp": tp, "fsdp": fsdp}, batch)
-    assert (layout.axis, layout.dims, layout.shards) == ("data", (0, None), 2)
+    assert (layout.axis, layout.param_dims, layout.shards) == ("data", (0, None), 2)
     both = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P(("data", "model"))))
     with pytest.raises(NotImplementedError, match="one mesh axis"):
         mesh_lib.layout_of({"w": jnp.ones(3)}, both)
