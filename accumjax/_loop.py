@@ -255,7 +255,7 @@ class Outcome(NamedTuple):
 # ----------------------------------------------------------------------------- set-up
 
 
-def _config(setup: Setup, state: Any) -> tuple[Config, bool]:
+def _step_config(setup: Setup, state: Any) -> tuple[Config, bool]:
     """The optimizer's config, or a one-microbatch window around a plain optimizer."""
     config = config_of(state.tx)  # a TrainState: `accumjax._host` refused anything else
     accumulating = config is not None
@@ -288,7 +288,7 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     Every mode's step starts here, at trace time: the state and optimizer (no
     ``optax.MultiSteps``), ``rng`` (one key) and a loss that can take it are checked once.
     """
-    config, accumulating = _config(setup, state)
+    config, accumulating = _step_config(setup, state)
     check_step_inputs(state, config, rng, setup.loss_positional, setup.f16)
     if accumulating:
         acc = check_state(config, state.opt_state)
