@@ -20,7 +20,7 @@ import accumjax._scaling as scaling_lib
 from accumjax._config import Config, transformed_gradient
 from accumjax._norms import global_norm
 from accumjax._reduction import gathered, own_shard, reduce_leaves, sharded_norm
-from accumjax._scaling import Scaling
+from accumjax._scaling import Scaling, device_losses_add
 
 __all__ = [
     "Microbatch",
@@ -316,7 +316,11 @@ def whole_gradient(
     into = {i: d for i, d in enumerate(split) if d is not None}
     leaves, summed_decision = reduce_leaves(leaves, axis_name, summed, into, own)
     devices = jax.lax.axis_size(axis_name)
-    by = summed_decision.weight if weighted else jnp.float32(1 if scaling == "sum" else devices)
+    by = (
+        summed_decision.weight
+        if weighted
+        else jnp.float32(1 if device_losses_add(scaling) else devices)
+    )
     by = jnp.where(by > 0, by, 1.0)
     whole = jax.tree.map(lambda g: g / by.astype(g.dtype), jax.tree.unflatten(treedef, leaves))
     return whole, summed_decision

@@ -22,6 +22,7 @@ from accumjax._control import run_once
 from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._opt_state import count_update
+from accumjax._scaling import device_losses_add
 from accumjax._state import config_of
 from accumjax._step_checks import check_layout, check_step_inputs
 from accumjax._window_end import check_state, close_and_apply, init_state, window_closes
@@ -334,7 +335,7 @@ def loss_share(ctx: Context) -> Any:
     """What a microbatch's loss counts for in the loss metric's denominator: on a mesh with
     ``"sum"`` (whose loss is each device's share of the whole) 1 over the devices' number, so
     that the metric is one device's loss; else 1."""
-    if ctx.axis_name is None or ctx.config.scaling != "sum":
+    if ctx.axis_name is None or not device_losses_add(ctx.config.scaling):
         return 1.0
     return 1.0 / jax.lax.axis_size(ctx.axis_name)
 

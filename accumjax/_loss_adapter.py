@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from accumjax._scaling import device_losses_add
 from accumjax.loss_scale import DynamicLossScale, scale_loss, unscale_grads
 
 __all__ = ["GradFn", "cast_floats", "device_loss_scale", "make_grad_fn"]
@@ -179,7 +180,7 @@ def device_loss_scale(
       >>> share.tolist()
       [8192.0, 8192.0, 8192.0, 8192.0]
     """
-    if loss_scale is None or axis_name is None or scaling == "sum":
+    if loss_scale is None or axis_name is None or device_losses_add(scaling):
         return loss_scale
     share = loss_scale.loss_scale / jax.lax.axis_size(axis_name)
     return loss_scale._replace(loss_scale=share)

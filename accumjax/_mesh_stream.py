@@ -40,6 +40,7 @@ from accumjax._loop import (
     stream_step,
 )
 from accumjax._reduction import psum_together
+from accumjax._scaling import device_losses_add
 from accumjax._sharded_steps import (
     REPLICATED_SPEC,
     data_shard_map,
@@ -249,7 +250,7 @@ def _share(config: Config, m: Microbatch, layout: mesh_lib.MeshLayout) -> Microb
     1/shards of it too (``"weighted"``: its own weight's share, as its factor says)."""
     share = 1.0 / layout.shards
     if config.scaling not in ("mean", "sum_over_k"):
-        if m.transformed is None or config.scaling != "sum":
+        if m.transformed is None or not device_losses_add(config.scaling):
             return m
         return m._replace(factor=jnp.asarray(share, jnp.float32))
     factor = share if m.factor is None else m.factor * share

@@ -1,6 +1,7 @@
 """The scaling strategies' rules (internal): a strategy's name checked
-(`validate_scaling`), which stored strategies a state may resume under (`compatible`) and
-a microbatch's weight validated (`microbatch_weight`). `accumjax.scaling` describes them.
+(`validate_scaling`), which stored strategies a state may resume under (`compatible`), a
+microbatch's weight validated (`microbatch_weight`) and whether devices' losses add up
+(`device_losses_add`). `accumjax.scaling` describes them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "Scaling",
     "compatible",
     "concrete_value",
+    "device_losses_add",
     "microbatch_weight",
     "validate_scaling",
 ]
@@ -26,6 +28,19 @@ Scaling = Literal["mean", "sum", "count", "weighted", "sum_over_k"]
 #: The strategies by ``scaling_code`` (append only: a checkpoint stores the index).
 SCALINGS: tuple[Scaling, ...] = ("mean", "sum", "count", "weighted", "sum_over_k")
 _MEANS = ("mean", "count", "sum_over_k")
+
+
+def device_losses_add(scaling: str) -> bool:
+    """Whether, on a mapped axis, a microbatch's loss is the sum of its devices' losses
+    (``"sum"``: each device's loss is its share of the microbatch's) rather than their mean
+    (each device's loss a mean over its own rows). A device's whole-microbatch gradient, loss
+    metric and loss scale follow from it.
+
+    Example:
+      >>> device_losses_add("sum"), device_losses_add("mean")
+      (True, False)
+    """
+    return scaling == "sum"
 
 
 def validate_scaling(scaling: str) -> Scaling:
