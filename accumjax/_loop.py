@@ -42,7 +42,7 @@ __all__ = [
     "finish",
     "follow_decision",
     "loss_and_grads",
-    "loss_share",
+    "loss_parts",
     "run_microbatch",
     "pvary",
     "start_carry",
@@ -331,7 +331,14 @@ def loss_and_grads(ctx: Context, params: Any, model_state: Any, batch: Any, inde
     return loss, new_model_state, aux, grads, _weight(setup.weight_fn, batch)
 
 
-def loss_share(ctx: Context) -> Any:
+def loss_parts(ctx: Context, weight: Any, loss: Any) -> tuple[Any, Any]:
+    """A microbatch's part of the loss metric, ``(weighted loss, weight)``: its loss weighed
+    by ``weight`` (a weight of 0 adds nothing, even where the loss is NaN), and the weight it
+    counts for in the metric's denominator, ``weight`` times its share (`_loss_share`)."""
+    return weigh(weight, loss), weight * _loss_share(ctx)
+
+
+def _loss_share(ctx: Context) -> Any:
     """What a microbatch's loss counts for in the loss metric's denominator: on a mesh with
     ``"sum"`` (whose loss is each device's share of the whole) 1 over the devices' number, so
     that the metric is one device's loss; else 1."""
@@ -409,8 +416,8 @@ def follow_decision(
     w = jnp.where(added, 1.0 if weight is None else weight, 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
-    loss_sum = carry.loss_sum + weigh(w, loss)
-    loss_weight = carry.loss_weight + w * loss_share(ctx)
+    loss_part, weight_part = loss_parts(ctx, w, loss)
+    loss_sum, loss_weight = carry.loss_sum + loss_part, carry.loss_weight + weight_part
     carry = LoopCarry(model_state, window=window, loss_sum=loss_sum, loss_weight=loss_weight)
     return carry, loss
 

@@ -25,7 +25,7 @@ from accumjax._batch_norm_windows import (
     pooled_model_state,
 )
 from accumjax._config import Config
-from accumjax._decision import Microbatch, pooled_decision, rows_decision, weigh
+from accumjax._decision import Microbatch, pooled_decision, rows_decision
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
     Context,
@@ -34,7 +34,7 @@ from accumjax._loop import (
     Setup,
     begin,
     close_fields,
-    loss_share,
+    loss_parts,
     run_microbatch,
     stream_close,
     stream_step,
@@ -225,10 +225,10 @@ def _pool(
     aux_rows, aux_means = split_aux(aux, 0, aux_tree) if aux is not None else ([], [])
     sums = model_state_sums(new_state)
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
-    loss_sum = weigh(weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
+    loss_sum, loss_weight = loss_parts(ctx, weighs, loss.astype(jnp.result_type(jnp.float32, loss)))
     parts = {
         "loss_sum": loss_sum,
-        "loss_weight": (weighs * loss_share(ctx)).astype(loss_sum.dtype),
+        "loss_weight": loss_weight.astype(loss_sum.dtype),
         "weight": m.weight,
         "decision": mine,
         "sums": sums,

@@ -20,7 +20,7 @@ import accumjax._loop as loop_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._control import run_once
-from accumjax._decision import MicrobatchDecision, sum_decision, weigh
+from accumjax._decision import MicrobatchDecision, sum_decision
 from accumjax._loop import (
     Context,
     LoopCarry,
@@ -30,7 +30,7 @@ from accumjax._loop import (
     close_fields,
     finish,
     follow_decision,
-    loss_share,
+    loss_parts,
     pvary,
     run_microbatch,
     start_carry,
@@ -203,7 +203,7 @@ def _marks(
     if v is None:
         return outcome.aux, None, None
     loss = jnp.asarray(outcome.loss, jnp.float32)
-    return outcome.aux, v, jnp.stack([weigh(v.weight, loss), v.weight * loss_share(ctx)])
+    return outcome.aux, v, jnp.stack(loss_parts(ctx, v.weight, loss))
 
 
 def _pass(carry: LoopCarry, marks: tuple[Any, Any, Any]) -> Outcome:
