@@ -42,6 +42,7 @@ __all__ = [
     "finish",
     "follow_decision",
     "loss_and_grads",
+    "loss_mean",
     "loss_parts",
     "run_microbatch",
     "pvary",
@@ -336,6 +337,12 @@ def loss_parts(ctx: Context, weight: Any, loss: Any) -> tuple[Any, Any]:
     by ``weight`` (a weight of 0 adds nothing, even where the loss is NaN), and the weight it
     counts for in the metric's denominator, ``weight`` times its share (`_loss_share`)."""
     return weigh(weight, loss), weight * _loss_share(ctx)
+
+
+def loss_mean(loss_sum: Any, loss_weight: Any) -> jax.Array:
+    """The loss metric from its summed parts (`loss_parts`): their weighted mean, NaN where
+    nothing weighs anything."""
+    return jnp.where(loss_weight > 0, loss_sum / loss_weight, jnp.nan)
 
 
 def _loss_share(ctx: Context) -> Any:

@@ -34,6 +34,7 @@ from accumjax._loop import (
     Setup,
     begin,
     close_fields,
+    loss_mean,
     loss_parts,
     run_microbatch,
     stream_close,
@@ -237,7 +238,7 @@ def _pool(
     pooled = psum_together(parts, layout.axis)
     m = pooled_decision(config, m, pooled["weight"], pooled["decision"])
     model_state = pooled_model_state(before, new_state, pooled["sums"], m.added, layout.shards)
-    loss = pooled["loss_sum"] / pooled["loss_weight"]
+    loss = loss_mean(pooled["loss_sum"], pooled["loss_weight"])
     return m, (loss, model_state, (aux_rows, pooled["aux_means"]))
 
 

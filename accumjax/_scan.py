@@ -30,6 +30,7 @@ from accumjax._loop import (
     close_fields,
     finish,
     follow_decision,
+    loss_mean,
     loss_parts,
     pvary,
     run_microbatch,
@@ -52,7 +53,6 @@ __all__ = [
     "decide_window",
     "window_every_k",
     "window_loop",
-    "window_loss",
 ]
 
 Take = Callable[[jax.Array], tuple[Any, Any]]  # microbatch index -> (params, rows)
@@ -239,16 +239,11 @@ def _microbatch_loop(
     return _pass(carry, marks)
 
 
-def window_loss(carry: LoopCarry) -> jax.Array:
-    """The window's weighted mean loss over its added microbatches (NaN if none was)."""
-    return jnp.where(carry.loss_weight > 0, carry.loss_sum / carry.loss_weight, jnp.nan)
-
-
 def accepted_loss(losses: jax.Array, accepted: jax.Array) -> jax.Array:
     """The window's weighted mean loss over the microbatches the devices accepted, from each
     one's summed loss parts (`accumjax._loop.Outcome.losses`; NaN if none was accepted)."""
-    total = jnp.sum(jnp.where(accepted[:, None], losses, 0.0), axis=0)
-    return jnp.where(total[1] > 0, total[0] / total[1], jnp.nan)
+    loss_sum, loss_weight = jnp.sum(jnp.where(accepted[:, None], losses, 0.0), axis=0)
+    return loss_mean(loss_sum, loss_weight)
 
 
 def window_every_k(ctx: Context, every_k: Any) -> Any:
@@ -394,7 +389,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
             closed = window_lib.close_window(
                 config, carry.window, every_k, axis, decisions=decisions
             )
-            loss = window_loss(carry)
+            loss = loss_mean(carry.loss_sum, carry.loss_weight)
             if losses is not None:
                 loss = accepted_loss(losses, cast(jax.Array, closed.accepted))
             return closed, close_model_state(carry.model_state, closed.apply, axis), [loss]

@@ -23,7 +23,7 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout, reduced_per_microbatch
-from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin
+from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin, loss_mean
 from accumjax._reduction import reduce_leaves
 from accumjax._scan import (
     accepted_loss,
@@ -33,7 +33,6 @@ from accumjax._scan import (
     scan_step,
     window_every_k,
     window_loop,
-    window_loss,
 )
 from accumjax._zero import optimizer_side, parameter_side, split_params
 from accumjax.train_state import TrainState
@@ -254,7 +253,7 @@ def _local_window(
         )
         summed: Outcome = closed.extras
         if summed.losses is None:  # the window's loss metric, from the devices' parts
-            loss = window_loss(summed.carry)
+            loss = loss_mean(summed.carry.loss_sum, summed.carry.loss_weight)
         else:
             loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
