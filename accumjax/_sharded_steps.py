@@ -150,6 +150,12 @@ def split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> tuple[list[Any], 
     return rows, [x for x, r in zip(leaves, has_rows, strict=True) if not r]
 
 
+def _aux_row_axis(setup: Setup) -> int:
+    """Where a scan window's aux leaves hold their rows: axis 0 in the batch's row order
+    (``aux_rows``), else axis 1 of the per-microbatch stack."""
+    return 0 if setup.aux_rows else 1
+
+
 def join_aux(split: tuple[Any, Any], aux_tree: list[Any], shards: int) -> Any:
     """`split_aux` undone, after ``shard_map``: the means divided by the number of shards."""
     treedef, has_rows, dtypes = aux_tree
@@ -186,7 +192,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         aux_tree: list[Any] = []
         local_state = state.replace(opt_state=None)
         closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
-        row_spec = PartitionSpec(*([None] * (0 if setup.aux_rows else 1)), layout.axis)
+        row_spec = PartitionSpec(*([None] * _aux_row_axis(setup)), layout.axis)
         closed, model_state, loss, aux = data_shard_map(
             partial(_local_window, ctx, layout, aux_tree),
             layout,
@@ -233,7 +239,7 @@ def _local_window(
     start = LoopCarry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
     run = window_loop(ctx, params, start, batch)
     first = run(None)
-    rows = ctx.setup.aux_rows ^ 1
+    rows = _aux_row_axis(ctx.setup)
     aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
     every_k = window_every_k(ctx, ctx.every_k)
 
