@@ -70,22 +70,22 @@ def psum_together(parts: dict[str, Any], axis: str) -> dict[str, Any]:
 
 
 def cross_device_reduce(
-    grad_sum: Any, riders: Any, axis_name: str, layouts: Sequence[LeafLayout] | None
+    grad_sum: Any, scalars: Any, axis_name: str, layouts: Sequence[LeafLayout] | None
 ) -> tuple[Any, Any]:
     """The window's one reduction: a grouped ``psum`` of the leaves still partial on each
-    device and the ``riders`` (a pytree of scalars and small arrays, which travel in the
+    device and the ``scalars`` (a pytree of scalars and small arrays, which travel in the
     accumulator's dtype when it is float32 or float64, so counts stay exact below 2**24),
     and a ``psum_scatter`` of the leaves reduced into shards once a window. ``layouts``:
     each leaf's `LeafLayout`, in the order of ``jax.tree.leaves(grad_sum)`` (None: every leaf
-    all-reduced). Returns the reduced sum and the summed riders (their structure and shapes,
+    all-reduced). Returns the reduced sum and the summed scalars (their structure and shapes,
     float32).
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> def on_device(x):
       ...     return cross_device_reduce({"g": x}, {"count": jnp.ones(())}, "i", None)
-      >>> total, riders = jax.vmap(on_device, axis_name="i")(jnp.ones((2, 3)))
-      >>> total["g"][0].tolist(), float(riders["count"][0])
+      >>> total, scalars = jax.vmap(on_device, axis_name="i")(jnp.ones((2, 3)))
+      >>> total["g"][0].tolist(), float(scalars["count"][0])
       ([2.0, 2.0, 2.0], 2.0)
     """
     leaves, treedef = jax.tree.flatten(grad_sum)
@@ -98,8 +98,8 @@ def cross_device_reduce(
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
     into = {i: cast(int, plan[i].optimizer) for i in scattered}
-    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack_flat(riders, dtype))
-    return jax.tree.unflatten(treedef, leaves), unpack_flat(stacked, riders, jnp.float32)
+    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack_flat(scalars, dtype))
+    return jax.tree.unflatten(treedef, leaves), unpack_flat(stacked, scalars, jnp.float32)
 
 
 def reduce_leaves(
@@ -107,13 +107,13 @@ def reduce_leaves(
     axis_name: str,
     summed: Sequence[int],
     scattered: Mapping[int, int],
-    riders: Any = None,
+    scalars: Any = None,
 ) -> tuple[list[Any], Any]:
     """One device's ``leaves`` reduced across ``axis_name``: those at the indices ``summed``
-    all-reduced in one grouped ``psum`` with ``riders`` (a pytree that travels with them),
+    all-reduced in one grouped ``psum`` with ``scalars`` (a pytree that travels with them),
     those in ``scattered`` (index: dimension) reduce-scattered on that dimension into this
     device's shard, the others left as they are. Every cross-device reduction of a gradient
-    goes through it. Returns the leaves and the summed riders.
+    goes through it. Returns the leaves and the summed scalars.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -125,12 +125,12 @@ def reduce_leaves(
       ([2.0, 2.0, 2.0, 2.0], [2.0, 2.0], 2.0)
     """
     leaves = list(leaves)
-    reduced, riders = jax.lax.psum(([leaves[i] for i in summed], riders), axis_name)
+    reduced, scalars = jax.lax.psum(([leaves[i] for i in summed], scalars), axis_name)
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
     for i, dim in scattered.items():
         leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=dim, tiled=True)
-    return leaves, riders
+    return leaves, scalars
 
 
 def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:

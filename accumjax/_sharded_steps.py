@@ -246,14 +246,14 @@ def _local_window(
     def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
         # What the pass produced and the devices sum: its loss parts, aux means and losses.
         parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
-        riders = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
+        scalars = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
         closed = window_lib.close_window(
             config,
             carry.window,
             every_k,
             layout.axis,
             layouts,
-            extras=jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), riders),
+            extras=jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), scalars),
             global_counts=global_counts,
             decisions=decisions,
         )

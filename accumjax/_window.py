@@ -414,8 +414,8 @@ def close_window(
     if axis_name is not None:
         # The window's counts travel as its own fields (weight sum, non-finite, skipped).
         counts = None if global_counts else window._replace(grad_sum=None, micro_step=None)
-        riders = {"counts": counts, "decisions": decisions, "extras": extras}
-        grad_sum, summed = cross_device_reduce(grad_sum, riders, axis_name, layouts)
+        scalars = {"counts": counts, "decisions": decisions, "extras": extras}
+        grad_sum, summed = cross_device_reduce(grad_sum, scalars, axis_name, layouts)
         if not global_counts:
             devices = jax.lax.axis_size(axis_name)
             # Every device decided the same about each microbatch
