@@ -19,7 +19,13 @@ import jax.numpy as jnp
 import accumjax._scaling as scaling_lib
 from accumjax._config import Config, transformed_gradient
 from accumjax._norms import global_norm
-from accumjax._reduction import gathered, own_shard, reduce_leaves, sharded_norm
+from accumjax._reduction import (
+    gathered,
+    own_shard,
+    reduce_leaves,
+    sharded_norm,
+    split_reduction,
+)
 from accumjax._scaling import Scaling, device_losses_add
 
 __all__ = [
@@ -129,7 +135,7 @@ def inspect_microbatch(
         seen, norm, finite = grads, None, w_ok
         if config.detects or config.max_norm is not None:
             norm = global_norm(grads)
-            finite = finite & jnp.isfinite(norm) if config.detects else finite
+            finite = _finite_norm(config, finite, norm)
     else:
         seen, norm, finite, total, whole = agreed(config, grads, w, w_ok, axis_name, dims)
         if keep_whole and whole is not None:
@@ -228,9 +234,14 @@ def agreed(
     norm = sharded_norm(whole, axis_name, dims)
     reader = config.skip_fn is not None or config.microbatch_transform is not None
     seen = gathered(whole, axis_name, dims) if reader else whole
-    finite = accepted(config.scaling, summed)
-    finite = finite & jnp.isfinite(norm) if config.detects else finite
+    finite = _finite_norm(config, accepted(config.scaling, summed), norm)
     return seen, norm, finite, summed.weight if weighted else weight, whole
+
+
+def _finite_norm(config: Config, finite: jax.Array, norm: jax.Array) -> jax.Array:
+    """``finite``, and with a policy that detects non-finite values, the gradient's ``norm``
+    finite too."""
+    return finite & jnp.isfinite(norm) if config.detects else finite
 
 
 def device_decision(scaling: Scaling, rejected: jax.Array, weight: jax.Array) -> MicrobatchDecision:
@@ -312,9 +323,7 @@ def whole_gradient(
     part = jax.tree.map(lambda g: weigh(weight, wide(g)) if weighted else wide(g), grads)
     leaves, treedef = jax.tree.flatten(part)
     split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
-    summed = [i for i, d in enumerate(split) if d is None]
-    into = {i: d for i, d in enumerate(split) if d is not None}
-    leaves, summed_decision = reduce_leaves(leaves, axis_name, summed, into, own)
+    leaves, summed_decision = reduce_leaves(leaves, axis_name, *split_reduction(split), own)
     devices = jax.lax.axis_size(axis_name)
     by = (
         summed_decision.weight

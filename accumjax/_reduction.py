@@ -22,6 +22,7 @@ __all__ = [
     "pack_flat",
     "psum_together",
     "reduce_leaves",
+    "split_reduction",
     "sharded_norm",
     "unpack_flat",
 ]
@@ -100,6 +101,21 @@ def cross_device_reduce(
     into = {i: cast(int, plan[i].optimizer) for i in scattered}
     leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack_flat(scalars, dtype))
     return jax.tree.unflatten(treedef, leaves), unpack_flat(stacked, scalars, jnp.float32)
+
+
+def split_reduction(
+    dims: Sequence[int | None], sum_replicated: bool = True
+) -> tuple[list[int], dict[int, int]]:
+    """`reduce_leaves`' ``(summed, scattered)`` for leaves split on ``dims`` (one entry a
+    leaf): a leaf with a dimension is reduce-scattered on it, the others all-reduced (or left
+    as they are without ``sum_replicated``).
+
+    Example:
+      >>> split_reduction([None, 0, 1]), split_reduction([None, 0], sum_replicated=False)
+      (([0], {1: 0, 2: 1}), ([], {1: 0}))
+    """
+    summed = [i for i, d in enumerate(dims) if d is None and sum_replicated]
+    return summed, {i: d for i, d in enumerate(dims) if d is not None}
 
 
 def reduce_leaves(

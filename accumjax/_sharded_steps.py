@@ -24,7 +24,7 @@ from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout, reduced_per_microbatch
 from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin, loss_mean
-from accumjax._reduction import reduce_leaves
+from accumjax._reduction import reduce_leaves, split_reduction
 from accumjax._scan import (
     accepted_loss,
     decide_window,
@@ -302,8 +302,7 @@ def reduce_gradient(layout: mesh_lib.MeshLayout, replicated: bool) -> Callable[[
     if not replicated and all(d is None for d in dims):
         return None
 
-    summed = [i for i, d in enumerate(dims) if d is None and replicated]
-    into = {i: d for i, d in enumerate(dims) if d is not None}
+    summed, into = split_reduction(dims, sum_replicated=replicated)
 
     def reduce(tree: Any) -> Any:
         leaves = layout.treedef.flatten_up_to(tree)
