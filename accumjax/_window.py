@@ -305,13 +305,8 @@ def _opened(
         g = _scaled(config, m, g.astype(a.dtype))
         return g if gate is None else jnp.where(gate, g, jnp.zeros_like(g))
 
-    return emptied_window(like)._replace(
-        grad_sum=jax.tree.map(start, like.grad_sum, source),
-        weight_sum=m.weight,
-        micro_step=jnp.ones((), jnp.int32),
-        window_nonfinite=m.nonfinite.astype(jnp.int32),
-        window_skipped=(~m.added).astype(jnp.int32),
-    )
+    grad_sum = jax.tree.map(start, like.grad_sum, source)
+    return count_microbatch(emptied_window(like), grad_sum, m)
 
 
 #: Opens a window with its first microbatch: `add_microbatch` with ``first=True``.
