@@ -87,7 +87,18 @@ def sharded_stream_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 
 
 def _check_shards(window: window_lib.DeviceWindow, layout: mesh_lib.MeshLayout | None) -> None:
-    """Refuses a `DeviceWindow` laid out for another number of data shards than the call's."""
+    """Refuses a `DeviceWindow` laid out for another number of data shards than the call's.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accumjax._window import DeviceWindow
+      >>> two_shards = DeviceWindow({"w": jnp.zeros((2, 3))}, *jnp.zeros(4))
+      >>> try:
+      ...     _check_shards(two_shards, None)
+      ... except ValueError as e:
+      ...     print(str(e).split(":")[0])
+      the state's stream window keeps 2 partial sums per parameter, but this call runs on one device
+    """
     want = 1 if layout is None else layout.shards
     dims = (None,) * len(jax.tree.leaves(window.partial_sums))
     dims = dims if layout is None else layout.accumulator_dims
@@ -107,26 +118,11 @@ def _one_shard(plain: Callable[..., Any], state: TrainState, batch: Any, rng: An
     """A `DeviceWindow` of one shard on one device: its partial sums are the window (each
     gradient broadcasts into its leading axis of one: no copy of the sums per call)."""
     opt: AccumulationState = state.opt_state  # pyright: ignore[reportAssignmentType]
-    window = _retyped(opt.window, window_lib.Window)
+    window = window_lib.retyped(opt.window, window_lib.Window)
     new, metrics = plain(state.replace(opt_state=opt._replace(window=window)), batch, rng)
     new_opt = new.opt_state
-    window = _retyped(new_opt.window, window_lib.DeviceWindow)
+    window = window_lib.retyped(new_opt.window, window_lib.DeviceWindow)
     return new.replace(opt_state=new_opt._replace(window=window)), metrics
-
-
-def _retyped(window: Any, cls: type) -> Any:
-    """``window`` (a `accumjax._window.Window` or `accumjax._window.DeviceWindow`) as ``cls``:
-    the same sum (its first field) and counters, by name.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from accumjax._window import DeviceWindow, init_window
-      >>> d = _retyped(init_window({"w": jnp.zeros(2)}), DeviceWindow)
-      >>> type(d).__name__, d.partial_sums["w"].shape, int(d.micro_step)
-      ('DeviceWindow', (2,), 0)
-    """
-    counters = {name: getattr(window, name) for name in window._fields[1:]}
-    return cls(**{cls._fields[0]: window[0]}, **counters)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _mesh_call(
@@ -191,13 +187,13 @@ def _local_call(
     reduce = reduce_gradient(layout, replicated=not per_shard)
     ctx = ctx._replace(reduce=reduce)
     params = mesh_lib.gather_params(state.params, layout)
-    window = _retyped(open_window, window_lib.Window)
+    window = window_lib.retyped(open_window, window_lib.Window)
     start = None if state.model_state is None else emptied(state.model_state)
     zero = jnp.zeros((), jnp.float32)
     carry = LoopCarry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
     pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
     out = run_microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
-    window = _retyped(out.carry.window, type(open_window))
+    window = window_lib.retyped(out.carry.window, type(open_window))
     return window, out.carry.model_state, out.loss, out.aux, out.added, out.nonfinite
 
 

@@ -42,9 +42,11 @@ __all__ = [
     "first_microbatch",
     "init_window",
     "local_window",
+    "retyped",
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
+    "sums_of",
     "window_sum",
 ]
 
@@ -92,6 +94,10 @@ class DeviceWindow(NamedTuple):
     micro_step: jax.Array
     window_nonfinite: jax.Array
     window_skipped: jax.Array
+
+
+#: A window's counters: what `Window` and `DeviceWindow` hold besides their sums.
+_COUNTERS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
 
 
 class Closed(NamedTuple):
@@ -170,13 +176,14 @@ def init_window(params: Any, accumulator_dtype: Any = jnp.float32) -> Window:
 def emptied_window(window: Any) -> Any:
     """``window`` (a `Window` or `DeviceWindow`) emptied: zero sums and counters, with the
     same shapes, dtypes and shardings."""
-    return window._replace(
-        **{window._fields[0]: jax.tree.map(jnp.zeros_like, window[0])},
+    zeros = Window(
+        grad_sum=jax.tree.map(jnp.zeros_like, sums_of(window)),
         weight_sum=jnp.zeros_like(window.weight_sum, jnp.float32),
         micro_step=jnp.zeros_like(window.micro_step, jnp.int32),
         window_nonfinite=jnp.zeros_like(window.window_nonfinite, jnp.int32),
         window_skipped=jnp.zeros_like(window.window_skipped, jnp.int32),
     )
+    return retyped(zeros, type(window))
 
 
 def window_sum(window: Any) -> Any:
@@ -198,8 +205,26 @@ def window_sum(window: Any) -> Any:
 def local_window(window: DeviceWindow) -> Window:
     """Inside a ``shard_map`` over the data axis: this device's part of a `DeviceWindow`
     (its partial sums, whose leading axis has one entry here) as a `Window`."""
-    grad_sum = jax.tree.map(lambda a: a[0], window.partial_sums)
-    return Window(grad_sum, *window[1:])
+    return retyped(window, Window, jax.tree.map(lambda a: a[0], window.partial_sums))
+
+
+def sums_of(window: Any) -> Any:
+    """A `Window`'s ``grad_sum`` or a `DeviceWindow`'s ``partial_sums``."""
+    return window.grad_sum if isinstance(window, Window) else window.partial_sums
+
+
+def retyped(window: Any, cls: type, sums: Any = None) -> Any:
+    """``window`` (a `Window` or `DeviceWindow`) as ``cls``: its counters, by name, and
+    ``sums`` (by default its own sums) as ``cls``'s sums.
+
+    Example:
+      >>> d = retyped(init_window({"w": jnp.zeros(2)}), DeviceWindow)
+      >>> type(d).__name__, d.partial_sums["w"].shape, int(d.micro_step)
+      ('DeviceWindow', (2,), 0)
+    """
+    sums = sums_of(window) if sums is None else sums
+    counters = {name: getattr(window, name) for name in _COUNTERS}
+    return cls(**{cls._fields[0]: sums}, **counters)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
