@@ -38,7 +38,7 @@ __all__ = [
     "check_no_self_closing",
     "close_model_state",
     "close_step_driven_windows",
-    "emptied",
+    "emptied_stats_windows",
     "is_step_driven",
     "merge_pooled",
     "model_state_sums",
@@ -267,9 +267,9 @@ def pooled_windows(
 
 # A stream-mode step on a mesh pools each call's model state across devices in the call's
 # one small all-reduce (with its loss and counts): every device runs the call from empty
-# windows (`emptied`), the windows it leaves are this device's statistics of the call
-# (`call_sums`, shifted by the running mean, equal everywhere), and their sum across devices
-# is merged into the state's windows (`merge_pooled`), as one device would merge the whole
+# windows (`emptied_stats_windows`), the windows it leaves are this device's statistics of
+# the call (`call_sums`, shifted by the running mean, equal everywhere), and their sum across
+# devices is merged into the state's windows (`merge_pooled`), as one device would merge the whole
 # microbatch's; the other floating leaves are averaged. `model_state_sums` is what the call
 # puts into the all-reduce, `pooled_model_state` the global model state from its sums. The
 # windows then need no per-device copy between calls.
@@ -285,13 +285,13 @@ def _stats_window(node: Any) -> StatsWindow:
     return stats_window_of({name: array_of(node[name]) for name in ACCUMULATOR_NAMES})
 
 
-def emptied(tree: Any) -> Any:
+def emptied_stats_windows(tree: Any) -> Any:
     """``tree`` with every step-driven layer's window empty (its running statistics kept).
 
     Example:
       >>> import jax.numpy as jnp
       >>> node = {name: jnp.ones(()) for name in STEP_DRIVEN_NAMES}
-      >>> float(emptied({"bn": node})["bn"]["acc_count"])
+      >>> float(emptied_stats_windows({"bn": node})["bn"]["acc_count"])
       0.0
     """
     nodes, treedef, where = _nodes(tree)
@@ -357,8 +357,8 @@ def model_state_sums(called: Any) -> dict[str, Any]:
     ``"batch_norm_sums"``) and its other floating leaves (``"float_leaves"``).
 
     Args:
-      called: this device's model state after the call, run from `emptied` windows (None:
-        no model state, which pools one zero).
+      called: this device's model state after the call, run from emptied windows
+        (`emptied_stats_windows`; None: no model state, which pools one zero).
 
     Example:
       >>> import jax.numpy as jnp

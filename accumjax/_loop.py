@@ -45,7 +45,7 @@ __all__ = [
     "loss_mean",
     "loss_parts",
     "run_microbatch",
-    "pvary",
+    "mark_varying",
     "start_carry",
     "stream_close",
     "stream_step",
@@ -523,7 +523,7 @@ def stream_step(setup: Setup) -> Step:
 
     def step(state: TrainState, batch: Any, rng: Any = None) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
-        params = pvary(state.params, setup.pmap_axis)
+        params = mark_varying(state.params, setup.pmap_axis)
         first = not ctx.accumulating
         carry = start_carry(state, acc)
         outcome = run_microbatch(ctx, carry, params, batch, acc.window.micro_step, first=first)
@@ -573,12 +573,12 @@ def _varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", frozenset()))
 
 
-def pvary(tree: Any, axis_name: str | None) -> Any:
+def mark_varying(tree: Any, axis_name: str | None) -> Any:
     """Marks values as device-varying so their gradients are not all-reduced implicitly.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> pvary({"w": jnp.ones(2)}, None)["w"]  # no axis: unchanged
+      >>> mark_varying({"w": jnp.ones(2)}, None)["w"]  # no axis: unchanged
       Array([1., 1.], dtype=float32)
     """
     if axis_name is None:

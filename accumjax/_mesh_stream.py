@@ -20,7 +20,7 @@ import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import (
     close_model_state,
-    emptied,
+    emptied_stats_windows,
     model_state_sums,
     pooled_model_state,
 )
@@ -41,7 +41,7 @@ from accumjax._loop import (
     stream_step,
 )
 from accumjax._reduction import psum_together
-from accumjax._scaling import device_losses_add
+from accumjax._scaling import averages_microbatches, device_losses_add
 from accumjax._sharded_steps import (
     REPLICATED_SPEC,
     data_shard_map,
@@ -188,7 +188,7 @@ def _local_call(
     ctx = ctx._replace(reduce=reduce)
     params = mesh_lib.gather_params(state.params, layout)
     window = window_lib.retyped(open_window, window_lib.Window)
-    start = None if state.model_state is None else emptied(state.model_state)
+    start = None if state.model_state is None else emptied_stats_windows(state.model_state)
     zero = jnp.zeros((), jnp.float32)
     carry = LoopCarry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
     pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
@@ -246,7 +246,7 @@ def _share(config: Config, m: Microbatch, layout: mesh_lib.MeshLayout) -> Microb
     gradient is the whole microbatch's on every device: under ``"sum"`` each device adds
     1/shards of it too (``"weighted"``: its own weight's share, as its factor says)."""
     share = 1.0 / layout.shards
-    if config.scaling not in ("mean", "sum_over_k"):
+    if not averages_microbatches(config.scaling):
         if m.transformed is None or not device_losses_add(config.scaling):
             return m
         return m._replace(factor=jnp.asarray(share, jnp.float32))

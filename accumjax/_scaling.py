@@ -19,6 +19,7 @@ __all__ = [
     "Scaling",
     "compatible",
     "concrete_value",
+    "averages_microbatches",
     "device_losses_add",
     "microbatch_weight",
     "validate_scaling",
@@ -28,6 +29,17 @@ Scaling = Literal["mean", "sum", "count", "weighted", "sum_over_k"]
 #: The strategies by ``scaling_code`` (append only: a checkpoint stores the index).
 SCALINGS: tuple[Scaling, ...] = ("mean", "sum", "count", "weighted", "sum_over_k")
 _MEANS = ("mean", "count", "sum_over_k")
+
+
+def averages_microbatches(scaling: str) -> bool:
+    """Whether ``scaling``'s window is a mean over its microbatches, each weighing one
+    (``"mean"``, ``"sum_over_k"``), so that a device's rows count 1/devices of a microbatch.
+
+    Example:
+      >>> averages_microbatches("sum_over_k"), averages_microbatches("weighted")
+      (True, False)
+    """
+    return scaling in _MEANS
 
 
 def device_losses_add(scaling: str) -> bool:

@@ -32,7 +32,7 @@ from accumjax._loop import (
     follow_decision,
     loss_mean,
     loss_parts,
-    pvary,
+    mark_varying,
     run_microbatch,
     start_carry,
 )
@@ -168,7 +168,7 @@ def _empty(ctx: Context, like: LoopCarry) -> LoopCarry:
     zero = jnp.zeros((), jnp.float32)
     window = window_lib.emptied_window(like.window)
     carry = LoopCarry(window=window, model_state=like.model_state, loss_sum=zero, loss_weight=zero)
-    return pvary(carry, ctx.setup.pmap_axis)
+    return mark_varying(carry, ctx.setup.pmap_axis)
 
 
 def _loop_over(
@@ -375,7 +375,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
     ) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
-        params = pvary(state.params, setup.pmap_axis)
+        params = mark_varying(state.params, setup.pmap_axis)
         axis, config = ctx.config.axis_name, ctx.config
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)

@@ -194,7 +194,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
         row_spec = PartitionSpec(*([None] * _aux_row_axis(setup)), layout.axis)
         closed, model_state, loss, aux = data_shard_map(
-            partial(_local_window, ctx, layout, aux_tree),
+            partial(_window_on_device, ctx, layout, aux_tree),
             layout,
             in_specs=(step_specs(layout, local_state, REPLICATED_SPEC),),
             out_specs=(closed_specs, REPLICATED_SPEC, REPLICATED_SPEC, (row_spec, REPLICATED_SPEC)),
@@ -213,7 +213,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
     return step
 
 
-def _local_window(
+def _window_on_device(
     ctx: Context, layout: mesh_lib.MeshLayout, aux_tree: list[Any], inputs: tuple[Any, ...]
 ) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
     """One device's part of a window, from its ``(state, batch, rng, n_real)`` (`step_specs`):
