@@ -1,33 +1,11 @@
 """Batch normalization whose running statistics see the whole accumulated batch.
 
-With gradient accumulation a logical batch of ``K * B`` examples is processed as ``K``
-microbatches of ``B``. A plain :class:`flax.linen.BatchNorm` then updates its running
-mean and variance ``K`` times per optimizer step from small, noisy microbatches.
-:class:`AccumBatchNorm` normalizes each microbatch exactly as ``BatchNorm`` does, but
-pools the per-microbatch count, mean and sum of squared deviations (``M2``) with the
-parallel merge of Chan, Golub & LeVeque (1979), and updates the running statistics once
-per window with the statistics of the whole accumulated batch.
-
-Two ways to close a window:
-
-- **Step-driven** (``accum_steps=None``, the default): the layer only pools; the train
-  step calls :func:`close_batch_norm_windows` once per optimizer step, which updates
-  ``mean``/``var`` from the pooled statistics (optionally pooled across devices with one
-  all-reduce) and resets the accumulators. ``K`` is stated once, in the optimizer.
-- **Self-closing** (``accum_steps=K``): the layer counts its calls and updates the
-  running statistics itself on every ``K``-th one (standalone use, without a train step).
-
-This module holds the linen layer, :func:`close_batch_norm_windows` (for the linen and the
-NNX layer alike) and :func:`sync_batch_norm`.
-
-References:
-  - Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
-    Reducing Internal Covariate Shift", ICML 2015.
-  - Chan, Golub & LeVeque, "Updating formulae and a pairwise algorithm for computing
-    sample variances", Stanford CS tech. report STAN-CS-79-773, 1979.
-  - The TensorFlow gradient-accumulator library (andreped/GradientAccumulator)
-    ``AccumBatchNormalization`` averages the per-microbatch variances, which misses the
-    spread of the microbatch means around the pooled mean; the merge here keeps it.
+:class:`AccumBatchNorm` normalizes each microbatch as :class:`flax.linen.BatchNorm` does,
+pools the microbatches' count, mean and ``M2`` (Chan, Golub & LeVeque's parallel merge) and
+moves the running statistics once per window. A step-driven layer (``accum_steps=None``) is
+closed by the train step or :func:`close_batch_norm_windows`; a self-closing one
+(``accum_steps=K``) closes on its ``K``-th call. This module also holds
+:func:`sync_batch_norm`. The BatchNorm guide (``docs/guides/batch_norm.md``) has the details.
 """
 
 from typing import Any, TypeVar

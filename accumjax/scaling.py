@@ -15,18 +15,10 @@ strategy          denominator                                   use it when
                                                                 smaller step)
 ================  ============================================  ===============================
 
-``"mean"`` is the mean of the microbatches the window used: without skips the sum over K
-(``optax.MultiSteps``' mean), and a window that skips one microbatch of 4 applies the mean of
-the other 3. ``"count"`` is a deprecated name for it (a ``DeprecationWarning``). On a data
-axis each device's rows are its share of every microbatch, and every device counts the same
-microbatches, so the step is the one a single device would take.
-
-With ``"weighted"`` and ``w_i`` the number of tokens (examples) of microbatch ``i`` whose loss
-is the mean over its own tokens, ``sum_i w_i g_i / sum_i w_i`` is exactly the gradient of the
-token-mean loss of the whole accumulated batch.
-
-A state records its strategy as an index into `SCALINGS` (``scaling_code``): new strategies
-are appended, so a checkpoint's code keeps its meaning.
+``"mean"`` without skips is ``optax.MultiSteps``' mean; a window that skips one microbatch of
+4 applies the mean of the other 3. ``"count"`` is a deprecated name for it. A state records
+its strategy as an index into `SCALINGS` (``scaling_code``, append only). The token-weighting
+guide (``docs/guides/token_weighting.md``) shows ``"weighted"`` with token counts.
 """
 
 from __future__ import annotations
