@@ -31,8 +31,8 @@ from accumjax.loss_scale import DynamicLossScale, update_loss_scale
 from accumjax.train_state import TrainState
 
 __all__ = [
-    "LoopCarry",
     "Context",
+    "LoopCarry",
     "Outcome",
     "Pool",
     "Setup",
@@ -44,8 +44,8 @@ __all__ = [
     "loss_and_grads",
     "loss_mean",
     "loss_parts",
-    "run_microbatch",
     "mark_varying",
+    "run_microbatch",
     "start_carry",
     "stream_close",
     "stream_step",
