@@ -21,6 +21,7 @@ from accumjax._config import Config
 from accumjax._control import run_once
 from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
 from accumjax._loss_adapter import GradFn, device_loss_scale
+from accumjax._mesh import MeshLayout
 from accumjax._opt_state import count_update
 from accumjax._scaling import device_losses_add
 from accumjax._state import config_of
@@ -111,7 +112,8 @@ class Context(NamedTuple):
 
     Attributes:
       setup: the `Setup`.
-      config: the optimizer's `accumjax._config.Config` (K, the window's policy, axis).
+      config: the optimizer's `accumjax._config.Config` (K, the window's policy; the step
+        reads the data axis from ``setup`` and ``layout``, never the config's).
       accumulating: whether the optimizer is an ``accumulate`` (else a plain optimizer, run as a
         window of one microbatch whose counters are not kept).
       loss_scale: the dynamic loss scale (float16), or None.
@@ -130,6 +132,8 @@ class Context(NamedTuple):
       split_params: ZeRO under ``jit``: ``(to_shards, to_param_layout)``, the parameters as the
         inner optimizer updates them (split like their reduced gradient) and back (one
         all-gather), inside the update's loop; None for the parameters as they are.
+      layout: inside a call's ``shard_map`` on a mesh, the call's `accumjax._mesh.MeshLayout`
+        (its data axis is the one the microbatches are mapped over); None outside one.
     """
 
     setup: Setup
@@ -143,14 +147,15 @@ class Context(NamedTuple):
     reduce: Callable[[Any], Any] | None = None
     dims: Any = None
     split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+    layout: MeshLayout | None = None
 
     @property
     def axis_name(self) -> str | None:
-        """The axis the step's microbatches are mapped over, as its ``config`` names it: the
-        ``pmap`` axis, inside a mesh step's ``shard_map`` its data axis, else None. Its index
-        is folded into keys, and the devices along it agree about each microbatch
+        """The axis the step's microbatches are mapped over: inside a call's ``shard_map`` its
+        layout's data axis, under ``pmap`` the step's axis (`Setup.pmap_axis`), else None. Its
+        index is folded into keys, and the devices along it agree about each microbatch
         (`accumjax._decision.inspect_microbatch`)."""
-        return self.config.axis_name
+        return self.setup.pmap_axis if self.layout is None else self.layout.axis
 
     def reading(self, state: Any, rng: Any) -> Context:
         """This context with the call's traced values read from the train ``state`` (its loss
@@ -281,7 +286,7 @@ def _step_config(setup: Setup, state: Any) -> tuple[Config, bool]:
             "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
             "schedule."
         )
-    return config._replace(axis_name=setup.pmap_axis), accumulating
+    return config, accumulating
 
 
 def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationState]:
@@ -448,6 +453,7 @@ def close_fields(
         ctx.config,
         before,
         fields.params,
+        ctx.axis_name,
         closed=closed,
         every_step=every_step,
         split=ctx.split_params,

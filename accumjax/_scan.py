@@ -376,7 +376,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
         params = mark_varying(state.params, setup.pmap_axis)
-        axis, config = ctx.config.axis_name, ctx.config
+        axis, config = ctx.axis_name, ctx.config
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)
         # The state's K (traced): with a constant K, XLA:CPU moves the division by it into a

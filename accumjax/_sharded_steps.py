@@ -132,10 +132,9 @@ def _fit(args: Any, specs: Any, layout: mesh_lib.MeshLayout) -> Any:
 
 def local_context(ctx: Context, layout: mesh_lib.MeshLayout, state: Any, rng: Any) -> Context:
     """``ctx`` inside the ``shard_map``: the call's traced values read again from the train
-    ``state`` and key as one device sees them (`accumjax._loop.Context.reading`), and its
-    config's axis the layout's data axis, the one the devices decide along."""
-    config = ctx.config._replace(axis_name=layout.axis)
-    return ctx._replace(config=config).reading(state, rng)
+    ``state`` and key as one device sees them (`accumjax._loop.Context.reading`), and the
+    call's ``layout``, whose data axis the devices decide along."""
+    return ctx._replace(layout=layout).reading(state, rng)
 
 
 def split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> tuple[list[Any], list[Any]]:

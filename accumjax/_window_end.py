@@ -142,6 +142,7 @@ def close_and_apply(
     config: Config,
     state: AccumulationState,
     params: Any,
+    axis_name: str | None,
     *,
     closed: window_lib.Closed | None = None,
     every_step: bool = False,
@@ -157,6 +158,8 @@ def close_and_apply(
       config: the transformation's `Config`.
       state: the state whose window is full.
       params: the parameters.
+      axis_name: the step's mapped axis the window is reduced over (the step's, not
+        ``config``'s), or None.
       closed: the window already closed (reduced and decided, e.g. inside a ``shard_map``
         around the microbatch loop), or None to close ``state.window`` here.
       every_step: a window closes on every step (scan mode): its update is selected rather
@@ -169,7 +172,7 @@ def close_and_apply(
       ``(params, state)``: the new parameters and the state with an empty window.
     """
     if closed is None:
-        closed = window_lib.close_window(config, state.window, state.every_k, config.axis_name)
+        closed = window_lib.close_window(config, state.window, state.every_k, axis_name)
     dtypes = jax.tree.map(_like, params)
 
     def update(operand: Any) -> Any:
