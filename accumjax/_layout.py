@@ -58,11 +58,6 @@ class Reduction(enum.Enum):
     REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
     ALL_REDUCE_MICROBATCH = "all-reduce per microbatch"
 
-    @property
-    def per_microbatch(self) -> bool:
-        """Whether the leaf is reduced before it is added (nothing left at the close)."""
-        return self in (Reduction.REDUCE_SCATTER_MICROBATCH, Reduction.ALL_REDUCE_MICROBATCH)
-
 
 class LeafLayout(NamedTuple):
     """Where one parameter leaf's arrays lie along the data axis (static, hashable).
