@@ -1,10 +1,11 @@
 """Names a public module exported in 0.4 and no longer does: each still resolves, with a
 ``DeprecationWarning``, until 0.6 (a module ``__getattr__``, PEP 562). `MOVED` is the one
-table of them."""
+table of them: names now internal, and names another public module exports instead."""
 
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,18 +23,21 @@ _MESH = ["check_one_mesh", "data_axis", "device_window", "layout_of", "mesh_diff
 _MESH += ["mesh_of", "names", "optimizer_state_specs", "sharding_of", "state_specs"]
 
 #: Public module -> {name it exported in 0.4 -> where it lives now: an internal module
-#: (``"_window"``), or ``"module.new_name"`` where it was renamed}.
+#: (``"_window"``), the one public module that exports it (``"collectives"``), or
+#: ``"module.new_name"`` where it was renamed}.
 MOVED: dict[str, dict[str, str]] = {
     "accumjax.accumulation": {
         "Config": "_config",
         "config_of": "_state",
         "window_closes": "_window_end",
         **dict.fromkeys(_WINDOW_END, "_window_end"),
+        "AccumulationState": "accumulation_state",
     },
     "accumjax.accumulation_state": {
         **dict.fromkeys(["CONFIG_ATTR", "config_of"], "_state"),
         "unwrap": "_state.accumulation_state_in",
     },
+    "accumjax.distributed": {"count_collectives": "collectives"},
     "accumjax.scaling": dict.fromkeys(
         ["concrete_value", "microbatch_weight", "validate_scaling"], "_scaling"
     ),
@@ -59,7 +63,8 @@ MOVED: dict[str, dict[str, str]] = {
 
 def forward_moved(module: str, retired: Mapping[str, Any] | None = None) -> Callable[[str], Any]:
     """A module ``__getattr__`` that resolves each of ``MOVED[module]``'s names from where it
-    lives now, warning that ``module`` stops exporting it in 0.6.
+    lives now, warning that ``module`` stops exporting it in 0.6: the warning names the
+    public module to import it from, or says it is internal.
 
     Args:
       module: the public module's name (``__name__``).
@@ -92,13 +97,29 @@ def forward_moved(module: str, retired: Mapping[str, Any] | None = None) -> Call
         if name not in moved:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         where, _, new_name = moved[name].partition(".")
-        warnings.warn(
-            f"{module}.{name} is internal (accumjax.{moved[name]}, not "
-            f"public API) and leaves {module} in {REMOVED_IN}: build on accumjax.accumulate and "
-            f"the public state readers instead, or pin accumjax<{REMOVED_IN}.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warnings.warn(_moved_message(module, name), DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(f"accumjax.{where}"), new_name or name)
 
     return __getattr__
+
+
+def _moved_message(module: str, name: str) -> str:
+    """The warning for ``module.name``: where to import it from when the module that keeps it
+    (`MOVED`) is public, that it is internal otherwise."""
+    target = MOVED[module][name]
+    if target.startswith("_"):
+        return (
+            f"{module}.{name} is internal (accumjax.{target}, not public API) and leaves "
+            f"{module} in {REMOVED_IN}: build on accumjax.accumulate and the public state "
+            f"readers instead, or pin accumjax<{REMOVED_IN}."
+        )
+    where, _, new_name = target.partition(".")
+    new_name = new_name or name
+    # The top-level spelling too, where the package exports the name.
+    top_level = getattr(sys.modules.get("accumjax"), "__all__", ())
+    also = f" or accumjax.{new_name}" if new_name in top_level else ""
+    return (
+        f"{module}.{name} moved: import it from accumjax.{where} "
+        f"(accumjax.{where}.{new_name}{also}); "
+        f"the old name leaves {module} in {REMOVED_IN}."
+    )

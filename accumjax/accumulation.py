@@ -45,12 +45,12 @@ from accumjax._multisteps import (
 )
 from accumjax._state import CONFIG_ATTR
 from accumjax._window_end import updates_placeholder
-from accumjax.accumulation_state import AccumulationState
 
-__all__ = ["AccumulationState", "accumulate", "with_every_k"]
+__all__ = ["accumulate", "with_every_k"]
 
 
-# Exported by 0.4, internal now: resolved with a DeprecationWarning until 0.6.
+# Exported by 0.4, internal or exported by another public module now (`AccumulationState`:
+# accumjax.accumulation_state): resolved with a DeprecationWarning until 0.6.
 __getattr__ = forward_moved(__name__)
 
 # ----------------------------------------------------------------------------- validation
@@ -254,7 +254,7 @@ def accumulate(
 
 
 def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
-    def init_fn(params: Any) -> AccumulationState:
+    def init_fn(params: Any) -> state_lib.AccumulationState:
         _check_params(params)
         transform = config.microbatch_transform
         if transform is not None:

@@ -1,6 +1,7 @@
-"""The free functions on an `AccumulationState`, as optax's read theirs
-(``optax.MultiSteps.has_updated``): `should_update`, `has_updated`, `accumulated_gradients`
-and `stats` read it, `reset` empties the open window. Each accepts the state as the user
+"""`AccumulationState`, the state `accumulate` keeps (this module is the one that exports it),
+and the free functions on it, as optax's read theirs (``optax.MultiSteps.has_updated``):
+`should_update`, `has_updated`, `accumulated_gradients` and `stats` read it, `reset` empties
+the open window. Each accepts the state as the user
 holds it: plain, wrapped in ``nnx.Variable``s by an ``nnx.Optimizer`` (``opt.opt_state``), or
 inside the state of an optax combinator around ``accumulate`` that holds exactly one.
 """

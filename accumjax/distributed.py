@@ -2,8 +2,7 @@
 
 :func:`data_sharding` shards a batch along its leading axis over a mesh axis (the ``jax.jit``
 path); :func:`replicate` and :func:`unreplicate` add and remove the leading device axis of
-a ``jax.pmap`` state. :func:`count_collectives` lives in :mod:`accumjax.collectives` and is
-re-exported here.
+a ``jax.pmap`` state. Collectives are counted by :mod:`accumjax.collectives`.
 
 Example:
   >>> import jax.numpy as jnp
@@ -23,9 +22,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from accumjax._checks import check_mesh_axis
-from accumjax.collectives import count_collectives
+from accumjax._moved import forward_moved
 
-__all__ = ["count_collectives", "data_sharding", "replicate", "unreplicate"]
+__all__ = ["data_sharding", "replicate", "unreplicate"]
+
+# Exported by 0.4, exported by accumjax.collectives only now (`count_collectives`): resolved
+# with a DeprecationWarning until 0.6.
+__getattr__ = forward_moved(__name__)
 
 
 def data_sharding(mesh: Mesh, axis_name: str) -> NamedSharding:

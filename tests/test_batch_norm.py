@@ -28,7 +28,7 @@ from accumjax.batch_norm import (
     close_batch_norm_windows,
     convert_batch_norm_variables,
 )
-from accumjax.distributed import count_collectives
+from accumjax.collectives import count_collectives
 
 MOMENTUM = 0.9
 # float32 sums over a few hundred elements of O(10) values plus three momentum updates:

@@ -115,12 +115,14 @@ def test_count_collectives_no_collectives():
     assert count_collectives(compiled) == collective_counts()
 
 
-def test_count_collectives_is_one_function_under_three_names():
-    # accumjax.collectives keeps it, accumjax.distributed re-exports it; the top-level name
-    # is deprecated.
-    with pytest.warns(DeprecationWarning, match="accumjax.collectives.count_collectives"):
-        assert accumjax.count_collectives is distributed.count_collectives is count_collectives
+def test_count_collectives_is_exported_by_accumjax_collectives_only():
+    # accumjax.collectives keeps it; the top-level name and accumjax.distributed's are
+    # deprecated, and each warns naming accumjax.collectives.count_collectives.
+    with pytest.warns(DeprecationWarning, match=r"accumjax\.collectives\.count_collectives"):
+        assert accumjax.count_collectives is count_collectives
+    with pytest.warns(DeprecationWarning, match=r"import it from accumjax\.collectives"):
+        assert distributed.count_collectives is count_collectives
     assert count_collectives.__module__ == "accumjax.collectives"
-    assert "count_collectives" in distributed.__all__
+    assert "count_collectives" not in distributed.__all__
     assert collectives.__all__ == ["COLLECTIVE_OPS", "count_collectives"]
     assert list(count_collectives("HloModule m\n")) == list(COLLECTIVE_OPS[:5])

@@ -19,7 +19,8 @@ from conftest import with_subprocess_warnings
 from jax.sharding import Mesh, PartitionSpec
 
 import accumjax
-from accumjax.distributed import count_collectives, data_sharding, replicate, unreplicate
+from accumjax.collectives import count_collectives
+from accumjax.distributed import data_sharding, replicate, unreplicate
 
 HERE = Path(__file__).parent
 K = 4
