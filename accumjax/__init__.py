@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from accumjax.batch_norm import (
         AccumBatchNorm,
         close_batch_norm_windows,
-        convert_batch_norm_variables,
         sync_batch_norm,
     )
+    from accumjax.batch_norm_convert import convert_batch_norm_variables
     from accumjax.nnx_batch_norm import AccumBatchNorm as NNXAccumBatchNorm
     from accumjax.nnx_train_step import (
         NNXTrainState,
@@ -70,7 +70,7 @@ __version__ = "0.5.0"
 _LAZY = {
     "AccumBatchNorm": ("batch_norm", "AccumBatchNorm"),
     "close_batch_norm_windows": ("batch_norm", "close_batch_norm_windows"),
-    "convert_batch_norm_variables": ("batch_norm", "convert_batch_norm_variables"),
+    "convert_batch_norm_variables": ("batch_norm_convert", "convert_batch_norm_variables"),
     "sync_batch_norm": ("batch_norm", "sync_batch_norm"),
     "NNXAccumBatchNorm": ("nnx_batch_norm", "AccumBatchNorm"),
     "NNXTrainState": ("nnx_train_step", "NNXTrainState"),

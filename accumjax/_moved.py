@@ -37,6 +37,7 @@ MOVED: dict[str, dict[str, str]] = {
         **dict.fromkeys(["CONFIG_ATTR", "config_of"], "_state"),
         "unwrap": "_state.accumulation_state_in",
     },
+    "accumjax.batch_norm": {"convert_batch_norm_variables": "batch_norm_convert"},
     "accumjax.distributed": {"count_collectives": "collectives"},
     "accumjax.scaling": dict.fromkeys(
         ["concrete_value", "microbatch_weight", "validate_scaling"], "_scaling"

@@ -41,17 +41,20 @@ from accumjax._batch_norm_windows import (
     warn_if_open,
     warn_plain_batch_norm,
 )
+from accumjax._moved import forward_moved
 from accumjax._state import accumulation_state_in, closed_its_window
 from accumjax._variables import is_variable, unwrap_variables
-from accumjax.batch_norm_convert import convert_batch_norm_variables
 
 __all__ = [
     "ACCUMULATOR_NAMES",
     "AccumBatchNorm",
     "close_batch_norm_windows",
-    "convert_batch_norm_variables",
     "sync_batch_norm",
 ]
+
+# `convert_batch_norm_variables` is exported by `accumjax.batch_norm_convert`: resolved here with a
+# DeprecationWarning until 0.6.
+__getattr__ = forward_moved(__name__)
 
 _Tree = TypeVar("_Tree")
 

@@ -4,7 +4,7 @@
 layers, the ``momentum`` scalar) that :class:`accumjax.batch_norm.AccumBatchNorm` keeps in
 ``batch_stats`` next to ``mean`` and ``var``, and renames Flax's automatic layer names
 ``BatchNorm_<i>`` to ``AccumBatchNorm_<i>``; the other functions here are its helpers. It is
-re-exported by :mod:`accumjax.batch_norm` and :mod:`accumjax`.
+also exported as ``accumjax.convert_batch_norm_variables``.
 """
 
 import re

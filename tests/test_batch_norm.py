@@ -26,8 +26,8 @@ from accumjax.batch_norm import (
     ACCUMULATOR_NAMES,
     AccumBatchNorm,
     close_batch_norm_windows,
-    convert_batch_norm_variables,
 )
+from accumjax.batch_norm_convert import convert_batch_norm_variables
 from accumjax.collectives import count_collectives
 
 MOMENTUM = 0.9

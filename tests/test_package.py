@@ -318,6 +318,7 @@ def test_a_renamed_0_4_name_resolves_to_its_new_name_with_a_deprecation_warning(
     [
         ("accumulation", "AccumulationState", "accumulation_state", True),
         ("distributed", "count_collectives", "collectives", False),
+        ("batch_norm", "convert_batch_norm_variables", "batch_norm_convert", True),
     ],
 )
 def test_a_name_another_public_module_exports_warns_naming_where_to_import_it_from(
@@ -336,18 +337,13 @@ def test_a_name_another_public_module_exports_warns_naming_where_to_import_it_fr
     assert (name in importlib.import_module("accumjax").__all__) == top_level
 
 
-#: A public name two public modules export, each the same object: `batch_norm` re-exports
-#: the converter (docs/design.md).
-REEXPORTED = {"convert_batch_norm_variables"}
-
-
 def test_no_public_module_re_exports_another_public_modules_name():
     owners: dict[int, set[str]] = {}
     for path in PACKAGE:
         if path.stem.startswith("_"):
             continue
         module = importlib.import_module(f"accumjax.{path.stem}")
-        for name in set(module.__all__) - REEXPORTED:
+        for name in module.__all__:
             owners.setdefault(id(getattr(module, name)), set()).add(f"{path.stem}.{name}")
     assert [sorted(o) for o in owners.values() if len(o) > 1] == []
 
