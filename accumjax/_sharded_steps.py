@@ -1,4 +1,4 @@
-"""The train step on a mesh under ``jit`` (internal): one gradient reduction per window.
+"""The train step on a mesh under ``jit`` (internal): a ``shard_map`` over the data axis.
 
 Each device adds the gradient of its rows to a sum of its own, in a ``shard_map`` manual over
 the data axis only (`data_shard_map`; other mesh axes stay automatic). Scan mode

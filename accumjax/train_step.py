@@ -11,12 +11,12 @@ optimizer is ``accumjax.accumulate(inner, K, ...)``, in one of two modes:
   (rows ``i, i+K, ...``, so each keeps the batch's sharding), accumulates them in a
   loop and applies at most one update.
 
-Both modes run the same window (`accumjax.window`) with the policies of the optimizer
-(scaling, non-finite handling, per-microbatch clipping, ``skip_fn``), so K and every
-policy are stated once, in ``accumulate``. Model state (BatchNorm statistics and any
-other mutable collection) follows the window's decisions. Both support bfloat16/float16
-mixed precision and data parallelism over ``pmap`` or a ``shard_map`` mesh with one
-gradient all-reduce per window.
+Both modes run the window of ``accumulate`` with its policies (scaling, non-finite handling,
+per-microbatch clipping, ``skip_fn``), so K and every policy are stated once, in
+``accumulate``. Model state (BatchNorm statistics and any other mutable collection) follows
+the window's decisions. Both support bfloat16/float16 mixed precision and data parallelism
+over ``pmap`` or a mesh, with each gradient reduced where the layout plan says (once a window,
+or every microbatch for FSDP's reduce-scatter and a policy that reads the whole gradient).
 """
 
 from __future__ import annotations
