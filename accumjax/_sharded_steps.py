@@ -243,7 +243,7 @@ def _window_on_device(
     aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
     every_k = window_every_k(ctx, ctx.every_k)
 
-    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Outcome]:
         # What the pass produced and the devices sum: its loss parts, aux means and losses.
         parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
         scalars = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
@@ -263,10 +263,12 @@ def _window_on_device(
         else:
             loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-        return closed._replace(extras=None), model_state, [loss, *summed.aux]
+        ended = Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=summed.aux)
+        return closed._replace(extras=None), ended
 
-    closed, model_state, extras = decide_window(ctx, first, run, close)
-    return closed._replace(accepted=None), model_state, extras[0], (aux_rows, extras[1:])
+    closed, ended = decide_window(ctx, first, run, close)
+    model_state = ended.carry.model_state
+    return closed._replace(accepted=None), model_state, ended.loss, (aux_rows, ended.aux)
 
 
 def _sum_layout(
