@@ -193,18 +193,24 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         local_state = state.replace(opt_state=None)
         closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
         row_spec = PartitionSpec(*([None] * _aux_row_axis(setup)), layout.axis)
-        closed, model_state, loss, aux = data_shard_map(
+        ended_specs = Outcome(
+            carry=LoopCarry(model_state=REPLICATED_SPEC),
+            loss=REPLICATED_SPEC,
+            aux=(row_spec, REPLICATED_SPEC),  # `split_aux`'s rows and means
+        )
+        closed, ended = data_shard_map(
             partial(_window_on_device, ctx, layout, aux_tree),
             layout,
             in_specs=(step_specs(layout, local_state, REPLICATED_SPEC),),
-            out_specs=(closed_specs, REPLICATED_SPEC, REPLICATED_SPEC, (row_spec, REPLICATED_SPEC)),
+            out_specs=(closed_specs, ended_specs),
         )((local_state, batch, rng, ctx.n_real))
-        aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
+        aux = None if not aux_tree else join_aux(ended.aux, aux_tree, layout.shards)
         if layout.zero:
             _, acc = optimizer_side(layout, state.params, acc)
             ctx = ctx._replace(split_params=split_params(layout))
+        model_state = ended.carry.model_state
         new, metrics = scan_finish(
-            ctx, state, acc, closed, model_state=model_state, loss=loss, aux=aux
+            ctx, state, acc, closed, model_state=model_state, loss=ended.loss, aux=aux
         )
         if layout.zero:
             new = parameter_side(layout, new, ctx.accumulating)
@@ -215,12 +221,14 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 
 def _window_on_device(
     ctx: Context, layout: mesh_lib.MeshLayout, aux_tree: list[Any], inputs: tuple[Any, ...]
-) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
+) -> tuple[window_lib.Closed, Outcome]:
     """One device's part of a window, from its ``(state, batch, rng, n_real)`` (`step_specs`):
     its rows' gradients summed as they come (decided at the window's end, with the
     reduction) or decided by all devices together microbatch by microbatch (a policy that
     reads the gradient), then the window's one reduction (which also carries the loss and
-    the aux means)."""
+    the aux means). Returns what the window's close returns (`accumjax._scan.Close`): the
+    closed window and, by name, an `accumjax._loop.Outcome` of its closed model state, loss
+    metric and aux, `split_aux`'s ``(rows, means)``."""
     state, batch, rng, n_real = inputs
     zero = jnp.zeros((), jnp.float32)
     config = ctx.config
@@ -267,8 +275,7 @@ def _window_on_device(
         return closed._replace(extras=None), ended
 
     closed, ended = decide_window(ctx, first, run, close)
-    model_state = ended.carry.model_state
-    return closed._replace(accepted=None), model_state, ended.loss, (aux_rows, ended.aux)
+    return closed._replace(accepted=None), ended._replace(aux=(aux_rows, ended.aux))
 
 
 def _sum_layout(
