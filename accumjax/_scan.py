@@ -106,7 +106,9 @@ def window_loop(ctx: Context, params: Any, start: LoopCarry, batch: Any) -> Run:
     """
     take = _microbatches(ctx, params, batch)
 
-    def one(carry: LoopCarry, i: jax.Array, gate: Any, reading: jax.Array) -> tuple[LoopCarry, Any]:
+    def one(
+        carry: LoopCarry, i: jax.Array, gate: Any, reading: jax.Array
+    ) -> tuple[LoopCarry, Outcome]:
         p, mb = take(i)
         if ctx.sum_can_decide:
             outcome = sum_decided(ctx, carry, p, mb, i, gate, reading)
@@ -194,22 +196,22 @@ def _loop_over(
     return jax.lax.fori_loop(first, ctx.n_real, step, (init, stacked))
 
 
-def _marks(
-    ctx: Context, outcome: Outcome
-) -> tuple[Any, MicrobatchDecision | None, jax.Array | None]:
-    """What a microbatch leaves in the loop's stacked outputs: its aux, and its decision and
-    loss parts (as `accumjax._loop.run_microbatch` adds them) when it was added as it came."""
+def _marks(ctx: Context, outcome: Outcome) -> Outcome:
+    """What a microbatch leaves in the loop's stacked outputs, an `accumjax._loop.Outcome`
+    with an empty carry: its aux, and its decision and loss parts (as
+    `accumjax._loop.run_microbatch` adds them) when it was added as it came."""
+    empty = LoopCarry(model_state=None)
     v = outcome.decision
     if v is None:
-        return outcome.aux, None, None
+        return Outcome(carry=empty, loss=None, aux=outcome.aux)
     loss = jnp.asarray(outcome.loss, jnp.float32)
-    return outcome.aux, v, jnp.stack(loss_parts(ctx, v.weight, loss))
+    losses = jnp.stack(loss_parts(ctx, v.weight, loss))
+    return Outcome(carry=empty, loss=None, aux=outcome.aux, decision=v, losses=losses)
 
 
-def _pass(carry: LoopCarry, marks: tuple[Any, Any, Any]) -> Outcome:
+def _pass(carry: LoopCarry, marks: Outcome) -> Outcome:
     """A pass's `accumjax._loop.Outcome`: its carry and its microbatches' stacked `_marks`."""
-    aux, decision, losses = marks
-    return Outcome(carry=carry, loss=None, aux=aux, decision=decision, losses=losses)
+    return marks._replace(carry=carry)
 
 
 def _microbatch_loop(
