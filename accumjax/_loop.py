@@ -233,14 +233,15 @@ class LoopCarry(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What microbatches produced: one microbatch (`run_microbatch`), or a window's run once over
-    its microbatches (scan mode's pass, `accumjax._scan.window_loop`).
+    """What microbatches produced: one microbatch (`run_microbatch`), a window's run once over
+    its microbatches (scan mode's pass, `accumjax._scan.window_loop`), or what a scan window's
+    close ended with (`accumjax._scan.Close`: its closed model state, loss metric, aux means).
 
     Attributes:
-      carry: the loop carry after them.
+      carry: the loop carry after them (a close: only its ``model_state``).
       loss: one microbatch's loss, or the loss metric; None for a pass.
-      aux: the aux (a pass: per microbatch, stacked; rows in order with ``aux_rows``), or
-        None.
+      aux: the aux (a pass: per microbatch, stacked; rows in order with ``aux_rows``; a close:
+        the aux means reduced with the window, or None), or None.
       added: one microbatch: whether it was added to the window.
       decision: added as it came (`Context.adds_before_deciding`): this device's
         `accumjax._decision.MicrobatchDecision` about it (a pass: about each microbatch,

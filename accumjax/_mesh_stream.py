@@ -139,18 +139,18 @@ def _mesh_call(
         window_specs = field_specs(window_lib.Window, layout.accumulator_specs())
     local_state = state.replace(opt_state=None)
     aux_specs = (PartitionSpec(layout.axis), REPLICATED_SPEC)  # `split_aux`'s rows and means
-    window, model_state, loss, aux, added, nonfinite = data_shard_map(
+    outcome_specs = Outcome(
+        carry=LoopCarry(model_state=REPLICATED_SPEC),
+        loss=REPLICATED_SPEC,
+        aux=aux_specs,
+        added=REPLICATED_SPEC,
+        nonfinite=REPLICATED_SPEC,
+    )
+    window, outcome = data_shard_map(
         partial(_local_call, ctx, layout, aux_tree, per_shard),
         layout,
         in_specs=(step_specs(layout, local_state, window_specs),),
-        out_specs=(
-            window_specs,
-            REPLICATED_SPEC,
-            REPLICATED_SPEC,
-            aux_specs,
-            REPLICATED_SPEC,
-            REPLICATED_SPEC,
-        ),
+        out_specs=(window_specs, outcome_specs),
     )((local_state, batch, rng, acc.window))
     if per_shard:
         close = partial(_close_device_window, ctx, layout)
@@ -161,9 +161,9 @@ def _mesh_call(
         close = partial(zero_close, layout, ctx.accumulating, close)
         acc = optimizer_side(layout, state.params, acc)[1]
         laid_out = partial(restore_layout, layout)
-    aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
-    carry = LoopCarry(model_state=model_state, window=window)
-    outcome = Outcome(carry=carry, loss=loss, aux=aux, added=added, nonfinite=nonfinite)
+    aux = None if not aux_tree else join_aux(outcome.aux, aux_tree, layout.shards)
+    carry = outcome.carry._replace(window=window)
+    outcome = outcome._replace(carry=carry, aux=aux)
     # The window came through `add_microbatch`: even a plain optimizer's closes when full.
     return stream_close(ctx, state, acc, outcome, close=close, laid_out=laid_out, at_once=False)
 
@@ -174,14 +174,15 @@ def _local_call(
     aux_tree: list[Any],
     per_shard: bool,
     inputs: tuple[Any, ...],
-) -> tuple[Any, Any, jax.Array, tuple[Any, Any], jax.Array, jax.Array]:
+) -> tuple[Any, Outcome]:
     """One device's part of a stream call, from its ``(state, batch, rng, window)``
     (`accumjax._sharded_steps.step_specs`): the loop's microbatch, its gradient added to this
     device's partial sum (``per_shard``: a leading axis of one, which the gradient broadcasts
     to) or reduced and added to the window's one sum, the rest pooled (`_pool`). Returns the
     window (of the type it came in, its counters advanced by
-    `accumjax._window.add_microbatch`), and the global model state, loss, aux, whether the
-    microbatch was added and whether it was non-finite."""
+    `accumjax._window.add_microbatch`) and, by name, the microbatch's `accumjax._loop.Outcome`:
+    the global model state (its ``carry``'s only field), loss and aux (`split_aux`'s ``(rows,
+    means)``), whether it was ``added`` and whether it was ``nonfinite``."""
     state, batch, rng, open_window = inputs
     ctx = local_context(ctx, layout, state, rng)
     reduce = reduce_gradient(layout, replicated=not per_shard)
@@ -194,7 +195,11 @@ def _local_call(
     pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
     out = run_microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
     window = window_lib.retyped(out.carry.window, type(open_window))
-    return window, out.carry.model_state, out.loss, out.aux, out.added, out.nonfinite
+    carry = LoopCarry(model_state=out.carry.model_state)
+    outcome = Outcome(
+        carry=carry, loss=out.loss, aux=out.aux, added=out.added, nonfinite=out.nonfinite
+    )
+    return window, outcome
 
 
 def _pool(

@@ -106,7 +106,9 @@ def window_loop(ctx: Context, params: Any, start: LoopCarry, batch: Any) -> Run:
     """
     take = _microbatches(ctx, params, batch)
 
-    def one(carry: LoopCarry, i: jax.Array, gate: Any, reading: jax.Array) -> tuple[LoopCarry, Any]:
+    def one(
+        carry: LoopCarry, i: jax.Array, gate: Any, reading: jax.Array
+    ) -> tuple[LoopCarry, Outcome]:
         p, mb = take(i)
         if ctx.sum_can_decide:
             outcome = sum_decided(ctx, carry, p, mb, i, gate, reading)
@@ -194,22 +196,22 @@ def _loop_over(
     return jax.lax.fori_loop(first, ctx.n_real, step, (init, stacked))
 
 
-def _marks(
-    ctx: Context, outcome: Outcome
-) -> tuple[Any, MicrobatchDecision | None, jax.Array | None]:
-    """What a microbatch leaves in the loop's stacked outputs: its aux, and its decision and
-    loss parts (as `accumjax._loop.run_microbatch` adds them) when it was added as it came."""
+def _marks(ctx: Context, outcome: Outcome) -> Outcome:
+    """What a microbatch leaves in the loop's stacked outputs, an `accumjax._loop.Outcome`
+    with an empty carry: its aux, and its decision and loss parts (as
+    `accumjax._loop.run_microbatch` adds them) when it was added as it came."""
+    empty = LoopCarry(model_state=None)
     v = outcome.decision
     if v is None:
-        return outcome.aux, None, None
+        return Outcome(carry=empty, loss=None, aux=outcome.aux)
     loss = jnp.asarray(outcome.loss, jnp.float32)
-    return outcome.aux, v, jnp.stack(loss_parts(ctx, v.weight, loss))
+    losses = jnp.stack(loss_parts(ctx, v.weight, loss))
+    return Outcome(carry=empty, loss=None, aux=outcome.aux, decision=v, losses=losses)
 
 
-def _pass(carry: LoopCarry, marks: tuple[Any, Any, Any]) -> Outcome:
+def _pass(carry: LoopCarry, marks: Outcome) -> Outcome:
     """A pass's `accumjax._loop.Outcome`: its carry and its microbatches' stacked `_marks`."""
-    aux, decision, losses = marks
-    return Outcome(carry=carry, loss=None, aux=aux, decision=decision, losses=losses)
+    return marks._replace(carry=carry)
 
 
 def _microbatch_loop(
@@ -251,20 +253,22 @@ def window_every_k(ctx: Context, every_k: Any) -> Any:
     return every_k if ctx.n_real is None else ctx.n_real
 
 
-#: ``close(carry, decisions, losses) -> (closed, model state, extras)``: a pass's window reduced
-#: and decided, its model state closed with the decision (BatchNorm windows pooled in the same
-#: reduction), and the values the caller reduces with it (the loss metric first).
+#: ``close(carry, decisions, losses) -> (closed, ended)``: a pass's window reduced and decided,
+#: and what it ended with, an `accumjax._loop.Outcome` by name: its ``carry.model_state`` the
+#: model state closed with the decision (on a mapped axis, BatchNorm windows pooled by
+#: `accumjax._batch_norm_windows.close_model_state` after the window's reduction), its ``loss``
+#: the window's loss metric and its ``aux`` the aux means reduced with it (or None).
 Close = Callable[
     [LoopCarry, MicrobatchDecision | None, jax.Array | None],
-    tuple[window_lib.Closed, Any, list[Any]],
+    tuple[window_lib.Closed, Outcome],
 ]
 
 
 def decide_window(
     ctx: Context, first: Outcome, run: Run, close: Close
-) -> tuple[window_lib.Closed, Any, list[Any]]:
-    """A window's decision after its ``first`` pass: ``(closed, closed model state,
-    extras)``.
+) -> tuple[window_lib.Closed, Outcome]:
+    """A window's decision after its ``first`` pass: ``(closed, ended)``, as ``close`` returns
+    them (`Close`).
 
     With `accumjax._loop.Context.sum_can_decide` the first pass read no gradient: a window
     whose running sum stayed small (`sum_decided`) is decided by it (every microbatch's
@@ -275,19 +279,20 @@ def decide_window(
     """
     if not ctx.sum_can_decide:
         return decide_added(ctx, first, run, close)
-    clean = close(first.carry, first.decision, first.losses)
+    closed, ended = close(first.carry, first.decision, first.losses)
 
-    def reread(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
-        return decide_added(ctx, run(None, over=operand[0].grad_sum), run, close, read=True)
+    def reread(operand: tuple[window_lib.Closed, Outcome]) -> Any:
+        before, _ = operand
+        return decide_added(ctx, run(None, over=before.grad_sum), run, close, read=True)
 
-    return run_once(clean[0].nonfinite_count > 0, reread, clean)
+    return run_once(closed.nonfinite_count > 0, reread, (closed, ended))
 
 
 def decide_added(
     ctx: Context, first: Outcome, run: Run, close: Close, read: bool = False
-) -> tuple[window_lib.Closed, Any, list[Any]]:
-    """A window's decision after its ``first`` pass (``run(None)``): ``(closed, closed model
-    state, extras)``.
+) -> tuple[window_lib.Closed, Outcome]:
+    """A window's decision after its ``first`` pass (``run(None)``): ``(closed, ended)``, as
+    ``close`` returns them (`Close`).
 
     A policy that skips a non-finite microbatch adds every microbatch as it comes; when the
     devices refused one (and accepted another), the window runs again, adding only the
@@ -296,27 +301,28 @@ def decide_added(
     pass that ``read`` the gradients and added none, a window none of whose microbatches
     was refused runs again too (every policy), adding them all, its loss metric as read.
     """
-    closed, model_state, extras = close(first.carry, first.decision, first.losses)
+    closed, ended = close(first.carry, first.decision, first.losses)
     skips = ctx.config.on_nonfinite == "skip_microbatch"
     if first.decision is None or not (skips or read) or ctx.every_k == 1:
-        return closed, model_state, extras
+        return closed, ended
     all_finite = closed.nonfinite_count == 0
 
-    def again(operand: tuple[window_lib.Closed, Any, list[Any]]) -> Any:
-        before = operand[0]
+    def again(operand: tuple[window_lib.Closed, Outcome]) -> Any:
+        before, read_end = operand
         second = run(before.accepted)
-        after, model_state, extras = close(second.carry, None, None)
+        after, end = close(second.carry, None, None)
         counts = ("nonfinite_count", "skipped_count", "accepted")
         after = after._replace(**{name: getattr(before, name) for name in counts})
-        if read:  # the loss metric as the first pass that read them has it
+        if read:  # the loss metric (and aux means) as the first pass that read them has it
             pick = lambda a, b: jnp.where(all_finite, a, b)
-            extras = jax.tree.map(pick, operand[2], extras)
-        return after, model_state, extras
+            loss = pick(read_end.loss, end.loss)
+            end = end._replace(loss=loss, aux=jax.tree.map(pick, read_end.aux, end.aux))
+        return after, end
 
     redo = ~all_finite if skips else jnp.zeros((), bool)
     redo = (redo | all_finite) if read else redo
     redo = redo & jnp.any(cast(jax.Array, closed.accepted))
-    return run_once(redo, again, (closed, model_state, extras))
+    return run_once(redo, again, (closed, ended))
 
 
 def scan_finish(
@@ -385,18 +391,20 @@ def scan_step(setup: loop_lib.Setup) -> Step:
 
         def close(
             carry: LoopCarry, decisions: Any, losses: Any
-        ) -> tuple[window_lib.Closed, Any, list]:
+        ) -> tuple[window_lib.Closed, Outcome]:
             closed = window_lib.close_window(
                 config, carry.window, every_k, axis, decisions=decisions
             )
             loss = loss_mean(carry.loss_sum, carry.loss_weight)
             if losses is not None:
                 loss = accepted_loss(losses, cast(jax.Array, closed.accepted))
-            return closed, close_model_state(carry.model_state, closed.apply, axis), [loss]
+            model_state = close_model_state(carry.model_state, closed.apply, axis)
+            return closed, Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=None)
 
-        closed, model_state, (loss,) = decide_window(ctx, first, run, close)
+        closed, ended = decide_window(ctx, first, run, close)
+        model_state = ended.carry.model_state
         return scan_finish(
-            ctx, state, acc, closed, model_state=model_state, loss=loss, aux=first.aux
+            ctx, state, acc, closed, model_state=model_state, loss=ended.loss, aux=first.aux
         )
 
     return step

@@ -192,18 +192,24 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
         local_state = state.replace(opt_state=None)
         closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
         row_spec = PartitionSpec(*([None] * _aux_row_axis(setup)), layout.axis)
-        closed, model_state, loss, aux = data_shard_map(
+        ended_specs = Outcome(
+            carry=LoopCarry(model_state=REPLICATED_SPEC),
+            loss=REPLICATED_SPEC,
+            aux=(row_spec, REPLICATED_SPEC),  # `split_aux`'s rows and means
+        )
+        closed, ended = data_shard_map(
             partial(_window_on_device, ctx, layout, aux_tree),
             layout,
             in_specs=(step_specs(layout, local_state, REPLICATED_SPEC),),
-            out_specs=(closed_specs, REPLICATED_SPEC, REPLICATED_SPEC, (row_spec, REPLICATED_SPEC)),
+            out_specs=(closed_specs, ended_specs),
         )((local_state, batch, rng, ctx.n_real))
-        aux = None if not aux_tree else join_aux(aux, aux_tree, layout.shards)
+        aux = None if not aux_tree else join_aux(ended.aux, aux_tree, layout.shards)
         if layout.zero:
             _, acc = optimizer_side(layout, state.params, acc)
             ctx = ctx._replace(split_params=split_params(layout))
+        model_state = ended.carry.model_state
         new, metrics = scan_finish(
-            ctx, state, acc, closed, model_state=model_state, loss=loss, aux=aux
+            ctx, state, acc, closed, model_state=model_state, loss=ended.loss, aux=aux
         )
         if layout.zero:
             new = parameter_side(layout, new, ctx.accumulating)
@@ -214,12 +220,14 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 
 def _window_on_device(
     ctx: Context, layout: mesh_lib.MeshLayout, aux_tree: list[Any], inputs: tuple[Any, ...]
-) -> tuple[window_lib.Closed, Any, jax.Array, tuple[Any, Any]]:
+) -> tuple[window_lib.Closed, Outcome]:
     """One device's part of a window, from its ``(state, batch, rng, n_real)`` (`step_specs`):
     its rows' gradients summed as they come (decided at the window's end, with the
     reduction) or decided by all devices together microbatch by microbatch (a policy that
     reads the gradient), then the window's one reduction (which also carries the loss and
-    the aux means)."""
+    the aux means). Returns what the window's close returns (`accumjax._scan.Close`): the
+    closed window and, by name, an `accumjax._loop.Outcome` of its closed model state, loss
+    metric and aux, `split_aux`'s ``(rows, means)``."""
     state, batch, rng, n_real = inputs
     zero = jnp.zeros((), jnp.float32)
     config = ctx.config
@@ -242,7 +250,7 @@ def _window_on_device(
     aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
     every_k = window_every_k(ctx, ctx.every_k)
 
-    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Any, list]:
+    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Outcome]:
         # What the pass produced and the devices sum: its loss parts, aux means and losses.
         parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
         scalars = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
@@ -262,10 +270,11 @@ def _window_on_device(
         else:
             loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
         model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-        return closed._replace(extras=None), model_state, [loss, *summed.aux]
+        ended = Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=summed.aux)
+        return closed._replace(extras=None), ended
 
-    closed, model_state, extras = decide_window(ctx, first, run, close)
-    return closed._replace(accepted=None), model_state, extras[0], (aux_rows, extras[1:])
+    closed, ended = decide_window(ctx, first, run, close)
+    return closed._replace(accepted=None), ended._replace(aux=(aux_rows, ended.aux))
 
 
 def _sum_layout(
