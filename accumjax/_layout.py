@@ -41,6 +41,7 @@ __all__ = [
     "partial_sums_layout",
     "leaf_layout",
     "partial_sum_count",
+    "reduced_into_one_sum",
     "reduced_per_microbatch",
     "zero_dim",
 ]
@@ -58,6 +59,18 @@ class Reduction(enum.Enum):
     REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
     ALL_REDUCE_MICROBATCH = "all-reduce per microbatch"
 
+    @property
+    def per_microbatch(self) -> bool:
+        """Whether it runs on every microbatch's gradient before it is added (else on the
+        window's sum when it closes)."""
+        return self in (Reduction.REDUCE_SCATTER_MICROBATCH, Reduction.ALL_REDUCE_MICROBATCH)
+
+    @property
+    def scatters(self) -> bool:
+        """Whether it reduce-scatters the gradient into shards along the leaf's ``optimizer``
+        dimension (else all-reduces it)."""
+        return self in (Reduction.REDUCE_SCATTER_WINDOW, Reduction.REDUCE_SCATTER_MICROBATCH)
+
 
 class LeafLayout(NamedTuple):
     """Where one parameter leaf's arrays lie along the data axis (static, hashable).
@@ -65,7 +78,8 @@ class LeafLayout(NamedTuple):
     Attributes:
       param: the parameter's dimension split over the data axis (None: replicated).
       accumulator: the window accumulator's (None: a full-size sum on every device).
-      optimizer: the reduced gradient's and the optimizer state's (None: replicated).
+      optimizer: the reduced gradient's and the optimizer state's (None: replicated): a
+        reduce-scatter's dimension.
       reduction: how the gradient is reduced across the devices.
     """
 
@@ -94,6 +108,22 @@ def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
     if dim is None:
         return leaf._replace(accumulator=None, reduction=Reduction.ALL_REDUCE_MICROBATCH)
     return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
+
+
+def reduced_into_one_sum(leaf: LeafLayout) -> LeafLayout:
+    """``leaf`` as a window kept as one reduced sum (a stream call's `accumjax.window.Window`
+    on a mesh) lays it out: every microbatch reduced before it is added, all-reduced into a
+    full-size accumulator, reduce-scattered into a split one.
+
+    Example:
+      >>> from accumjax._layout import LeafLayout, Reduction, reduced_into_one_sum
+      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
+      >>> reduced_into_one_sum(zero1).reduction.value
+      'all-reduce per microbatch'
+    """
+    if leaf.accumulator is None:
+        return leaf._replace(reduction=Reduction.ALL_REDUCE_MICROBATCH)
+    return leaf._replace(reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
 
 
 def check_optimizer_sharding(value: Any) -> str:

@@ -455,7 +455,6 @@ def close_window(
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
     dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
-    dims = None if dims is None else jax.tree.unflatten(jax.tree.structure(grad_sum), dims)
     norm = sharded_norm(grad_sum, axis_name, dims) / safe
     apply = weight_sum > 0
     if config.detects:
