@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from accumjax._checks import check_choice
@@ -43,6 +44,7 @@ __all__ = [
     "partial_sum_count",
     "reduced_into_one_sum",
     "reduced_per_microbatch",
+    "window_layouts",
     "zero_dim",
 ]
 
@@ -108,6 +110,25 @@ def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
     if dim is None:
         return leaf._replace(accumulator=None, reduction=Reduction.ALL_REDUCE_MICROBATCH)
     return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
+
+
+def window_layouts(
+    leaves: Sequence[LeafLayout], reads: bool
+) -> tuple[tuple[LeafLayout, ...], bool]:
+    """How a window on a mesh reduces the plan's ``leaves``: ``(layouts, global_counts)``.
+    A policy that reads the gradient (``reads``) reduces each microbatch's whole gradient, its
+    decision and counts agreed on by the devices: each leaf `reduced_per_microbatch`, and the
+    window's counts are whole-batch values already (``global_counts``). Otherwise the plan's
+    leaves as they are, each device counting its own.
+
+    Example:
+      >>> layouts, global_counts = window_layouts([REPLICATED], reads=True)
+      >>> layouts[0].reduction.value, global_counts
+      ('all-reduce per microbatch', True)
+    """
+    if reads:
+        return tuple(reduced_per_microbatch(leaf) for leaf in leaves), True
+    return tuple(leaves), False
 
 
 def reduced_into_one_sum(leaf: LeafLayout) -> LeafLayout:

@@ -22,7 +22,7 @@ import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
-from accumjax._layout import LeafLayout, reduced_into_one_sum, reduced_per_microbatch
+from accumjax._layout import LeafLayout, reduced_into_one_sum, window_layouts
 from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin, loss_mean
 from accumjax._reduction import reduce_leaves
 from accumjax._scan import (
@@ -277,19 +277,19 @@ def _sum_layout(
     each sum's dimension split over the data axis.
 
     A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
-    whose optimizer state is split over the data axis reduce-scattered into shards): nothing
-    is left to reduce at the window's end. Otherwise a leaf reduced per microbatch is
-    reduce-scattered into its sharded accumulator as it comes, a leaf reduced per window is
-    a full-size sum reduce-scattered once at the end, and the others are all-reduced once.
+    whose optimizer state is split over the data axis reduce-scattered into shards;
+    `accumjax._layout.window_layouts`): nothing is left to reduce at the window's end.
+    Otherwise a leaf reduced per microbatch is reduce-scattered into its sharded accumulator
+    as it comes, a leaf reduced per window is a full-size sum reduce-scattered once at the
+    end, and the others are all-reduced once.
     """
-    opt_dims = layout.optimizer_dims
+    layouts, global_counts = window_layouts(layout.leaves, config.reads)
+    sum_dims = tuple(leaf.accumulator for leaf in layouts)
     if config.reads:
-        layouts = tuple(reduced_per_microbatch(leaf) for leaf in layout.leaves)
-        return ctx._replace(layouts=layouts), layouts, True, opt_dims
-    acc_dims = layout.accumulator_dims
-    if any(d is not None for d in acc_dims):
+        ctx = ctx._replace(layouts=layouts)
+    elif any(d is not None for d in sum_dims):
         ctx = ctx._replace(reduce=reduce_gradient(layout, replicated=False))
-    return ctx, layout.leaves, False, acc_dims
+    return ctx, layouts, global_counts, sum_dims
 
 
 def reduce_gradient(layout: mesh_lib.MeshLayout, replicated: bool) -> Callable[[Any], Any] | None:
