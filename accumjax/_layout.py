@@ -3,8 +3,9 @@ window accumulator and its optimizer state lie along the data axis, and how its 
 reduced across the devices.
 
 Each leaf is a `LeafLayout` (dimensions split over the data axis, None for replicated over
-it) and a `Reduction`; the window's reduction (`accumjax._reduction`) reads them. The layouts
-a user chooses are rows of one table (`leaf_layout`):
+it) and a `Reduction`; the window's reduction (`accumjax._reduction`) reads them. Every
+`LeafLayout` is built here. The layouts a user chooses are rows of one table (`leaf_layout`;
+a replicated parameter's ZeRO rows: `zero_layout`):
 
 ================  =========  ===========  =========  ==============================
 layout            parameter  accumulator  optimizer  reduction
@@ -45,6 +46,7 @@ __all__ = [
     "reduced_into_one_sum",
     "reduced_per_microbatch",
     "window_layouts",
+    "zero_layout",
     "zero_dim",
 ]
 
@@ -210,14 +212,35 @@ def leaf_layout(
             reduction=Reduction.REDUCE_SCATTER_WINDOW,
         )
     dim = None if optimizer_sharding == "replicated" else zero_dim(shape, spec, shards)
-    if dim is None:
+    return zero_layout(dim, optimizer_sharding)
+
+
+def zero_layout(optimizer_dim: int | None, optimizer_sharding: str = "zero1") -> LeafLayout:
+    """The row of a parameter replicated over the data axis whose optimizer state lies split on
+    ``optimizer_dim`` (None: replicated, `REPLICATED`): ZeRO-1 (``"zero1"``: a full-size
+    accumulator, reduce-scattered once a window) or ZeRO-2 (``"zero2"``: an accumulator split
+    like the state, reduce-scattered every microbatch). `leaf_layout` gives it the dimension
+    `zero_dim` finds; an optimizer state the user split himself gives the dimension he placed it
+    on (`accumjax._zero.as_placed`: ZeRO-1).
+
+    Example:
+      >>> zero_layout(1).reduction.value, zero_layout(None) == REPLICATED
+      ('reduce-scatter per window', True)
+    """
+    if optimizer_dim is None or optimizer_sharding == "replicated":
         return REPLICATED
     if optimizer_sharding == "zero1":
         return LeafLayout(
-            param=None, accumulator=None, optimizer=dim, reduction=Reduction.REDUCE_SCATTER_WINDOW
+            param=None,
+            accumulator=None,
+            optimizer=optimizer_dim,
+            reduction=Reduction.REDUCE_SCATTER_WINDOW,
         )
     return LeafLayout(
-        param=None, accumulator=dim, optimizer=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH
+        param=None,
+        accumulator=optimizer_dim,
+        optimizer=optimizer_dim,
+        reduction=Reduction.REDUCE_SCATTER_MICROBATCH,
     )
 
 

@@ -127,8 +127,8 @@ def reduce_leaves(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from accumjax._layout import REPLICATED, LeafLayout, Reduction
-      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
+      >>> from accumjax._layout import REPLICATED, zero_layout
+      >>> zero1 = zero_layout(0)  # reduce-scattered on dimension 0 once a window
       >>> def on_device(x):
       ...     (total, shard), count = reduce_leaves([x, x], "i", [REPLICATED, zero1], jnp.ones(()))
       ...     return total, shard, count
