@@ -11,6 +11,7 @@ reads the gradient's values reads the `whole_gradient`. Each caller's reading of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -18,14 +19,9 @@ import jax.numpy as jnp
 
 import accumjax._scaling as scaling_lib
 from accumjax._config import Config, transformed_gradient
+from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
 from accumjax._norms import global_norm
-from accumjax._reduction import (
-    gathered,
-    own_shard,
-    reduce_leaves,
-    sharded_norm,
-    split_reduction,
-)
+from accumjax._reduction import gathered, own_shard, reduce_leaves, sharded_norm
 from accumjax._scaling import Scaling, device_losses_add
 
 __all__ = [
@@ -94,7 +90,7 @@ def inspect_microbatch(
     weight: Any = None,
     params: Any = None,
     axis_name: str | None = None,
-    dims: Any = None,
+    layouts: Sequence[LeafLayout] | None = None,
     keep_whole: bool = True,
 ) -> Microbatch:
     """The policy's decision about one microbatch gradient, without adding it.
@@ -109,9 +105,11 @@ def inspect_microbatch(
       weight: the microbatch weight (``scaling="weighted"`` only; on a mesh, this device's).
       params: the parameters, passed to ``config.skip_fn``.
       axis_name: the mapped axis the microbatch's rows are split over, or None (one device).
-      dims: with ``axis_name``, for a policy that reads the gradient: None, or a pytree like
-        ``grads`` holding the dimension each parameter is split on over the axis (FSDP):
-        those leaves of the whole gradient are reduce-scattered into this device's shard.
+      layouts: with ``axis_name``, for a policy that reads the gradient: None (every leaf of
+        the whole gradient all-reduced), or each leaf's `accumjax._layout.LeafLayout` as the
+        policy reduces it (`accumjax._layout.reduced_per_microbatch`), in the order of
+        ``jax.tree.leaves(grads)``: a leaf it reduce-scatters comes back as this device's
+        shard along its ``optimizer`` dimension.
       keep_whole: with ``axis_name``, a policy that reads the gradient hands the whole
         gradient it reduced to the window (`Microbatch.whole`); False keeps this device's
         own gradient and weight (a window whose partial sums are reduced at its end).
@@ -137,7 +135,7 @@ def inspect_microbatch(
             norm = global_norm(grads)
             finite = _finite_norm(config, finite, norm)
     else:
-        seen, norm, finite, total, whole = agreed(config, grads, w, w_ok, axis_name, dims)
+        seen, norm, finite, total, whole = agreed(config, grads, w, w_ok, axis_name, layouts)
         if keep_whole and whole is not None:
             w = total
         else:
@@ -149,7 +147,7 @@ def inspect_microbatch(
     if config.microbatch_transform is not None:
         transformed = transformed_gradient(config.microbatch_transform, seen, params)
         if whole is not None:  # in the whole gradient's layout: this device's shards
-            whole, transformed = own_shard(transformed, axis_name, dims), None
+            whole, transformed = own_shard(transformed, axis_name, _shard_dims(layouts)), None
     factor = w if config.scaling == "weighted" else None
     if config.max_norm is not None and norm is not None:
         tiny = jnp.finfo(jnp.float32).tiny
@@ -165,7 +163,7 @@ def decide_microbatch(
     weight: Any,
     params: Any,
     axis_name: str | None = None,
-    dims: Any = None,
+    layouts: Sequence[LeafLayout] | None = None,
     *,
     agree: Literal["now", "pool", "window_end"] = "now",
     gate: Any = None,
@@ -174,7 +172,7 @@ def decide_microbatch(
     agree about it (``agree``).
 
     Args:
-      config, grads, weight, params, axis_name, dims: as `inspect_microbatch` takes them.
+      config, grads, weight, params, axis_name, layouts: as `inspect_microbatch` takes them.
       agree: ``"now"``: every device decides about the whole microbatch at once
         (`inspect_microbatch` over ``axis_name``). ``"pool"``: a stream call's pool agrees
         afterwards (`pooled_decision`): this device decides about its rows, and a policy that
@@ -201,8 +199,9 @@ def decide_microbatch(
         return gated_decision(config, m, weight, jnp.asarray(gate))
     if agree == "pool":  # only a policy that reads the gradient reads the whole one now
         axis = axis_name if config.reads else None
-        return inspect_microbatch(config, grads, weight, params, axis, dims, keep_whole=False), None
-    return inspect_microbatch(config, grads, weight, params, axis_name, dims), None
+        m = inspect_microbatch(config, grads, weight, params, axis, layouts, keep_whole=False)
+        return m, None
+    return inspect_microbatch(config, grads, weight, params, axis_name, layouts), None
 
 
 def agreed(
@@ -211,7 +210,7 @@ def agreed(
     weight: jax.Array,
     valid: jax.Array,
     axis_name: str,
-    dims: Any = None,
+    layouts: Sequence[LeafLayout] | None = None,
 ) -> tuple[Any, jax.Array | None, jax.Array, jax.Array, Any]:
     """Inside a map over ``axis_name``: what one device holding all of a microbatch's rows
     would see, the same on every device: ``(gradient the policy reads, its norm, whether the
@@ -230,12 +229,18 @@ def agreed(
     mine = device_decision(config.scaling, ~own, weight)
     if not reads:
         return grads, None, accepted(config.scaling, jax.lax.psum(mine, axis_name)), weight, None
-    whole, summed = whole_gradient(config.scaling, grads, weight, axis_name, mine, dims)
+    whole, summed = whole_gradient(config.scaling, grads, weight, axis_name, mine, layouts)
+    dims = _shard_dims(layouts)
     norm = sharded_norm(whole, axis_name, dims)
     reader = config.skip_fn is not None or config.microbatch_transform is not None
     seen = gathered(whole, axis_name, dims) if reader else whole
     finite = _finite_norm(config, accepted(config.scaling, summed), norm)
     return seen, norm, finite, summed.weight if weighted else weight, whole
+
+
+def _shard_dims(layouts: Sequence[LeafLayout] | None) -> list[int | None] | None:
+    """Per leaf, the dimension its reduced gradient is split on (None: every leaf whole)."""
+    return None if layouts is None else [leaf.optimizer for leaf in layouts]
 
 
 def _finite_norm(config: Config, finite: jax.Array, norm: jax.Array) -> jax.Array:
@@ -296,7 +301,7 @@ def whole_gradient(
     weight: jax.Array,
     axis_name: str,
     own: MicrobatchDecision,
-    dims: Any = None,
+    layouts: Sequence[LeafLayout] | None = None,
 ) -> tuple[Any, MicrobatchDecision]:
     """Inside a map over ``axis_name``: the whole microbatch's gradient from each device's
     gradient of its rows, as one device would compute it: their mean (``"mean"``,
@@ -311,9 +316,10 @@ def whole_gradient(
       weight: this device's weight (float32).
       axis_name: the mapped axis.
       own: this device's `MicrobatchDecision`.
-      dims: None (every leaf all-reduced), or a pytree like ``grads`` holding for each leaf
-        the dimension its parameter is split on over ``axis_name``: that leaf is
-        reduce-scattered, and its whole gradient comes back as this device's shard.
+      layouts: each leaf's `accumjax._layout.LeafLayout`, in the order of
+        ``jax.tree.leaves(grads)``, its `accumjax._layout.Reduction` one that runs on every
+        microbatch (`accumjax._layout.reduced_per_microbatch`): a leaf reduce-scattered comes
+        back as this device's shard of its whole gradient. None: every leaf all-reduced.
 
     Returns:
       ``(whole, summed decision)``.
@@ -322,8 +328,9 @@ def whole_gradient(
     wide = lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
     part = jax.tree.map(lambda g: weigh(weight, wide(g)) if weighted else wide(g), grads)
     leaves, treedef = jax.tree.flatten(part)
-    split = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
-    leaves, summed_decision = reduce_leaves(leaves, axis_name, *split_reduction(split), own)
+    every_leaf = [reduced_per_microbatch(REPLICATED)] * len(leaves)
+    plan = every_leaf if layouts is None else layouts
+    leaves, summed_decision = reduce_leaves(leaves, axis_name, plan, own, per_microbatch=True)
     devices = jax.lax.axis_size(axis_name)
     by = (
         summed_decision.weight

@@ -3,8 +3,9 @@ window accumulator and its optimizer state lie along the data axis, and how its 
 reduced across the devices.
 
 Each leaf is a `LeafLayout` (dimensions split over the data axis, None for replicated over
-it) and a `Reduction`; the window's reduction (`accumjax._reduction`) reads them. The layouts
-a user chooses are rows of one table (`leaf_layout`):
+it) and a `Reduction`; the window's reduction (`accumjax._reduction`) reads them. Every
+`LeafLayout` is built here. The layouts a user chooses are rows of one table (`leaf_layout`;
+a replicated parameter's ZeRO rows: `zero_layout`):
 
 ================  =========  ===========  =========  ==============================
 layout            parameter  accumulator  optimizer  reduction
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from accumjax._checks import check_choice
@@ -41,7 +43,10 @@ __all__ = [
     "partial_sums_layout",
     "leaf_layout",
     "partial_sum_count",
+    "reduced_into_one_sum",
     "reduced_per_microbatch",
+    "window_layouts",
+    "zero_layout",
     "zero_dim",
 ]
 
@@ -58,6 +63,18 @@ class Reduction(enum.Enum):
     REDUCE_SCATTER_MICROBATCH = "reduce-scatter per microbatch"
     ALL_REDUCE_MICROBATCH = "all-reduce per microbatch"
 
+    @property
+    def per_microbatch(self) -> bool:
+        """Whether it runs on every microbatch's gradient before it is added (else on the
+        window's sum when it closes)."""
+        return self in (Reduction.REDUCE_SCATTER_MICROBATCH, Reduction.ALL_REDUCE_MICROBATCH)
+
+    @property
+    def scatters(self) -> bool:
+        """Whether it reduce-scatters the gradient into shards along the leaf's ``optimizer``
+        dimension (else all-reduces it)."""
+        return self in (Reduction.REDUCE_SCATTER_WINDOW, Reduction.REDUCE_SCATTER_MICROBATCH)
+
 
 class LeafLayout(NamedTuple):
     """Where one parameter leaf's arrays lie along the data axis (static, hashable).
@@ -65,7 +82,8 @@ class LeafLayout(NamedTuple):
     Attributes:
       param: the parameter's dimension split over the data axis (None: replicated).
       accumulator: the window accumulator's (None: a full-size sum on every device).
-      optimizer: the reduced gradient's and the optimizer state's (None: replicated).
+      optimizer: the reduced gradient's and the optimizer state's (None: replicated): a
+        reduce-scatter's dimension.
       reduction: how the gradient is reduced across the devices.
     """
 
@@ -94,6 +112,41 @@ def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
     if dim is None:
         return leaf._replace(accumulator=None, reduction=Reduction.ALL_REDUCE_MICROBATCH)
     return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
+
+
+def window_layouts(
+    leaves: Sequence[LeafLayout], reads: bool
+) -> tuple[tuple[LeafLayout, ...], bool]:
+    """How a window on a mesh reduces the plan's ``leaves``: ``(layouts, global_counts)``.
+    A policy that reads the gradient (``reads``) reduces each microbatch's whole gradient, its
+    decision and counts agreed on by the devices: each leaf `reduced_per_microbatch`, and the
+    window's counts are whole-batch values already (``global_counts``). Otherwise the plan's
+    leaves as they are, each device counting its own.
+
+    Example:
+      >>> layouts, global_counts = window_layouts([REPLICATED], reads=True)
+      >>> layouts[0].reduction.value, global_counts
+      ('all-reduce per microbatch', True)
+    """
+    if reads:
+        return tuple(reduced_per_microbatch(leaf) for leaf in leaves), True
+    return tuple(leaves), False
+
+
+def reduced_into_one_sum(leaf: LeafLayout) -> LeafLayout:
+    """``leaf`` as a window kept as one reduced sum (a stream call's `accumjax.window.Window`
+    on a mesh) lays it out: every microbatch reduced before it is added, all-reduced into a
+    full-size accumulator, reduce-scattered into a split one.
+
+    Example:
+      >>> from accumjax._layout import LeafLayout, Reduction, reduced_into_one_sum
+      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
+      >>> reduced_into_one_sum(zero1).reduction.value
+      'all-reduce per microbatch'
+    """
+    if leaf.accumulator is None:
+        return leaf._replace(reduction=Reduction.ALL_REDUCE_MICROBATCH)
+    return leaf._replace(reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
 
 
 def check_optimizer_sharding(value: Any) -> str:
@@ -159,14 +212,35 @@ def leaf_layout(
             reduction=Reduction.REDUCE_SCATTER_WINDOW,
         )
     dim = None if optimizer_sharding == "replicated" else zero_dim(shape, spec, shards)
-    if dim is None:
+    return zero_layout(dim, optimizer_sharding)
+
+
+def zero_layout(optimizer_dim: int | None, optimizer_sharding: str = "zero1") -> LeafLayout:
+    """The row of a parameter replicated over the data axis whose optimizer state lies split on
+    ``optimizer_dim`` (None: replicated, `REPLICATED`): ZeRO-1 (``"zero1"``: a full-size
+    accumulator, reduce-scattered once a window) or ZeRO-2 (``"zero2"``: an accumulator split
+    like the state, reduce-scattered every microbatch). `leaf_layout` gives it the dimension
+    `zero_dim` finds; an optimizer state the user split himself gives the dimension he placed it
+    on (`accumjax._zero.as_placed`: ZeRO-1).
+
+    Example:
+      >>> zero_layout(1).reduction.value, zero_layout(None) == REPLICATED
+      ('reduce-scatter per window', True)
+    """
+    if optimizer_dim is None or optimizer_sharding == "replicated":
         return REPLICATED
     if optimizer_sharding == "zero1":
         return LeafLayout(
-            param=None, accumulator=None, optimizer=dim, reduction=Reduction.REDUCE_SCATTER_WINDOW
+            param=None,
+            accumulator=None,
+            optimizer=optimizer_dim,
+            reduction=Reduction.REDUCE_SCATTER_WINDOW,
         )
     return LeafLayout(
-        param=None, accumulator=dim, optimizer=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH
+        param=None,
+        accumulator=optimizer_dim,
+        optimizer=optimizer_dim,
+        reduction=Reduction.REDUCE_SCATTER_MICROBATCH,
     )
 
 

@@ -20,6 +20,7 @@ from accumjax._batch_norm_windows import close_model_state, warn_plain_batch_nor
 from accumjax._config import Config
 from accumjax._control import run_once
 from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
+from accumjax._layout import LeafLayout
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._mesh import MeshLayout
 from accumjax._opt_state import count_update
@@ -126,9 +127,9 @@ class Context(NamedTuple):
         (the per-microbatch FSDP gather), or None for the parameters as they are.
       reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
         before it is added (`accumjax._window.add_microbatch`), or None.
-      dims: inside ``shard_map``, the dimension each parameter is split on over the data
-        axis (a pytree like the parameters), for a policy that reduces each microbatch's
-        whole gradient; None for none.
+      layouts: inside ``shard_map``, for a policy that reduces each microbatch's whole
+        gradient, each parameter leaf's `accumjax._layout.LeafLayout` as it reduces it
+        (`accumjax._layout.reduced_per_microbatch`); None for every leaf all-reduced.
       split_params: ZeRO under ``jit``: ``(to_shards, to_param_layout)``, the parameters as the
         inner optimizer updates them (split like their reduced gradient) and back (one
         all-gather), inside the update's loop; None for the parameters as they are.
@@ -145,7 +146,7 @@ class Context(NamedTuple):
     n_real: Any = None
     materialize: Callable[[Any, Any], Any] | None = None
     reduce: Callable[[Any], Any] | None = None
-    dims: Any = None
+    layouts: tuple[LeafLayout, ...] | None = None
     split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
     layout: MeshLayout | None = None
 
@@ -398,7 +399,7 @@ def run_microbatch(
     more: dict[str, Any] = {} if first else {"reduce": ctx.reduce}
     agree = "pool" if pool is not None else "window_end" if ctx.adds_before_deciding else "now"
     m, mine = decide_microbatch(
-        config, grads, weight, params, ctx.axis_name, ctx.dims, agree=agree, gate=gate
+        config, grads, weight, params, ctx.axis_name, ctx.layouts, agree=agree, gate=gate
     )
     if pool is not None:
         m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))

@@ -390,7 +390,7 @@ def check_one_mesh(params: Any, batch: Any) -> None:
 
 def gather_params(params: Any, layout: MeshLayout) -> Any:
     """Inside ``shard_map``: the full-size parameters from this device's shards (all-gather)."""
-    return gathered(params, layout.axis, jax.tree.unflatten(layout.treedef, layout.param_dims))
+    return gathered(params, layout.axis, layout.param_dims)
 
 
 # ----------------------------------------------------------------------------- stream mode

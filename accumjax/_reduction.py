@@ -6,13 +6,13 @@ shards and full-size leaves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
-from accumjax._layout import REPLICATED, LeafLayout, Reduction
+from accumjax._layout import REPLICATED, LeafLayout
 from accumjax._norms import abs_squared, global_norm
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "pack_flat",
     "psum_together",
     "reduce_leaves",
-    "split_reduction",
     "sharded_norm",
     "unpack_flat",
 ]
@@ -73,13 +72,14 @@ def psum_together(parts: dict[str, Any], axis: str) -> dict[str, Any]:
 def cross_device_reduce(
     grad_sum: Any, scalars: Any, axis_name: str, layouts: Sequence[LeafLayout] | None
 ) -> tuple[Any, Any]:
-    """The window's one reduction: a grouped ``psum`` of the leaves still partial on each
-    device and the ``scalars`` (a pytree of scalars and small arrays, which travel in the
-    accumulator's dtype when it is float32 or float64, so counts stay exact below 2**24),
-    and a ``psum_scatter`` of the leaves reduced into shards once a window. ``layouts``:
-    each leaf's `LeafLayout`, in the order of ``jax.tree.leaves(grad_sum)`` (None: every leaf
-    all-reduced). Returns the reduced sum and the summed scalars (their structure and shapes,
-    float32).
+    """The window's one reduction: `reduce_leaves` at the window's close, the leaves still
+    partial on each device reduced as their `LeafLayout` says (a grouped ``psum`` with the
+    ``scalars``, a pytree of scalars and small arrays, which travel in the accumulator's
+    dtype when it is float32 or float64, so counts stay exact below 2**24; a
+    ``psum_scatter`` into shards), those reduced every microbatch left as they are.
+    ``layouts``: each leaf's `LeafLayout`, in the order of ``jax.tree.leaves(grad_sum)``
+    (None: every leaf all-reduced). Returns the reduced sum and the summed scalars (their
+    structure and shapes, float32).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -91,90 +91,94 @@ def cross_device_reduce(
     """
     leaves, treedef = jax.tree.flatten(grad_sum)
     plan = [REPLICATED] * len(leaves) if layouts is None else list(layouts)
-    kinds = [leaf.reduction for leaf in plan]
-    summed = [i for i, kind in enumerate(kinds) if kind is Reduction.ALL_REDUCE]
-    scattered = [i for i, kind in enumerate(kinds) if kind is Reduction.REDUCE_SCATTER_WINDOW]
-    dtypes = {jnp.dtype(leaves[i].dtype) for i in summed}
+    dtypes = {jnp.dtype(leaves[i].dtype) for i in _all_reduced(plan, per_microbatch=False)}
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
         dtype = jnp.dtype(jnp.float32)
-    into = {i: cast(int, plan[i].optimizer) for i in scattered}
-    leaves, stacked = reduce_leaves(leaves, axis_name, summed, into, pack_flat(scalars, dtype))
+    leaves, stacked = reduce_leaves(leaves, axis_name, plan, pack_flat(scalars, dtype))
     return jax.tree.unflatten(treedef, leaves), unpack_flat(stacked, scalars, jnp.float32)
 
 
-def split_reduction(
-    dims: Sequence[int | None], sum_replicated: bool = True
-) -> tuple[list[int], dict[int, int]]:
-    """`reduce_leaves`' ``(summed, scattered)`` for leaves split on ``dims`` (one entry a
-    leaf): a leaf with a dimension is reduce-scattered on it, the others all-reduced (or left
-    as they are without ``sum_replicated``).
-
-    Example:
-      >>> split_reduction([None, 0, 1]), split_reduction([None, 0], sum_replicated=False)
-      (([0], {1: 0, 2: 1}), ([], {1: 0}))
-    """
-    summed = [i for i, d in enumerate(dims) if d is None and sum_replicated]
-    return summed, {i: d for i, d in enumerate(dims) if d is not None}
+def _all_reduced(layouts: Sequence[LeafLayout], per_microbatch: bool) -> list[int]:
+    """The indices of the ``layouts`` whose `Reduction` all-reduces, on every microbatch
+    (``per_microbatch``) or at the window's close."""
+    return [
+        i
+        for i, leaf in enumerate(layouts)
+        if leaf.reduction.per_microbatch is per_microbatch and not leaf.reduction.scatters
+    ]
 
 
 def reduce_leaves(
     leaves: list[Any],
     axis_name: str,
-    summed: Sequence[int],
-    scattered: Mapping[int, int],
+    layouts: Sequence[LeafLayout],
     scalars: Any = None,
+    *,
+    per_microbatch: bool = False,
 ) -> tuple[list[Any], Any]:
-    """One device's ``leaves`` reduced across ``axis_name``: those at the indices ``summed``
-    all-reduced in one grouped ``psum`` with ``scalars`` (a pytree that travels with them),
-    those in ``scattered`` (index: dimension) reduce-scattered on that dimension into this
-    device's shard, the others left as they are. Every cross-device reduction of a gradient
-    goes through it. Returns the leaves and the summed scalars.
+    """One device's ``leaves`` reduced across ``axis_name`` as their ``layouts`` (each leaf's
+    `LeafLayout`, in order) say: each leaf whose `Reduction` runs now (on a microbatch's
+    gradient before it is added with ``per_microbatch``, else at the window's close) is
+    all-reduced, in one grouped ``psum`` with ``scalars`` (a pytree that travels with them),
+    or reduce-scattered on its ``optimizer`` dimension into this device's shard; the others
+    are left as they are. Every cross-device reduction of a gradient goes through it.
+    Returns the leaves and the summed scalars.
 
     Example:
       >>> import jax, jax.numpy as jnp
+      >>> from accumjax._layout import REPLICATED, zero_layout
+      >>> zero1 = zero_layout(0)  # reduce-scattered on dimension 0 once a window
       >>> def on_device(x):
-      ...     (total, shard), count = reduce_leaves([x, x], "i", [0], {1: 0}, jnp.ones(()))
+      ...     (total, shard), count = reduce_leaves([x, x], "i", [REPLICATED, zero1], jnp.ones(()))
       ...     return total, shard, count
       >>> total, shard, count = jax.vmap(on_device, axis_name="i")(jnp.ones((2, 4)))
       >>> total[0].tolist(), shard[0].tolist(), float(count[0])
       ([2.0, 2.0, 2.0, 2.0], [2.0, 2.0], 2.0)
     """
     leaves = list(leaves)
+    summed = _all_reduced(layouts, per_microbatch)
     reduced, scalars = jax.lax.psum(([leaves[i] for i in summed], scalars), axis_name)
     for i, x in zip(summed, reduced, strict=True):
         leaves[i] = x
-    for i, dim in scattered.items():
-        leaves[i] = jax.lax.psum_scatter(leaves[i], axis_name, scatter_dimension=dim, tiled=True)
+    for i, leaf in enumerate(layouts):
+        kind = leaf.reduction
+        if kind.per_microbatch is per_microbatch and kind.scatters:
+            dim = cast(int, leaf.optimizer)
+            leaves[i] = jax.lax.psum_scatter(
+                leaves[i], axis_name, scatter_dimension=dim, tiled=True
+            )
     return leaves, scalars
 
 
-def sharded_norm(grad_sum: Any, axis_name: str | None, dims: Any) -> jax.Array:
-    """Global norm of a reduced sum whose leaves split on ``dims`` (a pytree like it of
-    dimensions, None for a replicated leaf; or None for all replicated) are this device's
-    shards of the full-size leaves."""
+def sharded_norm(
+    grad_sum: Any, axis_name: str | None, dims: Sequence[int | None] | None
+) -> jax.Array:
+    """Global norm of a reduced sum whose leaves split on ``dims`` (one dimension a leaf, in
+    the order of ``jax.tree.leaves(grad_sum)``, None for a replicated leaf; or None for all
+    replicated) are this device's shards of the full-size leaves."""
     if axis_name is None or dims is None:
         return global_norm(grad_sum)
-    leaves, treedef = jax.tree.flatten(grad_sum)
-    split = treedef.flatten_up_to(dims)
-    replicated = global_norm([x for x, d in zip(leaves, split, strict=True) if d is None])
-    shards = global_norm([x for x, d in zip(leaves, split, strict=True) if d is not None])
+    leaves = jax.tree.leaves(grad_sum)
+    replicated = global_norm([x for x, d in zip(leaves, dims, strict=True) if d is None])
+    shards = global_norm([x for x, d in zip(leaves, dims, strict=True) if d is not None])
     return jnp.sqrt(abs_squared(replicated) + jax.lax.psum(abs_squared(shards), axis_name))
 
 
-def gathered(tree: Any, axis_name: str, dims: Any) -> Any:
-    """The full-size leaves of a tree whose leaves split on ``dims`` are this device's shards."""
+def gathered(tree: Any, axis_name: str, dims: Sequence[int | None] | None) -> Any:
+    """The full-size leaves of a tree whose leaves split on ``dims`` (as `sharded_norm` takes
+    them) are this device's shards."""
     if dims is None:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     gathered = [
         x if d is None else jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
-        for x, d in zip(leaves, treedef.flatten_up_to(dims), strict=True)
+        for x, d in zip(leaves, dims, strict=True)
     ]
     return jax.tree.unflatten(treedef, gathered)
 
 
-def own_shard(tree: Any, axis_name: str | None, dims: Any) -> Any:
+def own_shard(tree: Any, axis_name: str | None, dims: Sequence[int | None] | None) -> Any:
     """`gathered` undone: of each leaf split on ``dims`` (full-size here, the same on every
     device), this device's shard along its dimension (no axis or no ``dims``: ``tree``)."""
     if axis_name is None or dims is None:
@@ -189,5 +193,5 @@ def own_shard(tree: Any, axis_name: str | None, dims: Any) -> Any:
         size = x.shape[d] // devices
         return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=d)
 
-    out = [shard(x, d) for x, d in zip(leaves, treedef.flatten_up_to(dims), strict=True)]
+    out = [shard(x, d) for x, d in zip(leaves, dims, strict=True)]
     return jax.tree.unflatten(treedef, out)

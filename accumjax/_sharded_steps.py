@@ -22,9 +22,9 @@ import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
-from accumjax._layout import LeafLayout, reduced_per_microbatch
+from accumjax._layout import LeafLayout, reduced_into_one_sum, window_layouts
 from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin, loss_mean
-from accumjax._reduction import reduce_leaves, split_reduction
+from accumjax._reduction import reduce_leaves
 from accumjax._scan import (
     accepted_loss,
     decide_window,
@@ -286,35 +286,35 @@ def _sum_layout(
     each sum's dimension split over the data axis.
 
     A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
-    whose optimizer state is split over the data axis reduce-scattered into shards): nothing
-    is left to reduce at the window's end. Otherwise a leaf reduced per microbatch is
-    reduce-scattered into its sharded accumulator as it comes, a leaf reduced per window is
-    a full-size sum reduce-scattered once at the end, and the others are all-reduced once.
+    whose optimizer state is split over the data axis reduce-scattered into shards;
+    `accumjax._layout.window_layouts`): nothing is left to reduce at the window's end.
+    Otherwise a leaf reduced per microbatch is reduce-scattered into its sharded accumulator
+    as it comes, a leaf reduced per window is a full-size sum reduce-scattered once at the
+    end, and the others are all-reduced once.
     """
-    opt_dims = layout.optimizer_dims
+    layouts, global_counts = window_layouts(layout.leaves, config.reads)
+    sum_dims = tuple(leaf.accumulator for leaf in layouts)
     if config.reads:
-        layouts = tuple(reduced_per_microbatch(leaf) for leaf in layout.leaves)
-        dims = jax.tree.unflatten(layout.treedef, list(opt_dims))
-        return ctx._replace(dims=dims), layouts, True, opt_dims
-    acc_dims = layout.accumulator_dims
-    if any(d is not None for d in acc_dims):
+        ctx = ctx._replace(layouts=layouts)
+    elif any(d is not None for d in sum_dims):
         ctx = ctx._replace(reduce=reduce_gradient(layout, replicated=False))
-    return ctx, layout.leaves, False, acc_dims
+    return ctx, layouts, global_counts, sum_dims
 
 
 def reduce_gradient(layout: mesh_lib.MeshLayout, replicated: bool) -> Callable[[Any], Any] | None:
-    """What a device's gradient goes through before it is added: reduce-scattered into the
-    shards of parameters split over the data axis, and all-reduced for the others when the
-    window keeps one ``replicated`` sum (None: nothing to do)."""
-    dims = layout.accumulator_dims
-    if not replicated and all(d is None for d in dims):
+    """What a device's gradient goes through before it is added: each leaf reduced as its
+    `LeafLayout` says on every microbatch (reduce-scattered into the shards of a split
+    accumulator), and when the window keeps one ``replicated`` sum every other leaf
+    all-reduced (`accumjax._layout.reduced_into_one_sum`) (None: nothing to do)."""
+    layouts = layout.leaves
+    if replicated:
+        layouts = tuple(reduced_into_one_sum(leaf) for leaf in layouts)
+    elif not any(leaf.reduction.per_microbatch for leaf in layouts):
         return None
-
-    summed, into = split_reduction(dims, sum_replicated=replicated)
 
     def reduce(tree: Any) -> Any:
         leaves = layout.treedef.flatten_up_to(tree)
-        leaves, _ = reduce_leaves(leaves, layout.axis, summed, into)
+        leaves, _ = reduce_leaves(leaves, layout.axis, layouts, per_microbatch=True)
         return jax.tree.unflatten(layout.treedef, leaves)
 
     return reduce

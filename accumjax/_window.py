@@ -27,7 +27,7 @@ from accumjax._decision import (
     weigh,
     window_decisions,
 )
-from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
+from accumjax._layout import REPLICATED, LeafLayout, window_layouts
 from accumjax._reduction import cross_device_reduce, sharded_norm
 
 __all__ = [
@@ -426,8 +426,8 @@ def close_window(
     """
     if axis_name is not None and config.reads and layouts is None:
         # `add_microbatch` added each microbatch's whole gradient, its counts agreed on.
-        every_microbatch = reduced_per_microbatch(REPLICATED)
-        layouts, global_counts = (every_microbatch,) * len(jax.tree.leaves(window.grad_sum)), True
+        replicated = (REPLICATED,) * len(jax.tree.leaves(window.grad_sum))
+        layouts, global_counts = window_layouts(replicated, config.reads)
     grad_sum, weight_sum = window.grad_sum, window.weight_sum
     nonfinite, skipped = window.window_nonfinite, window.window_skipped
     devices, ok = 1, None
@@ -455,7 +455,6 @@ def close_window(
     safe = jnp.where(denom > 0, denom, 1.0)
     # The scaled gradient's norm, without materializing the scaled gradient.
     dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
-    dims = None if dims is None else jax.tree.unflatten(jax.tree.structure(grad_sum), dims)
     norm = sharded_norm(grad_sum, axis_name, dims) / safe
     apply = weight_sum > 0
     if config.detects:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._mesh as mesh_lib
-from accumjax._layout import REPLICATED, LeafLayout, Reduction
+from accumjax._layout import zero_layout
 from accumjax._loop import LoopCarry
 from accumjax.accumulation_state import AccumulationState
 from accumjax.train_state import TrainState
@@ -157,17 +157,11 @@ def placed_zero(inner: Any, params: Any, layout: mesh_lib.MeshLayout) -> dict[An
 
 
 def as_placed(plan: mesh_lib.MeshLayout, params: Any, placed: dict[Any, int | None]) -> tuple:
-    """``plan``'s leaves with each replicated parameter's optimizer dimension as placed."""
+    """``plan``'s leaves with each replicated parameter's optimizer dimension as placed: its
+    ZeRO-1 row (`accumjax._layout.zero_layout`), replicated where its state is."""
     leaves = []
     for p, leaf in zip(plan.treedef.flatten_up_to(params), plan.leaves, strict=True):
         if leaf.param is None:
-            dim = placed.get(tuple(jnp.shape(p)))
-            zero1 = LeafLayout(
-                param=None,
-                accumulator=None,
-                optimizer=dim,
-                reduction=Reduction.REDUCE_SCATTER_WINDOW,
-            )
-            leaf = REPLICATED if dim is None else zero1
+            leaf = zero_layout(placed.get(tuple(jnp.shape(p))), "zero1")
         leaves.append(leaf)
     return tuple(leaves)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import accumjax
 from accumjax._layout import REPLICATED, LeafLayout, Reduction, leaf_layout
+from accumjax._reduction import reduce_leaves
 from accumjax.collectives import count_collectives
 
 K = 4
@@ -72,6 +73,44 @@ def test_the_layout_plan_has_one_row_per_layout():
     assert row(0, "zero2", "window") == LeafLayout(0, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
     odd = leaf_layout(None, (3, 5), (), 2, optimizer_sharding="zero1", reduce_scatter="window")
     assert odd == REPLICATED  # no dimension divides by 2
+
+
+# What each reduction does at the window's close and to a microbatch before it is added.
+_REDUCED = {
+    False: {
+        Reduction.ALL_REDUCE: "sum",
+        Reduction.REDUCE_SCATTER_WINDOW: "shard",
+        Reduction.REDUCE_SCATTER_MICROBATCH: "as is",
+        Reduction.ALL_REDUCE_MICROBATCH: "as is",
+    },
+    True: {
+        Reduction.ALL_REDUCE: "as is",
+        Reduction.REDUCE_SCATTER_WINDOW: "as is",
+        Reduction.REDUCE_SCATTER_MICROBATCH: "shard",
+        Reduction.ALL_REDUCE_MICROBATCH: "sum",
+    },
+}
+
+
+@pytest.mark.parametrize("per_microbatch", [False, True])
+def test_each_leaf_is_reduced_as_its_reduction_says_when_it_runs(per_microbatch):
+    kinds = list(Reduction)
+    layouts = [LeafLayout(None, None, 0, kind) for kind in kinds]
+
+    def on_device(x):
+        leaves, count = reduce_leaves(
+            [x] * len(kinds), "i", layouts, jnp.ones(()), per_microbatch=per_microbatch
+        )
+        return leaves, count
+
+    x = jnp.arange(8.0).reshape(2, 4)  # two devices, a leaf of 4 each
+    leaves, count = jax.vmap(on_device, axis_name="i")(x)
+    total = np.asarray(x).sum(0)
+    want = {"as is": x, "shard": total.reshape(2, 2), "sum": np.stack([total, total])}
+    assert float(count[0]) == 2.0
+    for kind, got in zip(kinds, leaves, strict=True):
+        expected = want[_REDUCED[per_microbatch][kind]]
+        np.testing.assert_array_equal(got, expected, err_msg=kind.value)
 
 
 # (devices, mesh kind, mode, optimizer_sharding)
