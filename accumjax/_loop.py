@@ -127,9 +127,10 @@ class Context(NamedTuple):
         (the per-microbatch FSDP gather), or None for the parameters as they are.
       reduce: inside ``shard_map``, what each microbatch's scaled gradient goes through
         before it is added (`accumjax._window.add_microbatch`), or None.
-      layouts: inside ``shard_map``, for a policy that reduces each microbatch's whole
-        gradient, each parameter leaf's `accumjax._layout.LeafLayout` as it reduces it
-        (`accumjax._layout.reduced_per_microbatch`); None for every leaf all-reduced.
+      whole_gradient_layouts: inside ``shard_map``, for a policy that reduces each
+        microbatch's whole gradient, each parameter leaf's `accumjax._layout.LeafLayout` as
+        it reduces it (`accumjax._layout.reduced_per_microbatch`); None for every leaf
+        all-reduced.
       split_params: ZeRO under ``jit``: ``(to_shards, to_param_layout)``, the parameters as the
         inner optimizer updates them (split like their reduced gradient) and back (one
         all-gather), inside the update's loop; None for the parameters as they are.
@@ -146,7 +147,7 @@ class Context(NamedTuple):
     n_real: Any = None
     materialize: Callable[[Any, Any], Any] | None = None
     reduce: Callable[[Any], Any] | None = None
-    layouts: tuple[LeafLayout, ...] | None = None
+    whole_gradient_layouts: tuple[LeafLayout, ...] | None = None
     split_params: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
     layout: MeshLayout | None = None
 
@@ -399,7 +400,14 @@ def run_microbatch(
     more: dict[str, Any] = {} if first else {"reduce": ctx.reduce}
     agree = "pool" if pool is not None else "window_end" if ctx.adds_before_deciding else "now"
     m, mine = decide_microbatch(
-        config, grads, weight, params, ctx.axis_name, ctx.layouts, agree=agree, gate=gate
+        config,
+        grads,
+        weight,
+        params,
+        ctx.axis_name,
+        ctx.whole_gradient_layouts,
+        agree=agree,
+        gate=gate,
     )
     if pool is not None:
         m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
