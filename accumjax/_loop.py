@@ -25,7 +25,7 @@ from accumjax._mesh import MeshLayout
 from accumjax._opt_state import count_update
 from accumjax._scaling import device_losses_add
 from accumjax._state import config_of
-from accumjax._step_checks import check_layout, check_step_inputs
+from accumjax._step_checks import check_accumulate, check_layout, check_step_inputs
 from accumjax._window_end import check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
@@ -263,29 +263,14 @@ class Outcome(NamedTuple):
 
 
 def _step_config(setup: Setup, state: Any) -> tuple[Config, bool]:
-    """The optimizer's config, or a one-microbatch window around a plain optimizer."""
+    """The optimizer's config, or a one-microbatch window around a plain optimizer; an
+    ``accumulate`` the step cannot run is refused (`check_accumulate`)."""
     config = config_of(state.tx)  # a TrainState: `accumjax._host` refused anything else
+    check_accumulate(config, setup.mode, setup.axis_name)
     accumulating = config is not None
     if config is None:
         inner = optax.with_extra_args_support(state.tx)
         config = Config(inner=inner, every_k=1, axis_name=None)
-    if config.axis_name not in (None, setup.axis_name):
-        raise ValueError(
-            f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
-            f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
-        )
-    every_k = config.static_every_k
-    if setup.mode == "scan" and every_k is None:
-        raise TypeError(
-            "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
-            "splits each batch into K microbatches inside its program. For windows of "
-            "varying size give the largest K and pass the window's size per call, "
-            "step(state, batch, num_real_microbatches=n) (traced: no recompile). Microbatch "
-            "i holds the rows i, i + K, i + 2K, ... (strided), so a short batch has its real "
-            "rows in the first n of every K rows and padding in the other K - n "
-            "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
-            "schedule."
-        )
     return config, accumulating
 
 

@@ -1,11 +1,14 @@
 """What a train step refuses (internal): misuse gets a clear error naming the argument and the
 call that works (`init_call`), never a silently wrong run.
 
-`check_step_inputs` runs once per trace, in every mode: an optimizer that accumulates where
-the step cannot see it (`check_composition`), an ``rng`` that is not one key or a loss that
-takes none (`check_key_argument`), self-closing BatchNorm layers, float16 without a loss scale
-or with ``on_nonfinite="propagate"``. `check_layout` refuses a state laid out for another
-mode; `check_init_inputs` refuses at ``step.init`` what the step would refuse later or ignore.
+`check_accumulate` refuses an `accumjax.accumulate` the step cannot run (another data axis, a
+schedule K in scan mode) at ``step.init``, before a call reads its concrete inputs, and at
+trace time. `check_step_inputs` runs once per trace, in every mode: an optimizer that
+accumulates where the step cannot see it (`check_composition`), an ``rng`` that is not one key
+or a loss that takes none (`check_key_argument`), self-closing BatchNorm layers, float16
+without a loss scale or with ``on_nonfinite="propagate"``. `check_layout` refuses a state laid
+out for another mode; `check_init_inputs` refuses at ``step.init`` what the step would refuse
+later or ignore.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
 __all__ = [
+    "check_accumulate",
     "check_composition",
     "check_init_inputs",
     "check_layout",
@@ -77,6 +81,41 @@ def check_layout(mode: str, pmap_axis: str | None, acc: AccumulationState) -> Ac
             "stream-mode checkpoint at a window boundary) with accumjax.with_mode(state, 'scan')."
         )
     return acc
+
+
+def check_accumulate(config: Config | None, mode: str, axis_name: str | None) -> None:
+    """Refuses an `accumjax.accumulate` (its ``config``; None for a plain optimizer, which
+    every step runs) that a step of ``mode`` on the data axis ``axis_name``
+    (``make_train_step``'s) cannot run: one that names another axis, or a schedule K in scan
+    mode.
+
+    Example:
+      >>> import optax, accumjax
+      >>> from accumjax._state import config_of
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), lambda count: 2)
+      >>> check_accumulate(config_of(tx), "scan", None)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      TypeError: mode='scan' needs an int K in accumjax.accumulate, not a schedule: ...
+    """
+    if config is None:
+        return
+    if config.axis_name not in (None, axis_name):
+        raise ValueError(
+            f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
+            f"axis_name={axis_name!r}; give the axis to make_train_step only."
+        )
+    if mode == "scan" and config.static_every_k is None:
+        raise TypeError(
+            "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
+            "splits each batch into K microbatches inside its program. For windows of "
+            "varying size give the largest K and pass the window's size per call, "
+            "step(state, batch, num_real_microbatches=n) (traced: no recompile). Microbatch "
+            "i holds the rows i, i + K, i + 2K, ... (strided), so a short batch has its real "
+            "rows in the first n of every K rows and padding in the other K - n "
+            "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
+            "schedule."
+        )
 
 
 def check_step_inputs(
@@ -137,12 +176,15 @@ def _check_detects(config: Config) -> None:
         )
 
 
-def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
-    """What ``step.init(params, tx, loss_scale=...)`` refuses (see the module docstring).
+def check_init_inputs(
+    params: Any, tx: Any, loss_scale: Any, f16: bool, mode: str, axis_name: str | None
+) -> None:
+    """What ``step.init(params, tx, loss_scale=...)`` refuses (see the module docstring) for
+    a step of ``mode`` on the data axis ``axis_name`` (`check_accumulate`).
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> check_init_inputs(optax.sgd(0.1), {"w": jnp.zeros(2)}, None, False)
+      >>> check_init_inputs(optax.sgd(0.1), {"w": jnp.zeros(2)}, None, False, "scan", None)
       ... # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
@@ -167,6 +209,7 @@ def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
             "of step.init, or make the step with mixed_precision='float16'."
         )
     config = config_of(tx)
+    check_accumulate(config, mode, axis_name)
     if config is None:  # an accumulate inside: tx.init's state tells (abstractly)
         check_composition(jax.eval_shape(tx.init, params), accumulating=False)
     if f16 and config is not None:
