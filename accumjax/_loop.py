@@ -426,11 +426,15 @@ def close_fields(
     ctx: Context,
     fields: LoopCarry,
     closed: window_lib.Closed | None = None,
+    *,
+    model_state_closed: bool = False,
 ) -> LoopCarry:
-    """Closes the window: one reduction, the decision, the update, model state, loss scale.
-
-    With ``closed`` (reduced and decided already, the model state closed too) only the update
-    and the loss scale are left.
+    """Closes the window and applies it, in the global view (``ctx`` without a layout, so
+    ``ctx.axis_name`` is the ``pmap`` axis or None): the window's one reduction over
+    ``ctx.axis_name`` and its decision, unless ``closed`` is given (reduced and decided
+    already); the update; the model state closed with the update's decision over
+    ``ctx.axis_name`` (`accumjax._batch_norm_windows.close_model_state`), unless
+    ``model_state_closed`` (the caller closed it with the window's decision); the loss scale.
     """
     before = fields.opt
     every_step = ctx.setup.mode == "scan"
@@ -444,8 +448,8 @@ def close_fields(
         split=ctx.split_params,
     )
     model_state = fields.model_state
-    if closed is None:
-        model_state = close_model_state(model_state, opt.updated, ctx.setup.pmap_axis)
+    if not model_state_closed:
+        model_state = close_model_state(model_state, opt.updated, ctx.axis_name)
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule

@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec
 import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import (
-    close_model_state,
     emptied_stats_windows,
     model_state_sums,
     pooled_model_state,
@@ -261,7 +260,8 @@ def _share(config: Config, m: Microbatch, layout: mesh_lib.MeshLayout) -> Microb
 
 def _close_device_window(ctx: Context, layout: mesh_lib.MeshLayout, fields: LoopCarry) -> LoopCarry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
-    over the data axis are reduced already), then the update in the global view."""
+    over the data axis are reduced already), then the update and the model state's close in
+    the global view (`accumjax._loop.close_fields`)."""
     config = ctx.config
 
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
@@ -276,6 +276,4 @@ def _close_device_window(ctx: Context, layout: mesh_lib.MeshLayout, fields: Loop
         in_specs=(layout.window_specs(), REPLICATED_SPEC),
         out_specs=field_specs(window_lib.Closed, layout.optimizer_specs()),
     )(fields.opt.window, fields.opt.every_k)
-    fields = close_fields(ctx, fields, closed)
-    model_state = close_model_state(fields.model_state, fields.opt.updated, None)
-    return fields._replace(model_state=model_state)
+    return close_fields(ctx, fields, closed)
