@@ -25,7 +25,12 @@ from accumjax._mesh import MeshLayout
 from accumjax._opt_state import count_update
 from accumjax._scaling import device_losses_add
 from accumjax._state import config_of
-from accumjax._step_checks import check_accumulate, check_layout, check_step_inputs
+from accumjax._step_checks import (
+    check_accumulate,
+    check_layout,
+    check_step_inputs,
+    check_weight,
+)
 from accumjax._window_end import check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
@@ -295,13 +300,11 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
 
 
 def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | None:
-    """The microbatch's scalar weight from ``weight_fn``, float32, or None without one."""
+    """The microbatch's scalar weight from ``weight_fn`` (`check_weight`), float32, or None
+    without one."""
     if weight_fn is None:
         return None
-    w = jnp.asarray(weight_fn(batch))
-    if w.shape != ():
-        raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}.")
-    return w.astype(jnp.float32)
+    return check_weight(jnp.asarray(weight_fn(batch))).astype(jnp.float32)
 
 
 def loss_and_grads(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:

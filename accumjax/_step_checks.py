@@ -3,7 +3,8 @@ call that works (`init_call`), never a silently wrong run.
 
 `check_accumulate` refuses an `accumjax.accumulate` the step cannot run (another data axis, a
 schedule K in scan mode) at ``step.init``, before a call reads its concrete inputs, and at
-trace time. `check_step_inputs` runs once per trace, in every mode: an optimizer that
+trace time; `check_weight` a ``weight_fn`` value that is not one scalar, at trace time.
+`check_step_inputs` runs once per trace, in every mode: an optimizer that
 accumulates where the step cannot see it (`check_composition`), an ``rng`` that is not one key
 or a loss that takes none (`check_key_argument`), self-closing BatchNorm layers, float16
 without a loss scale or with ``on_nonfinite="propagate"``. `check_layout` refuses a state laid
@@ -44,6 +45,7 @@ __all__ = [
     "check_layout",
     "check_key_argument",
     "check_step_inputs",
+    "check_weight",
     "init_call",
     "positional_limit",
     "requires_key",
@@ -142,6 +144,27 @@ def check_step_inputs(
         _check_float16(
             state.loss_scale, config, "model" if hasattr(state, "graphdef") else "params"
         )
+
+
+def check_weight(weight: jax.Array) -> jax.Array:
+    """``weight``, what ``make_train_step(weight_fn=...)`` returned for one microbatch (as an
+    array), if it is one scalar; else a clear error naming ``weight_fn`` (checked at trace
+    time, from its shape).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> check_weight(jnp.ones(3))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: weight_fn must return a scalar, got shape (3,): ...
+    """
+    if weight.shape != ():
+        raise ValueError(
+            f"weight_fn must return a scalar, got shape {weight.shape}: "
+            "make_train_step(weight_fn=fn) weighs each microbatch by one number, fn(microbatch) "
+            "-> e.g. its number of real tokens, jnp.sum(microbatch['mask'])."
+        )
+    return weight
 
 
 def init_call(f16: bool, first: str = "params") -> str:

@@ -1741,3 +1741,17 @@ def test_weighted_scaling_errors_name_make_train_step_weight_fn(mode):
     state = unweighted.init(_params(), _sgd())
     with pytest.raises(ValueError, match=r"weight_fn=\.\.\.\).*only taken with scaling='weighted'"):
         unweighted(state, batch)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_weight_fn_that_returns_more_than_a_scalar_is_refused_naming_it(mode):
+    x, y = _data()
+    batch = {"x": x[: K * MICRO], "y": y[: K * MICRO]}
+    step = make_train_step(loss_fn, mode=mode, weight_fn=lambda b: jnp.abs(b["x"][:, 0]))
+    state = step.init(_params(), _sgd(scaling="weighted"))
+    refused = r"weight_fn must return a scalar, got shape \(\d+,\): make_train_step\(weight_fn="
+    with pytest.raises(ValueError, match=refused):
+        step(state, batch)
+    if mode == "scan":  # the call's own check of a short batch's padding reads it first
+        with pytest.raises(ValueError, match=refused):
+            step(state, batch, num_real_microbatches=2)
