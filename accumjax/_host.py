@@ -347,10 +347,9 @@ class TrainStep:
         """A call's first checks, before anything reads the state's arrays: a
         `accumjax.TrainState`, an ``accumulate`` this step can run (`check_accumulate`), then
         ``num_real_microbatches`` (``n``). Returns the optimizer's config (None: a plain one)."""
-        setup = self._setup
-        _check_is_state(state, setup.f16)
+        _check_is_state(state, self._setup.f16)
         config = config_of(state.tx)
-        check_accumulate(config, setup.mode, setup.axis_name)
+        check_accumulate(config, self._setup.mode, self._setup.axis_name)
         _check_real_microbatches(n, self._scan, config)
         return config
 
