@@ -22,7 +22,7 @@ from accumjax._config import Config, transformed_gradient
 from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
 from accumjax._norms import global_norm
 from accumjax._reduction import gathered, own_shard, reduce_leaves, sharded_norm
-from accumjax._scaling import Scaling, device_losses_add
+from accumjax._scaling import Scaling, share_divisor
 
 __all__ = [
     "Microbatch",
@@ -306,7 +306,8 @@ def whole_gradient(
     """Inside a map over ``axis_name``: the whole microbatch's gradient from each device's
     gradient of its rows, as one device would compute it: their mean (``"mean"``,
     ``"sum_over_k"``), sum (``"sum"``) or weighted mean (``"weighted"``; a device of weight 0 adds
-    nothing). The devices' shares are summed in the accumulator's precision (at least
+    nothing), the summed parts divided by `accumjax._scaling.share_divisor` (or the summed
+    weight). The devices' shares are summed in the accumulator's precision (at least
     float32: float16 shares that are each finite stay finite), with the decisions in the same
     reduction.
 
@@ -331,12 +332,8 @@ def whole_gradient(
     every_leaf = [reduced_per_microbatch(REPLICATED)] * len(leaves)
     plan = every_leaf if layouts is None else layouts
     leaves, summed_decision = reduce_leaves(leaves, axis_name, plan, own, per_microbatch=True)
-    devices = jax.lax.axis_size(axis_name)
-    by = (
-        summed_decision.weight
-        if weighted
-        else jnp.float32(1 if device_losses_add(scaling) else devices)
-    )
+    divisor = share_divisor(scaling, jax.lax.axis_size(axis_name))
+    by = summed_decision.weight if divisor is None else jnp.float32(divisor)
     by = jnp.where(by > 0, by, 1.0)
     whole = jax.tree.map(lambda g: g / by.astype(g.dtype), jax.tree.unflatten(treedef, leaves))
     return whole, summed_decision

@@ -29,7 +29,7 @@ from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step
 from accumjax._split import split_advice, strided_microbatches
 from accumjax._state import config_of
-from accumjax._step_checks import check_init_inputs, init_call
+from accumjax._step_checks import check_accumulate, check_init_inputs, check_weight, init_call
 from accumjax._window_end import check_state
 from accumjax._zero import as_placed, placed_zero
 from accumjax.distributed import replicate
@@ -119,7 +119,8 @@ def _microbatch_weights(
 ) -> jax.Array:
     """Each of the ``every_k`` strided microbatches' ``weight_fn``, float32 ``(every_k,)``."""
     rows = strided_microbatches(batch, every_k, batch_axis)
-    return jax.lax.map(lambda i: jnp.asarray(weight_fn(rows(i)), jnp.float32), jnp.arange(every_k))
+    weigh = lambda i: check_weight(jnp.asarray(weight_fn(rows(i)), jnp.float32))
+    return jax.lax.map(weigh, jnp.arange(every_k))
 
 
 def _real_rows_left_out(weights: np.ndarray, n: int, every_k: int) -> str | None:
@@ -342,8 +343,17 @@ class TrainStep:
         init = state.tx.init if config is None else config.inner.init
         return plan._replace(opt_specs=mesh_lib.optimizer_state_specs(init, state.params, plan))
 
+    def _check_call(self, state: Any, n: Any) -> Any:
+        """A call's first checks, before anything reads the state's arrays: a
+        `accumjax.TrainState`, an ``accumulate`` this step can run (`check_accumulate`), then
+        ``num_real_microbatches`` (``n``). Returns the optimizer's config (None: a plain one)."""
+        _check_is_state(state, self._setup.f16)
+        config = config_of(state.tx)
+        check_accumulate(config, self._setup.mode, self._setup.axis_name)
+        _check_real_microbatches(n, self._scan, config)
+        return config
+
     def _run(self, run: Callable[..., Any], state: Any, batch: Any, rng: Any, n: Any) -> Any:
-        _check_real_microbatches(n, self._scan, config_of(getattr(state, "tx", None)))
         traced = _traced((state, batch, rng))
         try:
             return run(*self._args(state, batch, rng, n))
@@ -356,11 +366,10 @@ class TrainStep:
     def __call__(
         self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> tuple[Any, dict[str, Any]]:
-        _check_is_state(state, self._setup.f16)
+        config = self._check_call(state, num_real_microbatches)
         if _traced((state, batch, rng, num_real_microbatches)):
             return self._run(self._jitted, state, batch, rng, num_real_microbatches)
         check_alive(state, "state")
-        config = config_of(getattr(state, "tx", None))
         returned = self._returned
         if config is not None and not (returned and _made_here(state.opt_state, returned[0])):
             opt = state.opt_state
@@ -393,7 +402,7 @@ class TrainStep:
         self, state: Any, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> Any:
         """``jax.jit(...).lower`` of the step for these inputs (arrays or shapes)."""
-        _check_is_state(state, self._setup.f16)
+        self._check_call(state, num_real_microbatches)
         return self._run(self._jitted.lower, state, batch, rng, num_real_microbatches)
 
     # ------------------------------------------------------------------------- the state
@@ -432,7 +441,7 @@ class TrainStep:
           Its arrays are new: the step may donate them, and ``params`` stay usable.
         """
         setup = self._setup
-        check_init_inputs(params, tx, loss_scale, setup.f16)
+        check_init_inputs(params, tx, loss_scale, setup.f16, setup.mode, setup.axis_name)
         if setup.f16 and loss_scale is None:
             loss_scale = dynamic_loss_scale()
         if setup.mesh is not None:

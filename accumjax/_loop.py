@@ -26,7 +26,12 @@ from accumjax._mesh import MeshLayout
 from accumjax._opt_state import count_update
 from accumjax._scaling import device_losses_add
 from accumjax._state import config_of
-from accumjax._step_checks import check_layout, check_step_inputs
+from accumjax._step_checks import (
+    check_accumulate,
+    check_layout,
+    check_step_inputs,
+    check_weight,
+)
 from accumjax._window_end import check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale, update_loss_scale
@@ -266,29 +271,14 @@ class Outcome(NamedTuple):
 
 
 def _step_config(setup: Setup, state: Any) -> tuple[Config, bool]:
-    """The optimizer's config, or a one-microbatch window around a plain optimizer."""
+    """The optimizer's config, or a one-microbatch window around a plain optimizer; an
+    ``accumulate`` the step cannot run is refused (`check_accumulate`)."""
     config = config_of(state.tx)  # a TrainState: `accumjax._host` refused anything else
+    check_accumulate(config, setup.mode, setup.axis_name)
     accumulating = config is not None
     if config is None:
         inner = optax.with_extra_args_support(state.tx)
         config = Config(inner=inner, every_k=1, axis_name=None)
-    if config.axis_name not in (None, setup.axis_name):
-        raise ValueError(
-            f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
-            f"axis_name={setup.axis_name!r}; give the axis to make_train_step only."
-        )
-    every_k = config.static_every_k
-    if setup.mode == "scan" and every_k is None:
-        raise TypeError(
-            "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
-            "splits each batch into K microbatches inside its program. For windows of "
-            "varying size give the largest K and pass the window's size per call, "
-            "step(state, batch, num_real_microbatches=n) (traced: no recompile). Microbatch "
-            "i holds the rows i, i + K, i + 2K, ... (strided), so a short batch has its real "
-            "rows in the first n of every K rows and padding in the other K - n "
-            "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
-            "schedule."
-        )
     return config, accumulating
 
 
@@ -313,13 +303,11 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
 
 
 def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | None:
-    """The microbatch's scalar weight from ``weight_fn``, float32, or None without one."""
+    """The microbatch's scalar weight from ``weight_fn`` (`check_weight`), float32, or None
+    without one."""
     if weight_fn is None:
         return None
-    w = jnp.asarray(weight_fn(batch))
-    if w.shape != ():
-        raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}.")
-    return w.astype(jnp.float32)
+    return check_weight(jnp.asarray(weight_fn(batch))).astype(jnp.float32)
 
 
 def loss_and_grads(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
@@ -451,11 +439,15 @@ def close_fields(
     ctx: Context,
     fields: LoopCarry,
     closed: window_lib.Closed | None = None,
+    *,
+    model_state_closed: bool = False,
 ) -> LoopCarry:
-    """Closes the window: one reduction, the decision, the update, model state, loss scale.
-
-    With ``closed`` (reduced and decided already, the model state closed too) only the update
-    and the loss scale are left.
+    """Closes the window and applies it, in the global view (``ctx`` without a layout, so
+    ``ctx.axis_name`` is the ``pmap`` axis or None): the window's one reduction over
+    ``ctx.axis_name`` and its decision, unless ``closed`` is given (reduced and decided
+    already); the update; the model state closed with the update's decision over
+    ``ctx.axis_name`` (`accumjax._batch_norm_windows.close_model_state`), unless
+    ``model_state_closed`` (the caller closed it with the window's decision); the loss scale.
     """
     before = fields.opt
     every_step = ctx.setup.mode == "scan"
@@ -469,8 +461,8 @@ def close_fields(
         split=ctx.split_params,
     )
     model_state = fields.model_state
-    if closed is None:
-        model_state = close_model_state(model_state, opt.updated, ctx.setup.pmap_axis)
+    if not model_state_closed:
+        model_state = close_model_state(model_state, opt.updated, ctx.axis_name)
     loss_scale = fields.loss_scale
     if loss_scale is not None:
         loss_scale = update_loss_scale(loss_scale, before, opt)  # the own loop's rule

@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec
 import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
 from accumjax._batch_norm_windows import (
-    close_model_state,
     emptied_stats_windows,
     model_state_sums,
     pooled_model_state,
@@ -41,7 +40,7 @@ from accumjax._loop import (
     stream_step,
 )
 from accumjax._reduction import psum_together
-from accumjax._scaling import averages_microbatches, device_losses_add
+from accumjax._scaling import device_losses_add, share_divisor
 from accumjax._sharded_steps import (
     REPLICATED_SPEC,
     data_shard_map,
@@ -244,24 +243,30 @@ def _pool(
 
 
 def _share(config: Config, m: Microbatch, layout: mesh_lib.MeshLayout) -> Microbatch:
-    """A device's decision about its rows, as its share of the whole microbatch: for losses
-    that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight count 1/shards of
-    the microbatch's, so that a `accumjax.window.DeviceWindow` holds what one device's window
-    would (its sum and counts do not depend on the number of devices). A transformed
-    gradient is the whole microbatch's on every device: under ``"sum"`` each device adds
-    1/shards of it too (``"weighted"``: its own weight's share, as its factor says)."""
-    share = 1.0 / layout.shards
-    if not averages_microbatches(config.scaling):
-        if m.transformed is None or not device_losses_add(config.scaling):
+    """A device's decision about its rows, as its share of the whole microbatch
+    (`accumjax._scaling.share_divisor`, the rule `accumjax._decision.whole_gradient` divides
+    by): for losses that are means (``"mean"``, ``"sum_over_k"``), its gradient and weight
+    count 1/shards of the microbatch's, so that a `accumjax.window.DeviceWindow` holds what
+    one device's window would (its sum and counts do not depend on the number of devices);
+    under ``"sum"`` its gradient is its share already; under ``"weighted"`` its factor is its
+    own weight. A transformed gradient is the whole microbatch's on every device: under
+    ``"sum"`` each device adds 1/shards of it too."""
+    divisor = share_divisor(config.scaling, layout.shards)
+    if divisor is None:  # "weighted"
+        return m
+    if device_losses_add(config.scaling):
+        if m.transformed is None:
             return m
-        return m._replace(factor=jnp.asarray(share, jnp.float32))
+        return m._replace(factor=jnp.asarray(1.0 / layout.shards, jnp.float32))
+    share = 1.0 / divisor
     factor = share if m.factor is None else m.factor * share
     return m._replace(weight=m.weight * share, factor=jnp.asarray(factor, jnp.float32))
 
 
 def _close_device_window(ctx: Context, layout: mesh_lib.MeshLayout, fields: LoopCarry) -> LoopCarry:
     """The window's end: its one reduction in a ``shard_map`` (the sums of parameters split
-    over the data axis are reduced already), then the update in the global view."""
+    over the data axis are reduced already), then the update and the model state's close in
+    the global view (`accumjax._loop.close_fields`)."""
     config = ctx.config
 
     def local(window: window_lib.DeviceWindow, every_k: jax.Array) -> window_lib.Closed:
@@ -276,6 +281,4 @@ def _close_device_window(ctx: Context, layout: mesh_lib.MeshLayout, fields: Loop
         in_specs=(layout.window_specs(), REPLICATED_SPEC),
         out_specs=field_specs(window_lib.Closed, layout.optimizer_specs()),
     )(fields.opt.window, fields.opt.every_k)
-    fields = close_fields(ctx, fields, closed)
-    model_state = close_model_state(fields.model_state, fields.opt.updated, None)
-    return fields._replace(model_state=model_state)
+    return close_fields(ctx, fields, closed)

@@ -1,7 +1,8 @@
 """The scaling strategies' rules (internal): a strategy's name checked
 (`validate_scaling`), which stored strategies a state may resume under (`compatible`), a
-microbatch's weight validated (`microbatch_weight`) and whether devices' losses add up
-(`device_losses_add`). `accumjax.scaling` describes them.
+microbatch's weight validated (`microbatch_weight`), whether devices' losses add up
+(`device_losses_add`) and what one device's gradient counts for in a microbatch's
+(`share_divisor`). `accumjax.scaling` describes them.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ __all__ = [
     "Scaling",
     "compatible",
     "concrete_value",
-    "averages_microbatches",
     "device_losses_add",
     "microbatch_weight",
+    "share_divisor",
     "validate_scaling",
 ]
 
@@ -29,17 +30,6 @@ Scaling = Literal["mean", "sum", "count", "weighted", "sum_over_k"]
 #: The strategies by ``scaling_code`` (append only: a checkpoint stores the index).
 SCALINGS: tuple[Scaling, ...] = ("mean", "sum", "count", "weighted", "sum_over_k")
 _MEANS = ("mean", "count", "sum_over_k")
-
-
-def averages_microbatches(scaling: str) -> bool:
-    """Whether ``scaling``'s window is a mean over its microbatches, each weighing one
-    (``"mean"``, ``"sum_over_k"``), so that a device's rows count 1/devices of a microbatch.
-
-    Example:
-      >>> averages_microbatches("sum_over_k"), averages_microbatches("weighted")
-      (True, False)
-    """
-    return scaling in _MEANS
 
 
 def device_losses_add(scaling: str) -> bool:
@@ -53,6 +43,24 @@ def device_losses_add(scaling: str) -> bool:
       (True, False)
     """
     return scaling == "sum"
+
+
+def share_divisor(scaling: str, devices: int) -> int | None:
+    """On a mapped axis of ``devices``, what one device's part of a microbatch (the gradient
+    of its rows, and in a window its count) is divided by to be its share of the whole
+    microbatch's: ``devices`` where the window averages microbatches (``"mean"``,
+    ``"sum_over_k"``: each device's loss is a mean over its rows, the microbatch's gradient
+    the devices' mean), 1 where the devices' losses add (``"sum"``, `device_losses_add`:
+    each device's loss is its share already), None for ``"weighted"`` (a device's part is
+    weighed by its weight, and the sum divided by the devices' summed weight).
+
+    Example:
+      >>> share_divisor("mean", 8), share_divisor("sum", 8), share_divisor("weighted", 8)
+      (8, 1, None)
+    """
+    if scaling == "weighted":
+        return None
+    return 1 if device_losses_add(scaling) else devices
 
 
 def validate_scaling(scaling: str) -> Scaling:

@@ -357,7 +357,7 @@ def scan_finish(
     fields = LoopCarry(
         params=state.params, opt=opt, model_state=model_state, loss_scale=ctx.loss_scale
     )
-    fields = close_fields(ctx, fields, closed)
+    fields = close_fields(ctx, fields, closed, model_state_closed=True)
     # The state's own (stream) window is handed back untouched: its buffer is donated to
     # the output instead of a fresh zero accumulator being allocated every step.
     updated = fields.opt.updated

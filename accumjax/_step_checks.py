@@ -1,11 +1,15 @@
 """What a train step refuses (internal): misuse gets a clear error naming the argument and the
 call that works (`init_call`), never a silently wrong run.
 
-`check_step_inputs` runs once per trace, in every mode: an optimizer that accumulates where
-the step cannot see it (`check_composition`), an ``rng`` that is not one key or a loss that
-takes none (`check_key_argument`), self-closing BatchNorm layers, float16 without a loss scale
-or with ``on_nonfinite="propagate"``. `check_layout` refuses a state laid out for another
-mode; `check_init_inputs` refuses at ``step.init`` what the step would refuse later or ignore.
+`check_accumulate` refuses an `accumjax.accumulate` the step cannot run (another data axis, a
+schedule K in scan mode) at ``step.init``, before a call reads its concrete inputs, and at
+trace time; `check_weight` a ``weight_fn`` value that is not one scalar, at trace time.
+`check_step_inputs` runs once per trace, in every mode: an optimizer that
+accumulates where the step cannot see it (`check_composition`), an ``rng`` that is not one key
+or a loss that takes none (`check_key_argument`), self-closing BatchNorm layers, float16
+without a loss scale or with ``on_nonfinite="propagate"``. `check_layout` refuses a state laid
+out for another mode; `check_init_inputs` refuses at ``step.init`` what the step would refuse
+later or ignore.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from accumjax.accumulation_state import AccumulationState
 from accumjax.loss_scale import DynamicLossScale
 
 __all__ = [
+    "check_accumulate",
     "check_composition",
     "check_init_inputs",
     "check_layout",
     "check_key_argument",
     "check_step_inputs",
+    "check_weight",
     "init_call",
     "positional_limit",
     "requires_key",
@@ -79,6 +85,41 @@ def check_layout(mode: str, pmap_axis: str | None, acc: AccumulationState) -> Ac
     return acc
 
 
+def check_accumulate(config: Config | None, mode: str, axis_name: str | None) -> None:
+    """Refuses an `accumjax.accumulate` (its ``config``; None for a plain optimizer, which
+    every step runs) that a step of ``mode`` on the data axis ``axis_name``
+    (``make_train_step``'s) cannot run: one that names another axis, or a schedule K in scan
+    mode.
+
+    Example:
+      >>> import optax, accumjax
+      >>> from accumjax._state import config_of
+      >>> tx = accumjax.accumulate(optax.sgd(0.1), lambda count: 2)
+      >>> check_accumulate(config_of(tx), "scan", None)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      TypeError: mode='scan' needs an int K in accumjax.accumulate, not a schedule: ...
+    """
+    if config is None:
+        return
+    if config.axis_name not in (None, axis_name):
+        raise ValueError(
+            f"accumulate(axis_name={config.axis_name!r}) differs from make_train_step's "
+            f"axis_name={axis_name!r}; give the axis to make_train_step only."
+        )
+    if mode == "scan" and config.static_every_k is None:
+        raise TypeError(
+            "mode='scan' needs an int K in accumjax.accumulate, not a schedule: the step "
+            "splits each batch into K microbatches inside its program. For windows of "
+            "varying size give the largest K and pass the window's size per call, "
+            "step(state, batch, num_real_microbatches=n) (traced: no recompile). Microbatch "
+            "i holds the rows i, i + K, i + 2K, ... (strided), so a short batch has its real "
+            "rows in the first n of every K rows and padding in the other K - n "
+            "(docs/guides/modes.md, 'A short batch'). Or use mode='stream', which takes a "
+            "schedule."
+        )
+
+
 def check_step_inputs(
     state: Any, config: Config, rng: Any, loss_positional: int | None, f16: bool
 ) -> None:
@@ -103,6 +144,27 @@ def check_step_inputs(
         _check_float16(
             state.loss_scale, config, "model" if hasattr(state, "graphdef") else "params"
         )
+
+
+def check_weight(weight: jax.Array) -> jax.Array:
+    """``weight``, what ``make_train_step(weight_fn=...)`` returned for one microbatch (as an
+    array), if it is one scalar; else a clear error naming ``weight_fn`` (checked at trace
+    time, from its shape).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> check_weight(jnp.ones(3))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: weight_fn must return a scalar, got shape (3,): ...
+    """
+    if weight.shape != ():
+        raise ValueError(
+            f"weight_fn must return a scalar, got shape {weight.shape}: "
+            "make_train_step(weight_fn=fn) weighs each microbatch by one number, fn(microbatch) "
+            "-> e.g. its number of real tokens, jnp.sum(microbatch['mask'])."
+        )
+    return weight
 
 
 def init_call(f16: bool, first: str = "params") -> str:
@@ -137,12 +199,15 @@ def _check_detects(config: Config) -> None:
         )
 
 
-def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
-    """What ``step.init(params, tx, loss_scale=...)`` refuses (see the module docstring).
+def check_init_inputs(
+    params: Any, tx: Any, loss_scale: Any, f16: bool, mode: str, axis_name: str | None
+) -> None:
+    """What ``step.init(params, tx, loss_scale=...)`` refuses (see the module docstring) for
+    a step of ``mode`` on the data axis ``axis_name`` (`check_accumulate`).
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> check_init_inputs(optax.sgd(0.1), {"w": jnp.zeros(2)}, None, False)
+      >>> check_init_inputs(optax.sgd(0.1), {"w": jnp.zeros(2)}, None, False, "scan", None)
       ... # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
@@ -167,6 +232,7 @@ def check_init_inputs(params: Any, tx: Any, loss_scale: Any, f16: bool) -> None:
             "of step.init, or make the step with mixed_precision='float16'."
         )
     config = config_of(tx)
+    check_accumulate(config, mode, axis_name)
     if config is None:  # an accumulate inside: tx.init's state tells (abstractly)
         check_composition(jax.eval_shape(tx.init, params), accumulating=False)
     if f16 and config is not None:

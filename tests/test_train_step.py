@@ -780,15 +780,17 @@ def test_trace_time_errors():
     scan, stream = _step(mode="scan"), _step()
     with pytest.raises(ValueError, match="not divisible by K=3"):
         scan(scan.init(_params(), _sgd(k=3)), window)
-    scheduled = scan.init(_params(), accumulate(optax.sgd(0.1), lambda n: jnp.int32(2)))
+    # A state made elsewhere (step.init refuses these optimizers, below) is refused by the call.
+    scheduled = stream.init(_params(), accumulate(optax.sgd(0.1), lambda n: jnp.int32(2)))
     with pytest.raises(
         TypeError,
         match=r"(?s)not a schedule.*num_real_microbatches=n"
         r".*rows i, i \+ K, i \+ 2K, \.\.\. \(strided\)",
     ):
         scan(scheduled, window)
+    other_axis = TrainState.create(apply_fn=None, params=_params(), tx=_sgd(axis_name="model"))
     with pytest.raises(ValueError, match="axis_name"):
-        stream(stream.init(_params(), _sgd(axis_name="model")), window)
+        stream(other_axis, window)
     flax_state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"accumjax\.TrainState"):
         stream(flax_state, window)
@@ -802,6 +804,31 @@ def test_trace_time_errors():
     created = TrainState.create(apply_fn=None, params=_params(), tx=_sgd())
     with pytest.raises(ValueError, match=r"stream-mode accumulator.*step\.init"):
         scan(created, window)
+
+
+_NOT_A_SCHEDULE = r"(?s)mode='scan' needs an int K in accumjax\.accumulate, not a schedule"
+
+
+def test_a_scheduled_k_in_scan_mode_is_refused_first_at_init_and_call():
+    # The refusal names the argument and the fix wherever the step meets the optimizer: at
+    # step.init, and at a call before num_real_microbatches is checked against K.
+    window = _windows(*_data())[0]
+    scan = _step(mode="scan")
+    tx = accumulate(optax.sgd(0.1), lambda count: 2)
+    with pytest.raises(TypeError, match=_NOT_A_SCHEDULE):
+        scan.init(_params(), tx)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
+    for n in (1, jnp.int32(1)):
+        with pytest.raises(TypeError, match=_NOT_A_SCHEDULE):
+            scan(state, window, num_real_microbatches=n)
+    with pytest.raises(TypeError, match=_NOT_A_SCHEDULE):
+        scan.lower(state, window, num_real_microbatches=1)
+    _step().init(_params(), tx)  # stream mode takes a schedule
+
+
+def test_an_accumulate_on_another_axis_is_refused_at_init():
+    with pytest.raises(ValueError, match=r"accumulate\(axis_name='model'\) differs.*only"):
+        _step().init(_params(), _sgd(axis_name="model"))
 
 
 def test_resuming_under_another_k_or_scaling_is_refused():
@@ -1714,3 +1741,17 @@ def test_weighted_scaling_errors_name_make_train_step_weight_fn(mode):
     state = unweighted.init(_params(), _sgd())
     with pytest.raises(ValueError, match=r"weight_fn=\.\.\.\).*only taken with scaling='weighted'"):
         unweighted(state, batch)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_weight_fn_that_returns_more_than_a_scalar_is_refused_naming_it(mode):
+    x, y = _data()
+    batch = {"x": x[: K * MICRO], "y": y[: K * MICRO]}
+    step = make_train_step(loss_fn, mode=mode, weight_fn=lambda b: jnp.abs(b["x"][:, 0]))
+    state = step.init(_params(), _sgd(scaling="weighted"))
+    refused = r"weight_fn must return a scalar, got shape \(\d+,\): make_train_step\(weight_fn="
+    with pytest.raises(ValueError, match=refused):
+        step(state, batch)
+    if mode == "scan":  # the call's own check of a short batch's padding reads it first
+        with pytest.raises(ValueError, match=refused):
+            step(state, batch, num_real_microbatches=2)
