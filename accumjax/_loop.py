@@ -351,11 +351,12 @@ def _loss_share(ctx: Context) -> Any:
 
 
 #: A stream call's pooling on a mesh (`accumjax._mesh_stream`): ``pool(microbatch, weight,
-#: (loss, model state, aux))`` takes this device's `accumjax._decision.Microbatch` about its rows,
-#: its weight (or None) and what its rows produced, and returns the whole microbatch's decision
-#: (its ``weight`` the whole microbatch's) with the loss metric, the model state (following
-#: the decision) and the aux made global, all in one all-reduce.
-Pool = Callable[[Microbatch, Any, tuple[Any, Any, Any]], tuple[Any, Any]]
+#: produced)`` takes this device's `accumjax._decision.Microbatch` about its rows, its weight
+#: (or None) and what its rows produced, an `Outcome` by name (``loss``, ``aux`` and
+#: ``carry.model_state``), and returns the whole microbatch's decision (its ``weight`` the
+#: whole microbatch's) and an `Outcome` of the same fields made global (the model state
+#: following the decision; ``aux`` as rows and means), all in one all-reduce.
+Pool = Callable[[Microbatch, Any, Outcome], tuple[Microbatch, Outcome]]
 
 
 def run_microbatch(
@@ -398,7 +399,9 @@ def run_microbatch(
         gate=gate,
     )
     if pool is not None:
-        m, (loss, new_model_state, aux) = pool(m, weight, (loss, new_model_state, aux))
+        produced = Outcome(carry=LoopCarry(model_state=new_model_state), loss=loss, aux=aux)
+        m, pooled = pool(m, weight, produced)
+        loss, new_model_state, aux = pooled.loss, pooled.carry.model_state, pooled.aux
     window, micro = add(config, carry.window, grads, weight, params, m, gate=gate, **more)
     carry, loss = follow_decision(
         ctx, carry, window, micro.added, weight, loss, new_model_state, pooled=pool is not None

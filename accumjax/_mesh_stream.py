@@ -208,8 +208,8 @@ def _pool(
     before: Any,
     m: Microbatch,
     weight: jax.Array | None,
-    produced: tuple[Any, Any, Any],
-) -> tuple[Microbatch, tuple[jax.Array, Any, tuple[Any, Any]]]:
+    produced: Outcome,
+) -> tuple[Microbatch, Outcome]:
     """The `accumjax._loop.Pool` of a stream call on a mesh: this device's decision ``m``
     about its rows as its share (`_share`), summed with the loss, the model state's sums
     (`accumjax._batch_norm_windows.model_state_sums`: BatchNorm statistics, other floating
@@ -218,7 +218,7 @@ def _pool(
     reads the gradient decided about the whole microbatch already (its one gradient-sized
     all-reduce); otherwise, without a ``skip_fn``, a microbatch is refused only for being
     non-finite."""
-    loss, new_state, aux = produced
+    loss, new_state, aux = produced.loss, produced.carry.model_state, produced.aux
     config = ctx.config
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
     mine = rows_decision(config.scaling, m, weight)
@@ -239,7 +239,8 @@ def _pool(
     m = pooled_decision(config, m, pooled["weight"], pooled["decision"])
     model_state = pooled_model_state(before, new_state, pooled["sums"], m.added, layout.shards)
     loss = loss_mean(pooled["loss_sum"], pooled["loss_weight"])
-    return m, (loss, model_state, (aux_rows, pooled["aux_means"]))
+    aux = (aux_rows, pooled["aux_means"])
+    return m, Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=aux)
 
 
 def _share(config: Config, m: Microbatch, layout: mesh_lib.MeshLayout) -> Microbatch:
