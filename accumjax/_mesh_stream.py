@@ -130,7 +130,7 @@ def _mesh_call(
     """One stream call on a mesh: the microbatch added in a ``shard_map`` (its decision, loss
     and model state pooled), and the window closed when it is full."""
     ctx, acc = begin(setup, state, rng)
-    aux_tree: list[Any] = []
+    aux_structure: dict[str, Any] = {}
     per_shard = isinstance(acc.window, window_lib.DeviceWindow)
     if per_shard:
         window_specs = layout.window_specs()
@@ -146,7 +146,7 @@ def _mesh_call(
         nonfinite=REPLICATED_SPEC,
     )
     window, outcome = data_shard_map(
-        partial(_local_call, ctx, layout, aux_tree, per_shard),
+        partial(_local_call, ctx, layout, aux_structure, per_shard),
         layout,
         in_specs=(step_specs(layout, local_state, window_specs),),
         out_specs=(window_specs, outcome_specs),
@@ -160,7 +160,7 @@ def _mesh_call(
         close = partial(zero_close, layout, ctx.accumulating, close)
         acc = optimizer_side(layout, state.params, acc)[1]
         laid_out = partial(restore_layout, layout)
-    aux = None if not aux_tree else join_aux(outcome.aux, aux_tree, layout.shards)
+    aux = None if not aux_structure else join_aux(outcome.aux, aux_structure, layout.shards)
     carry = outcome.carry._replace(window=window)
     outcome = outcome._replace(carry=carry, aux=aux)
     # The window came through `add_microbatch`: even a plain optimizer's closes when full.
@@ -170,7 +170,7 @@ def _mesh_call(
 def _local_call(
     ctx: Context,
     layout: mesh_lib.MeshLayout,
-    aux_tree: list[Any],
+    aux_structure: dict[str, Any],
     per_shard: bool,
     inputs: tuple[Any, ...],
 ) -> tuple[Any, Outcome]:
@@ -191,7 +191,7 @@ def _local_call(
     start = None if state.model_state is None else emptied_stats_windows(state.model_state)
     zero = jnp.zeros((), jnp.float32)
     carry = LoopCarry(window=window, model_state=start, loss_sum=zero, loss_weight=zero)
-    pool = partial(_pool, ctx, layout, aux_tree, state.model_state)
+    pool = partial(_pool, ctx, layout, aux_structure, state.model_state)
     out = run_microbatch(ctx, carry, params, batch, window.micro_step, pool=pool)
     window = window_lib.retyped(out.carry.window, type(open_window))
     carry = LoopCarry(model_state=out.carry.model_state)
@@ -204,7 +204,7 @@ def _local_call(
 def _pool(
     ctx: Context,
     layout: mesh_lib.MeshLayout,
-    aux_tree: list[Any],
+    aux_structure: dict[str, Any],
     before: Any,
     m: Microbatch,
     weight: jax.Array | None,
@@ -223,7 +223,7 @@ def _pool(
     weighs = jnp.ones((), jnp.float32) if weight is None else weight
     mine = rows_decision(config.scaling, m, weight)
     m = _share(config, m, layout)
-    aux_rows, aux_means = split_aux(aux, 0, aux_tree) if aux is not None else ([], [])
+    aux_rows, aux_means = split_aux(aux, 0, aux_structure) if aux is not None else ([], [])
     sums = model_state_sums(new_state)
     # A device whose rows weigh nothing may have a NaN mean loss: it adds nothing.
     loss_sum, loss_weight = loss_parts(ctx, weighs, loss.astype(jnp.result_type(jnp.float32, loss)))

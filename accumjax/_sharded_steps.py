@@ -137,14 +137,19 @@ def local_context(ctx: Context, layout: mesh_lib.MeshLayout, state: Any, rng: An
     return ctx._replace(layout=layout).reading(state, rng)
 
 
-def split_aux(aux: Any, row_axis: int, aux_tree: list[Any]) -> tuple[list[Any], list[Any]]:
+def split_aux(
+    aux: Any, row_axis: int, aux_structure: dict[str, Any]
+) -> tuple[list[Any], list[Any]]:
     """A per-device ``aux`` split for ``shard_map``'s outputs: ``(rows, means)``, the leaves
     with rows (concatenated over the devices along their ``row_axis``) and the others
-    (averaged over the devices); its structure goes into ``aux_tree`` for `join_aux`. The
-    ``shard_map`` spec of a split is a pair too, one spec for each list."""
+    (averaged over the devices); its structure goes into ``aux_structure`` (by name: its
+    ``treedef``, which leaves have rows, their dtypes) for `join_aux`, which runs outside the
+    ``shard_map`` the split ran in. The ``shard_map`` spec of a split is a pair too, one spec
+    for each list."""
     leaves, treedef = jax.tree.flatten(aux)
     has_rows = [jnp.ndim(x) > row_axis for x in leaves]
-    aux_tree[:] = [treedef, has_rows, [jnp.result_type(x) for x in leaves]]
+    dtypes = [jnp.result_type(x) for x in leaves]
+    aux_structure.update(treedef=treedef, has_rows=has_rows, dtypes=dtypes)
     rows = [x for x, r in zip(leaves, has_rows, strict=True) if r]
     return rows, [x for x, r in zip(leaves, has_rows, strict=True) if not r]
 
@@ -155,15 +160,14 @@ def _aux_row_axis(setup: Setup) -> int:
     return 0 if setup.aux_rows else 1
 
 
-def join_aux(split: tuple[Any, Any], aux_tree: list[Any], shards: int) -> Any:
+def join_aux(split: tuple[Any, Any], aux_structure: dict[str, Any], shards: int) -> Any:
     """`split_aux` undone, after ``shard_map``: the means divided by the number of shards."""
-    treedef, has_rows, dtypes = aux_tree
     rows, means = iter(split[0]), iter(split[1])
     leaves = [
         next(rows) if r else (next(means) / shards).astype(d)
-        for r, d in zip(has_rows, dtypes, strict=True)
+        for r, d in zip(aux_structure["has_rows"], aux_structure["dtypes"], strict=True)
     ]
-    return jax.tree.unflatten(treedef, leaves)
+    return jax.tree.unflatten(aux_structure["treedef"], leaves)
 
 
 # ----------------------------------------------------------------------------- scan mode
@@ -188,7 +192,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             )
         ctx, acc = begin(setup, state, rng)
         ctx = ctx._replace(n_real=real_microbatches(n, ctx.every_k))
-        aux_tree: list[Any] = []
+        aux_structure: dict[str, Any] = {}
         local_state = state.replace(opt_state=None)
         closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
         row_spec = PartitionSpec(*([None] * _aux_row_axis(setup)), layout.axis)
@@ -198,12 +202,12 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             aux=(row_spec, REPLICATED_SPEC),  # `split_aux`'s rows and means
         )
         closed, ended = data_shard_map(
-            partial(_window_on_device, ctx, layout, aux_tree),
+            partial(_window_on_device, ctx, layout, aux_structure),
             layout,
             in_specs=(step_specs(layout, local_state, REPLICATED_SPEC),),
             out_specs=(closed_specs, ended_specs),
         )((local_state, batch, rng, ctx.n_real))
-        aux = None if not aux_tree else join_aux(ended.aux, aux_tree, layout.shards)
+        aux = None if not aux_structure else join_aux(ended.aux, aux_structure, layout.shards)
         if layout.zero:
             _, acc = optimizer_side(layout, state.params, acc)
             ctx = ctx._replace(split_params=split_params(layout))
@@ -219,7 +223,10 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
 
 
 def _window_on_device(
-    ctx: Context, layout: mesh_lib.MeshLayout, aux_tree: list[Any], inputs: tuple[Any, ...]
+    ctx: Context,
+    layout: mesh_lib.MeshLayout,
+    aux_structure: dict[str, Any],
+    inputs: tuple[Any, ...],
 ) -> tuple[window_lib.Closed, Outcome]:
     """One device's part of a window, from its ``(state, batch, rng, n_real)`` (`step_specs`):
     its rows' gradients summed as they come (decided at the window's end, with the
@@ -247,7 +254,9 @@ def _window_on_device(
     run = window_loop(ctx, params, start, batch)
     first = run(None)
     rows = _aux_row_axis(ctx.setup)
-    aux_rows, aux_means = ([], []) if first.aux is None else split_aux(first.aux, rows, aux_tree)
+    aux_rows, aux_means = [], []
+    if first.aux is not None:
+        aux_rows, aux_means = split_aux(first.aux, rows, aux_structure)
     every_k = window_every_k(ctx, ctx.every_k)
 
     def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Outcome]:
