@@ -125,7 +125,7 @@ class Context(NamedTuple):
       loss_scale: the dynamic loss scale (float16), or None.
       rng: the step's PRNG key, or None.
       step_count: ``state.step``, folded into every microbatch key (the loss scale, key
-        and step count: `reading`).
+        and step count: `with_call_values`).
       n_real: scan mode: how many of the K microbatches are real (an int32 scalar, maybe
         traced; the padded rest is neither computed nor counted), or None for all K.
       materialize: ``(params, microbatch index) -> params`` a microbatch computes with
@@ -164,7 +164,7 @@ class Context(NamedTuple):
         (`accumjax._decision.inspect_microbatch`)."""
         return self.setup.pmap_axis if self.layout is None else self.layout.axis
 
-    def reading(self, state: Any, rng: Any) -> Context:
+    def with_call_values(self, state: Any, rng: Any) -> Context:
         """This context with the call's traced values read from the train ``state`` (its loss
         scale under float16, its step count) and ``rng``: `begin` reads them so, and a mesh
         step's ``shard_map`` again, as one device sees them."""
@@ -296,7 +296,7 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
     else:
         acc = init_state(config, state.params, state.opt_state)
     context = Context(setup=setup, config=config, accumulating=accumulating)
-    return context.reading(state, rng), acc
+    return context.with_call_values(state, rng), acc
 
 
 # ----------------------------------------------------------------------------- one microbatch

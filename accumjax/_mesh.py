@@ -77,7 +77,7 @@ class MeshLayout(NamedTuple):
         return tuple(leaf.optimizer for leaf in self.leaves)
 
     @property
-    def zero(self) -> bool:
+    def zero_sharded(self) -> bool:
         """Whether a replicated parameter's optimizer state is split over the axis."""
         return any(leaf.param is None and leaf.optimizer is not None for leaf in self.leaves)
 

@@ -156,7 +156,7 @@ def _mesh_call(
     else:  # the sum is reduced already: the window closes in the global view
         close = lambda f: close_fields(ctx, f)
     laid_out = None
-    if layout.zero:  # the close's loop carries the optimizer state as planned
+    if layout.zero_sharded:  # the close's loop carries the optimizer state as planned
         close = partial(zero_close, layout, ctx.accumulating, close)
         acc = optimizer_side(layout, state.params, acc)[1]
         laid_out = partial(restore_layout, layout)

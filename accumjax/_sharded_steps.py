@@ -132,9 +132,9 @@ def _fit(args: Any, specs: Any, layout: mesh_lib.MeshLayout) -> Any:
 
 def local_context(ctx: Context, layout: mesh_lib.MeshLayout, state: Any, rng: Any) -> Context:
     """``ctx`` inside the ``shard_map``: the call's traced values read again from the train
-    ``state`` and key as one device sees them (`accumjax._loop.Context.reading`), and the
+    ``state`` and key as one device sees them (`accumjax._loop.Context.with_call_values`), and the
     call's ``layout``, whose data axis the devices decide along."""
-    return ctx._replace(layout=layout).reading(state, rng)
+    return ctx._replace(layout=layout).with_call_values(state, rng)
 
 
 def split_aux(
@@ -208,14 +208,14 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
             out_specs=(closed_specs, ended_specs),
         )((local_state, batch, rng, ctx.n_real))
         aux = None if not aux_structure else join_aux(ended.aux, aux_structure, layout.shards)
-        if layout.zero:
+        if layout.zero_sharded:
             _, acc = optimizer_side(layout, state.params, acc)
             ctx = ctx._replace(split_params=split_params(layout))
         model_state = ended.carry.model_state
         new, metrics = scan_finish(
             ctx, state, acc, closed, model_state=model_state, loss=ended.loss, aux=aux
         )
-        if layout.zero:
+        if layout.zero_sharded:
             new = parameter_side(layout, new, ctx.accumulating)
         return new, metrics
 
