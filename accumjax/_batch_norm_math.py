@@ -70,7 +70,7 @@ __all__ = [
 #: The accumulator entries that ``AccumBatchNorm`` keeps in ``batch_stats`` next to ``mean``
 #: and ``var``, each with the `StatsWindow` field it holds: the open window's count, mean,
 #: ``M2`` and number of calls (`stats_window_values`, `stats_window_of`).
-_WINDOW_FIELDS = {"acc_count": "count", "acc_mean": "mean", "acc_m2": "m2", "acc_step": "step"}
+_WINDOW_FIELDS = {"acc_count": "count", "acc_mean": "mean", "acc_m2": "m2", "acc_step": "calls"}
 #: Names of the accumulator entries, in the order of `StatsWindow`'s fields.
 ACCUMULATOR_NAMES: tuple[str, ...] = tuple(_WINDOW_FIELDS)
 #: Name of the float32 scalar that step-driven layers (``accum_steps=None``) keep there.
@@ -95,19 +95,20 @@ class Running(NamedTuple):
 
 
 class StatsWindow(NamedTuple):
-    """The open window's pooled count, mean, ``M2`` and number of calls."""
+    """The open window's pooled count, mean, ``M2`` and number of calls (``calls``, kept in
+    ``batch_stats`` as ``acc_step``)."""
 
     count: Any
     mean: Any
     m2: Any
-    step: Any
+    calls: Any
 
 
 def stats_window_values(window: StatsWindow) -> dict[str, Any]:
     """``window``'s values under their names in a layer's statistics (`ACCUMULATOR_NAMES`).
 
     Example:
-      >>> sorted(stats_window_values(StatsWindow(count=1, mean=2, m2=3, step=4)).items())
+      >>> sorted(stats_window_values(StatsWindow(count=1, mean=2, m2=3, calls=4)).items())
       [('acc_count', 1), ('acc_m2', 3), ('acc_mean', 2), ('acc_step', 4)]
     """
     return {name: getattr(window, field) for name, field in _WINDOW_FIELDS.items()}
@@ -119,7 +120,7 @@ def stats_window_of(values: Mapping[str, Any]) -> StatsWindow:
 
     Example:
       >>> stats_window_of({"acc_count": 1, "acc_mean": 2, "acc_m2": 3, "acc_step": 4})
-      StatsWindow(count=1, mean=2, m2=3, step=4)
+      StatsWindow(count=1, mean=2, m2=3, calls=4)
     """
     return StatsWindow(**{field: values[name] for name, field in _WINDOW_FIELDS.items()})
 
@@ -264,7 +265,7 @@ def empty_stats_window(
       mean_dtype: the mean's dtype (default ``dtype``; complex for a complex input).
 
     Returns:
-      A :class:`StatsWindow` of zeros, with an int32 scalar ``step``.
+      A :class:`StatsWindow` of zeros, with an int32 scalar ``calls``.
     """
     dtype = stats_accumulator_dtype() if dtype is None else dtype
     mean_dtype = dtype if mean_dtype is None else mean_dtype
@@ -461,10 +462,10 @@ def add_moments(
     if accum_steps == 1:
         return _close_one(running, window, Moments(n_b, mean_b, var_b), momentum)
     n, mean, m2 = chan_merge(window.count, window.mean, window.m2, n_b, mean_b, var_b * n_b)
-    step = window.step + 1
+    calls = window.calls + 1
     if accum_steps is None:
-        return running, StatsWindow(n, mean, m2, step.astype(jnp.int32))
-    closes = step >= accum_steps
+        return running, StatsWindow(n, mean, m2, calls.astype(jnp.int32))
+    closes = calls >= accum_steps
     update = jnp.logical_and(closes, n > 0)
     pooled_var = m2 / jnp.maximum(n, 1)
     new_running = Running(
@@ -475,7 +476,7 @@ def add_moments(
         jnp.where(closes, jnp.zeros_like(n), n),
         jnp.where(closes, jnp.zeros_like(mean), mean),
         jnp.where(closes, jnp.zeros_like(m2), m2),
-        jnp.where(closes, 0, step).astype(jnp.int32),
+        jnp.where(closes, 0, calls).astype(jnp.int32),
     )
     return new_running, new_window
 

@@ -253,7 +253,7 @@ def pooled_windows(
     summed: list[tuple[Array, ...]], shifts: list[Array], windows: list[StatsWindow]
 ) -> list[StatsWindow]:
     """The windows whose `shifted_sums` summed across devices are ``summed``, in the order of
-    ``windows`` (each keeps its own ``step``)."""
+    ``windows`` (each keeps its own ``calls``)."""
     pooled = []
     for sums, shift, window in zip(summed, shifts, windows, strict=True):
         likes = (window.count, window.mean, window.m2)  # summed in a type at least theirs
@@ -261,7 +261,7 @@ def pooled_windows(
         offset_mean = s1 / jnp.maximum(count, 1)
         mean = shift.astype(offset_mean.dtype) + offset_mean
         m2 = jnp.maximum(s2 - jnp.real(s1 * jnp.conj(offset_mean)), 0)
-        pooled.append(StatsWindow(count=count, mean=mean, m2=m2, step=window.step))
+        pooled.append(StatsWindow(count=count, mean=mean, m2=m2, calls=window.calls))
     return pooled
 
 
@@ -301,7 +301,7 @@ def emptied_stats_windows(tree: Any) -> Any:
             count=jnp.zeros_like(w.count),
             mean=jnp.zeros_like(w.mean),
             m2=jnp.zeros_like(w.m2),
-            step=w.step * 0,
+            calls=w.calls * 0,
         )
         nodes[i] = replace_leaves(nodes[i], stats_window_values(empty))
     return jax.tree.unflatten(treedef, nodes)
@@ -314,8 +314,8 @@ def call_sums(tree: Any) -> tuple[list[tuple[Array, ...]], Array]:
     nodes, _, where = _nodes(tree)
     windows = [_stats_window(nodes[i]) for i in where]
     shifts = [array_of(nodes[i]["mean"]) for i in where]
-    steps = jnp.stack([w.step for w in windows] or [jnp.zeros((), jnp.int32)])
-    return shifted_sums(shifts, windows), steps
+    calls = jnp.stack([w.calls for w in windows] or [jnp.zeros((), jnp.int32)])
+    return shifted_sums(shifts, windows), calls
 
 
 def merge_pooled(before: Any, pooled_sums: tuple[list[tuple[Array, ...]], Any]) -> Any:
@@ -329,9 +329,9 @@ def merge_pooled(before: Any, pooled_sums: tuple[list[tuple[Array, ...]], Any]) 
     pooled = pooled_windows(sums, shifts, windows)
     for j, (i, old, new) in enumerate(zip(where, windows, pooled, strict=True)):
         count, mean, m2 = chan_merge(old.count, old.mean, old.m2, new.count, new.mean, new.m2)
-        step = old.step + (called[j] > 0).astype(old.step.dtype)
+        calls = old.calls + (called[j] > 0).astype(old.calls.dtype)
         merged = StatsWindow(
-            count=count.astype(old.count.dtype), mean=mean, m2=m2.astype(old.m2.dtype), step=step
+            count=count.astype(old.count.dtype), mean=mean, m2=m2.astype(old.m2.dtype), calls=calls
         )
         nodes[i] = replace_leaves(nodes[i], stats_window_values(merged))
     return jax.tree.unflatten(treedef, nodes)

@@ -262,19 +262,19 @@ class AccumBatchNorm(nn.Module):
             self.variable("batch_stats", name, jnp.zeros, feature_shape, d)
             for name, d in zip(ACCUMULATOR_NAMES[:3], dtypes, strict=True)
         )
-        step = self.variable("batch_stats", "acc_step", jnp.zeros, (), jnp.int32)
+        calls = self.variable("batch_stats", "acc_step", jnp.zeros, (), jnp.int32)
         momentum = None
         if self.accum_steps is None:
             momentum = self.variable(
                 "batch_stats", MOMENTUM_NAME, lambda: jnp.asarray(self.momentum, jnp.float32)
             )
-        return StatsWindow(count=count, mean=mean, m2=m2, step=step), momentum
+        return StatsWindow(count=count, mean=mean, m2=m2, calls=calls), momentum
 
 
 def _values(window: StatsWindow) -> StatsWindow:
     """The arrays held by a window of linen ``Variable``s."""
     w = window
-    return StatsWindow(count=w.count.value, mean=w.mean.value, m2=w.m2.value, step=w.step.value)
+    return StatsWindow(count=w.count.value, mean=w.mean.value, m2=w.m2.value, calls=w.calls.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -271,7 +271,7 @@ class AccumBatchNorm(nnx.Module):
                 count=view(self.acc_count),
                 mean=view(self.acc_mean),
                 m2=view(self.acc_m2),
-                step=self.acc_step[...],
+                calls=self.acc_step[...],
             ),
             scale,
             bias,
