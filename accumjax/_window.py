@@ -31,6 +31,7 @@ from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
 from accumjax._reduction import cross_device_reduce, sharded_norm
 
 __all__ = [
+    "COUNTERS",
     "Closed",
     "DeviceWindow",
     "Window",
@@ -46,6 +47,7 @@ __all__ = [
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
+    "sums_name",
     "sums_of",
     "window_sum",
 ]
@@ -97,7 +99,7 @@ class DeviceWindow(NamedTuple):
 
 
 #: A window's counters: what `Window` and `DeviceWindow` hold besides their sums.
-_COUNTERS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
+COUNTERS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
 
 
 class Closed(NamedTuple):
@@ -213,6 +215,16 @@ def sums_of(window: Any) -> Any:
     return window.grad_sum if isinstance(window, Window) else window.partial_sums
 
 
+def sums_name(cls: type) -> str:
+    """The field of a window type (`Window` or `DeviceWindow`) that holds its sums.
+
+    Example:
+      >>> sums_name(Window), sums_name(DeviceWindow)
+      ('grad_sum', 'partial_sums')
+    """
+    return cls._fields[0]  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def retyped(window: Any, cls: type, sums: Any = None) -> Any:
     """``window`` (a `Window` or `DeviceWindow`) as ``cls``: its counters, by name, and
     ``sums`` (by default its own sums) as ``cls``'s sums.
@@ -223,8 +235,8 @@ def retyped(window: Any, cls: type, sums: Any = None) -> Any:
       ('DeviceWindow', (2,), 0)
     """
     sums = sums_of(window) if sums is None else sums
-    counters = {name: getattr(window, name) for name in _COUNTERS}
-    return cls(**{cls._fields[0]: sums}, **counters)  # pyright: ignore[reportAttributeAccessIssue]
+    counters = {name: getattr(window, name) for name in COUNTERS}
+    return cls(**{sums_name(cls): sums}, **counters)
 
 
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
