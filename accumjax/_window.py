@@ -39,10 +39,12 @@ __all__ = [
     "close_window",
     "count_microbatch",
     "denominator",
+    "divided",
     "emptied_window",
     "first_microbatch",
     "init_window",
     "local_window",
+    "nonzero_denominator",
     "retyped",
     "saturating_add",
     "scaled_gradient",
@@ -463,8 +465,7 @@ def close_window(
     if decisions is not None:
         ok, rejected = window_decisions(config.scaling, decisions)
         nonfinite = skipped = rejected
-    denom = denominator(config.scaling, every_k, weight_sum, devices)
-    safe = jnp.where(denom > 0, denom, 1.0)
+    safe = nonzero_denominator(denominator(config.scaling, every_k, weight_sum, devices))
     # The scaled gradient's norm, without materializing the scaled gradient.
     dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
     dims = None if dims is None else jax.tree.unflatten(jax.tree.structure(grad_sum), dims)
@@ -477,6 +478,21 @@ def close_window(
     return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras, ok)
 
 
+def nonzero_denominator(denom: jax.Array) -> jax.Array:
+    """``denom`` where it is > 0, else 1 (a window without weight: its sum, zero, stays zero).
+
+    Example:
+      >>> float(nonzero_denominator(jnp.float32(0.0))), float(nonzero_denominator(jnp.float32(4.0)))
+      (1.0, 4.0)
+    """
+    return jnp.where(denom > 0, denom, 1.0)
+
+
+def divided(sums: Any, denom: jax.Array) -> Any:
+    """Each leaf of ``sums`` divided by ``denom`` (a `nonzero_denominator`), in its own dtype."""
+    return jax.tree.map(lambda a: a / denom.astype(a.dtype), sums)
+
+
 def scaled_gradient(closed: Closed) -> Any:
     """The window gradient: the (reduced) sum divided by the strategy's denominator."""
-    return jax.tree.map(lambda a: a / closed.denominator.astype(a.dtype), closed.grad_sum)
+    return divided(closed.grad_sum, closed.denominator)
