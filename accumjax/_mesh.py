@@ -31,6 +31,7 @@ __all__ = [
     "layout_of",
     "mesh_difference",
     "mesh_of",
+    "moved_axis",
     "names",
     "optimizer_state_specs",
     "lay_out",
@@ -107,12 +108,7 @@ class MeshLayout(NamedTuple):
 
     def global_specs(self, dims: tuple[int | None, ...]) -> Any:
         """Per leaf, its full partition spec with the data axis moved to ``dims``."""
-        out = []
-        for spec, dim in zip(self.specs, dims, strict=True):
-            entries = [tuple(n for n in names(e) if n != self.axis) for e in spec]
-            if dim is not None:
-                entries[dim] = (self.axis, *entries[dim])
-            out.append(PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries)))
+        out = [moved_axis(spec, self.axis, dim) for spec, dim in zip(self.specs, dims, strict=True)]
         return jax.tree.unflatten(self.treedef, out)
 
     @property
@@ -147,6 +143,23 @@ def names(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def moved_axis(spec: Any, axis: str, dim: int | None, ndim: int = 0) -> PartitionSpec:
+    """``spec`` (padded with None to ``ndim`` entries) with the mesh axis ``axis`` moved to
+    dimension ``dim``, outermost there (None: off the spec); its other axes stay where they are.
+
+    Example:
+      >>> moved_axis(PartitionSpec("data", "model"), "data", 1)
+      P(None, ('data', 'model'))
+      >>> moved_axis(PartitionSpec("data"), "data", None, ndim=2)
+      P(None, None)
+    """
+    entries = [tuple(n for n in names(e) if n != axis) for e in spec]
+    entries += [()] * (ndim - len(entries))
+    if dim is not None:
+        entries[dim] = (axis, *entries[dim])
+    return PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
 
 
 def sharding_of(x: Any) -> Any:
