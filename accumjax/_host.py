@@ -217,25 +217,16 @@ def _check_rows(batch: Any, layout: mesh_lib.MeshLayout, every_k: int | None) ->
         advice = split_advice(shape[0], every_k or 1, n) if shape else None
         if advice is None:
             continue
-        rows, name = shape[0], f"batch{jax.tree_util.keystr(path)}"
-        if every_k is None:
-            what = f"{rows} rows on {n} devices"
-            rule = f"each call's rows are split over the {n} devices: they must divide by {n}"
-        else:
-            what = f"{rows} rows on {n} devices with K={every_k}"
-            rule = (
-                f"scan mode needs the batch's rows to divide by devices x K = {n} x {every_k} = "
-                f"{n * every_k} (each device splits its rows into K microbatches)"
-            )
+        name = f"batch{jax.tree_util.keystr(path)}"
         now = mesh_lib.sharding_of(leaf)
         if isinstance(now, NamedSharding) and now.mesh == layout.mesh:
-            where = f"{name}: {what} (the mesh axis {layout.axis!r})"
+            where = f"{name}, split over the mesh axis {layout.axis!r}"
         else:
             where = (
                 f"{name} is not on the mesh, so accumjax puts it there, split over the mesh "
-                f"axis {layout.axis!r} of {dict(layout.mesh.shape)}: {what}"
+                f"axis {layout.axis!r} of {dict(layout.mesh.shape)}"
             )
-        raise ValueError(f"{where} do not split: {rule}. Use {advice}.")
+        raise ValueError(f"{where}: {advice}.")
 
 
 class TrainStep:

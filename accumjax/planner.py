@@ -506,10 +506,7 @@ def plan_microbatches(
     shards = _data_shards(state, abstract_batch, make_train_step_kwargs)
     advice = split_advice(batch_size, 1, shards)
     if advice is not None:
-        raise ValueError(
-            f"the batch's {batch_size} rows do not split over the {shards} devices the step "
-            f"runs on: use {advice}."
-        )
+        raise ValueError(f"the batch does not split over the devices the step runs on: {advice}.")
     if candidates is None:
         candidates = _divisors(batch_size // shards)
     sorted_candidates = _check_candidates(candidates)
@@ -519,11 +516,8 @@ def plan_microbatches(
         if split_advice(batch_size, every_k, shards) is not None
     ]
     if bad:
-        raise ValueError(
-            f"candidates {bad} do not divide the batch: {batch_size} rows on {shards} "
-            f"device(s) need devices x K to divide {batch_size} (K must divide the "
-            f"{batch_size // shards} rows each device gets)."
-        )
+        advice = split_advice(batch_size, bad[0], shards)
+        raise ValueError(f"candidates {bad} do not split the batch: for K={bad[0]}, {advice}.")
     if memory_budget is None:
         budget = _device_budget()
     else:
