@@ -87,9 +87,9 @@ def _devices_apart(state: Any, batch: Any) -> str | None:
     for name, leaf in named[1:]:
         if leaf.sharding.device_set != ref.sharding.device_set:
             return (
-                f"{first} is on the {_placement(ref)}, but {name} is on the {_placement(leaf)}: a "
-                "step's arrays must all be on one mesh. Put the state and the batch on the "
-                "same mesh (jax.device_put(x, NamedSharding(mesh, spec)))."
+                f"{first} is on the {_placement(ref)}, but {name} is on the {_placement(leaf)}: "
+                f"{mesh_lib.ONE_MESH}. Put the state and the batch on the same mesh "
+                "(jax.device_put(x, NamedSharding(mesh, spec)))."
             )
     return None
 
@@ -157,9 +157,9 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
                 f"{name}{jax.tree_util.keystr(path)} lies on the {_placement(x)}, but the step "
                 f"runs on the mesh {dict(mesh.shape)} of devices "
                 f"{sorted(d.id for d in mesh.devices.flat)}; the two differ in "
-                f"{mesh_lib.mesh_difference(now.mesh, mesh)}. A step's arrays must lie on one "
-                "mesh (moving a sharded array would replicate it behind your back): put the "
-                "state and the batch on the same mesh."
+                f"{mesh_lib.mesh_difference(now.mesh, mesh)}: {mesh_lib.ONE_MESH} (moving a "
+                "sharded array would replicate it behind your back). Put the state and the batch "
+                "on the same mesh."
             )
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)

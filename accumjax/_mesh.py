@@ -24,6 +24,7 @@ from accumjax._reduction import gathered
 
 __all__ = [
     "MeshLayout",
+    "ONE_MESH",
     "check_one_mesh",
     "data_axis",
     "device_window",
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 AnyMesh = Mesh | AbstractMesh
+
+#: The rule a step's refusals of arrays on several meshes state (`check_one_mesh` and the step
+#: object's checks of where its inputs lie, `accumjax._host`).
+ONE_MESH = "a step's arrays must lie on one mesh"
 
 
 class MeshLayout(NamedTuple):
@@ -396,8 +401,8 @@ def check_one_mesh(params: Any, batch: Any) -> None:
         raise ValueError(
             f"params{p_path} lie on a mesh {dict(p_mesh.shape)} and batch{b_path} on a mesh "
             f"{dict(b_mesh.shape)} of the same devices, which differ in "
-            f"{mesh_difference(p_mesh, b_mesh)}: a step's arrays must lie on one mesh. Put the "
-            "batch on the parameters' mesh (NamedSharding(mesh, P('data')))."
+            f"{mesh_difference(p_mesh, b_mesh)}: {ONE_MESH}. Put the batch on the parameters' "
+            "mesh (NamedSharding(mesh, P('data')))."
         )
 
 
