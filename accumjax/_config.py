@@ -23,6 +23,7 @@ __all__ = [
     "Schedule",
     "SkipFn",
     "check_microbatch_transform",
+    "scheduled_k",
     "transform_state",
     "transformed_gradient",
 ]
@@ -31,6 +32,21 @@ OnNonfinite = Literal["skip_microbatch", "skip_window", "propagate"]
 ON_NONFINITE: tuple[str, ...] = ("skip_microbatch", "skip_window", "propagate")
 SkipFn = Callable[[Any, Any], Any]
 Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
+
+
+def scheduled_k(schedule: Callable[[jax.Array], Any], update_count: jax.Array) -> jax.Array:
+    """The K ``schedule`` gives after ``update_count`` updates, as it gives it; a
+    ``TypeError`` when it is not an integer.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> int(scheduled_k(lambda n: n + 2, jnp.zeros((), jnp.int32)))
+      2
+    """
+    every_k = jnp.asarray(schedule(update_count))
+    if not jnp.issubdtype(every_k.dtype, jnp.integer):
+        raise TypeError(f"every_k schedule must return an integer K, got dtype {every_k.dtype}.")
+    return every_k
 
 
 class Config(NamedTuple):
@@ -80,11 +96,7 @@ class Config(NamedTuple):
         """K of the window that starts after ``update_count`` updates, int32 (>= 1)."""
         if isinstance(self.every_k, int):
             return jnp.asarray(self.every_k, jnp.int32)
-        every_k = jnp.asarray(self.every_k(update_count))
-        if not jnp.issubdtype(every_k.dtype, jnp.integer):
-            raise TypeError(
-                f"every_k schedule must return an integer K, got dtype {every_k.dtype}."
-            )
+        every_k = scheduled_k(self.every_k, update_count)
         return jnp.clip(every_k, 1, INT32_MAX).astype(jnp.int32)
 
     @property

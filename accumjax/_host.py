@@ -87,9 +87,9 @@ def _devices_apart(state: Any, batch: Any) -> str | None:
     for name, leaf in named[1:]:
         if leaf.sharding.device_set != ref.sharding.device_set:
             return (
-                f"{first} is on the {_placement(ref)}, but {name} is on the {_placement(leaf)}: a "
-                "step's arrays must all be on one mesh. Put the state and the batch on the "
-                "same mesh (jax.device_put(x, NamedSharding(mesh, spec)))."
+                f"{first} is on the {_placement(ref)}, but {name} is on the {_placement(leaf)}: "
+                f"{mesh_lib.ONE_MESH}. Put the state and the batch on the same mesh "
+                "(jax.device_put(x, NamedSharding(mesh, spec)))."
             )
     return None
 
@@ -158,9 +158,9 @@ def _on_mesh(tree: Any, mesh: Any, spec: PartitionSpec, name: str) -> Any:
                 f"{name}{jax.tree_util.keystr(path)} lies on the {_placement(x)}, but the step "
                 f"runs on the mesh {dict(mesh.shape)} of devices "
                 f"{sorted(d.id for d in mesh.devices.flat)}; the two differ in "
-                f"{mesh_lib.mesh_difference(now.mesh, mesh)}. A step's arrays must lie on one "
-                "mesh (moving a sharded array would replicate it behind your back): put the "
-                "state and the batch on the same mesh."
+                f"{mesh_lib.mesh_difference(now.mesh, mesh)}: {mesh_lib.ONE_MESH} (moving a "
+                "sharded array would replicate it behind your back). Put the state and the batch "
+                "on the same mesh."
             )
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -218,25 +218,16 @@ def _check_rows(batch: Any, layout: mesh_lib.MeshLayout, every_k: int | None) ->
         advice = split_advice(shape[0], every_k or 1, n) if shape else None
         if advice is None:
             continue
-        rows, name = shape[0], f"batch{jax.tree_util.keystr(path)}"
-        if every_k is None:
-            what = f"{rows} rows on {n} devices"
-            rule = f"each call's rows are split over the {n} devices: they must divide by {n}"
-        else:
-            what = f"{rows} rows on {n} devices with K={every_k}"
-            rule = (
-                f"scan mode needs the batch's rows to divide by devices x K = {n} x {every_k} = "
-                f"{n * every_k} (each device splits its rows into K microbatches)"
-            )
+        name = f"batch{jax.tree_util.keystr(path)}"
         now = mesh_lib.sharding_of(leaf)
         if isinstance(now, NamedSharding) and now.mesh == layout.mesh:
-            where = f"{name}: {what} (the mesh axis {layout.axis!r})"
+            where = f"{name}, split over the mesh axis {layout.axis!r}"
         else:
             where = (
                 f"{name} is not on the mesh, so accumjax puts it there, split over the mesh "
-                f"axis {layout.axis!r} of {dict(layout.mesh.shape)}: {what}"
+                f"axis {layout.axis!r} of {dict(layout.mesh.shape)}"
             )
-        raise ValueError(f"{where} do not split: {rule}. Use {advice}.")
+        raise ValueError(f"{where}: {advice}.")
 
 
 class TrainStep:

@@ -24,6 +24,7 @@ from accumjax._reduction import gathered
 
 __all__ = [
     "MeshLayout",
+    "ONE_MESH",
     "check_one_mesh",
     "data_axis",
     "device_window",
@@ -31,6 +32,7 @@ __all__ = [
     "layout_of",
     "mesh_difference",
     "mesh_of",
+    "moved_axis",
     "names",
     "optimizer_state_specs",
     "lay_out",
@@ -39,6 +41,10 @@ __all__ = [
 ]
 
 AnyMesh = Mesh | AbstractMesh
+
+#: The rule a step's refusals of arrays on several meshes state (`check_one_mesh` and the step
+#: object's checks of where its inputs lie, `accumjax._host`).
+ONE_MESH = "a step's arrays must lie on one mesh"
 
 
 class MeshLayout(NamedTuple):
@@ -107,12 +113,7 @@ class MeshLayout(NamedTuple):
 
     def global_specs(self, dims: tuple[int | None, ...]) -> Any:
         """Per leaf, its full partition spec with the data axis moved to ``dims``."""
-        out = []
-        for spec, dim in zip(self.specs, dims, strict=True):
-            entries = [tuple(n for n in names(e) if n != self.axis) for e in spec]
-            if dim is not None:
-                entries[dim] = (self.axis, *entries[dim])
-            out.append(PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries)))
+        out = [moved_axis(spec, self.axis, dim) for spec, dim in zip(self.specs, dims, strict=True)]
         return jax.tree.unflatten(self.treedef, out)
 
     @property
@@ -147,6 +148,23 @@ def names(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def moved_axis(spec: Any, axis: str, dim: int | None, ndim: int = 0) -> PartitionSpec:
+    """``spec`` (padded with None to ``ndim`` entries) with the mesh axis ``axis`` moved to
+    dimension ``dim``, outermost there (None: off the spec); its other axes stay where they are.
+
+    Example:
+      >>> moved_axis(PartitionSpec("data", "model"), "data", 1)
+      P(None, ('data', 'model'))
+      >>> moved_axis(PartitionSpec("data"), "data", None, ndim=2)
+      P(None, None)
+    """
+    entries = [tuple(n for n in names(e) if n != axis) for e in spec]
+    entries += [()] * (ndim - len(entries))
+    if dim is not None:
+        entries[dim] = (axis, *entries[dim])
+    return PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
 
 
 def sharding_of(x: Any) -> Any:
@@ -383,8 +401,8 @@ def check_one_mesh(params: Any, batch: Any) -> None:
         raise ValueError(
             f"params{p_path} lie on a mesh {dict(p_mesh.shape)} and batch{b_path} on a mesh "
             f"{dict(b_mesh.shape)} of the same devices, which differ in "
-            f"{mesh_difference(p_mesh, b_mesh)}: a step's arrays must lie on one mesh. Put the "
-            "batch on the parameters' mesh (NamedSharding(mesh, P('data')))."
+            f"{mesh_difference(p_mesh, b_mesh)}: {ONE_MESH}. Put the batch on the parameters' "
+            "mesh (NamedSharding(mesh, P('data')))."
         )
 
 

@@ -112,12 +112,8 @@ def _fit(args: Any, specs: Any, layout: mesh_lib.MeshLayout) -> Any:
         now = getattr(jax.typeof(x).sharding, "spec", None)
         if now is None:
             return x
-        entries = [tuple(n for n in mesh_lib.names(e) if n != axis) for e in now]
-        entries += [()] * (jnp.ndim(x) - len(entries))
-        for dim, entry in enumerate(spec):
-            if axis in mesh_lib.names(entry):
-                entries[dim] = (axis, *entries[dim])
-        want = PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
+        dim = next((d for d, entry in enumerate(spec) if axis in mesh_lib.names(entry)), None)
+        want = mesh_lib.moved_axis(now, axis, dim, jnp.ndim(x))
         if want == PartitionSpec(*now) or tuple(want) == tuple(now):
             return x
         return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, want))

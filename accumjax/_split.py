@@ -24,8 +24,9 @@ BatchAxis = Any
 
 def split_advice(rows: int, every_k: int = 1, shards: int = 1) -> str | None:
     """None if ``rows`` rows split over ``shards`` devices and then into ``every_k``
-    microbatches on each (they divide by ``shards x every_k``), else the sizes that would:
-    the nearest row counts, and, when the devices split the rows, the K that would.
+    microbatches on each (they divide by ``shards x every_k``), else the split rule they break,
+    with the numbers, and after "use" the sizes that would split: the nearest row counts, and,
+    when the devices split the rows, the K that would.
 
     Args:
       rows: the batch's rows (all devices' together).
@@ -33,13 +34,17 @@ def split_advice(rows: int, every_k: int = 1, shards: int = 1) -> str | None:
       shards: the number of devices the rows are split over.
 
     Returns:
-      None, or the advice that follows "use" in the caller's message.
+      None, or the rule and the advice, for the caller's message to follow where the rows are.
 
     Example:
-      >>> split_advice(72, 4, 8)
+      >>> split_advice(9, 4)
+      '9 rows are not divisible by K=4: use 8 or 12 rows, or a K that divides 9'
+      >>> split_advice(66, 1, 8)
+      '66 rows on 8 devices are not divisible by 8: use 64 or 72 rows'
+      >>> split_advice(72, 4, 8).split(": use ")[1]
       '64 or 96 rows, or a K that divides 9 (the rows each device gets)'
-      >>> split_advice(9, 4), split_advice(3, 1, 8), split_advice(8, 4)
-      ('8 or 12 rows, or a K that divides 9', '8 rows', None)
+      >>> split_advice(8, 4) is None
+      True
     """
     need = shards * every_k
     if rows % need == 0:
@@ -49,7 +54,20 @@ def split_advice(rows: int, every_k: int = 1, shards: int = 1) -> str | None:
     if rows % shards == 0:
         each = " (the rows each device gets)" if shards > 1 else ""
         advice += f", or a K that divides {rows // shards}{each}"
-    return advice
+    return f"{_rule(rows, every_k, shards)}: use {advice}"
+
+
+def _rule(rows: int, every_k: int, shards: int) -> str:
+    """The split rule ``rows`` rows break, with the numbers."""
+    if shards == 1:
+        return f"{rows} rows are not divisible by K={every_k}"
+    if every_k == 1:
+        return f"{rows} rows on {shards} devices are not divisible by {shards}"
+    return (
+        f"{rows} rows on {shards} devices with K={every_k} are not divisible by devices x K = "
+        f"{shards} x {every_k} = {shards * every_k} (each device splits its rows into K "
+        "microbatches)"
+    )
 
 
 def check_batch_axis(batch_axis: BatchAxis) -> BatchAxis:
@@ -137,9 +155,8 @@ def strided_microbatches(
     advice = split_advice(size, every_k)
     if advice is not None:
         raise ValueError(
-            f"scan mode splits the batch's {size} rows (a device's, under pmap) into K={every_k} "
-            f"microbatches, but {size} is not divisible by K={every_k}: use {advice}. (On a mesh "
-            "the rule is global: the batch's rows must divide by devices x K.)"
+            f"scan mode splits the batch (a device's rows, under pmap) into K={every_k} "
+            f"microbatches; {advice}."
         )
 
     def strided(x: jax.Array, a: int | None) -> jax.Array:

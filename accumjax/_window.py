@@ -31,6 +31,7 @@ from accumjax._layout import REPLICATED, LeafLayout, window_layouts
 from accumjax._reduction import cross_device_reduce, sharded_norm
 
 __all__ = [
+    "COUNTERS",
     "Closed",
     "DeviceWindow",
     "Window",
@@ -38,14 +39,17 @@ __all__ = [
     "close_window",
     "count_microbatch",
     "denominator",
+    "divided",
     "emptied_window",
     "first_microbatch",
     "init_window",
     "local_window",
+    "nonzero_denominator",
     "retyped",
     "saturating_add",
     "scaled_gradient",
     "sum_dtype",
+    "sums_name",
     "sums_of",
     "window_sum",
 ]
@@ -97,7 +101,7 @@ class DeviceWindow(NamedTuple):
 
 
 #: A window's counters: what `Window` and `DeviceWindow` hold besides their sums.
-_COUNTERS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
+COUNTERS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
 
 
 class Closed(NamedTuple):
@@ -213,6 +217,16 @@ def sums_of(window: Any) -> Any:
     return window.grad_sum if isinstance(window, Window) else window.partial_sums
 
 
+def sums_name(cls: type) -> str:
+    """The field of a window type (`Window` or `DeviceWindow`) that holds its sums.
+
+    Example:
+      >>> sums_name(Window), sums_name(DeviceWindow)
+      ('grad_sum', 'partial_sums')
+    """
+    return cls._fields[0]  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def retyped(window: Any, cls: type, sums: Any = None) -> Any:
     """``window`` (a `Window` or `DeviceWindow`) as ``cls``: its counters, by name, and
     ``sums`` (by default its own sums) as ``cls``'s sums.
@@ -223,8 +237,8 @@ def retyped(window: Any, cls: type, sums: Any = None) -> Any:
       ('DeviceWindow', (2,), 0)
     """
     sums = sums_of(window) if sums is None else sums
-    counters = {name: getattr(window, name) for name in _COUNTERS}
-    return cls(**{cls._fields[0]: sums}, **counters)  # pyright: ignore[reportAttributeAccessIssue]
+    counters = {name: getattr(window, name) for name in COUNTERS}
+    return cls(**{sums_name(cls): sums}, **counters)
 
 
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:
@@ -451,8 +465,7 @@ def close_window(
     if decisions is not None:
         ok, rejected = window_decisions(config.scaling, decisions)
         nonfinite = skipped = rejected
-    denom = denominator(config.scaling, every_k, weight_sum, devices)
-    safe = jnp.where(denom > 0, denom, 1.0)
+    safe = nonzero_denominator(denominator(config.scaling, every_k, weight_sum, devices))
     # The scaled gradient's norm, without materializing the scaled gradient.
     dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
     norm = sharded_norm(grad_sum, axis_name, dims) / safe
@@ -464,6 +477,21 @@ def close_window(
     return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras, ok)
 
 
+def nonzero_denominator(denom: jax.Array) -> jax.Array:
+    """``denom`` where it is > 0, else 1 (a window without weight: its sum, zero, stays zero).
+
+    Example:
+      >>> float(nonzero_denominator(jnp.float32(0.0))), float(nonzero_denominator(jnp.float32(4.0)))
+      (1.0, 4.0)
+    """
+    return jnp.where(denom > 0, denom, 1.0)
+
+
+def divided(sums: Any, denom: jax.Array) -> Any:
+    """Each leaf of ``sums`` divided by ``denom`` (a `nonzero_denominator`), in its own dtype."""
+    return jax.tree.map(lambda a: a / denom.astype(a.dtype), sums)
+
+
 def scaled_gradient(closed: Closed) -> Any:
     """The window gradient: the (reduced) sum divided by the strategy's denominator."""
-    return jax.tree.map(lambda a: a / closed.denominator.astype(a.dtype), closed.grad_sum)
+    return divided(closed.grad_sum, closed.denominator)

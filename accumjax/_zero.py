@@ -56,6 +56,19 @@ def _to_param_layout(layout: mesh_lib.MeshLayout, params: Any) -> Any:
     return pinned(layout, mesh_lib.lay_out(params, layout.mesh, specs))
 
 
+def _laid_out_back(
+    layout: mesh_lib.MeshLayout, params: Any, opt: Any, accumulating: bool
+) -> tuple[Any, Any]:
+    """After a ZeRO window's update: ``params`` gathered back where they lie (one all-gather),
+    pinned there, and ``opt`` laid out as planned (an `accumulate` state's inner state when
+    ``accumulating``, else ``opt`` itself)."""
+    if accumulating:
+        opt = opt._replace(inner_tx_state=_planned(layout, opt.inner_tx_state))
+    else:
+        opt = _planned(layout, opt)
+    return _to_param_layout(layout, params), opt
+
+
 def split_params(layout: mesh_lib.MeshLayout) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """`accumjax._loop.Context.split_params` of a ZeRO layout: the parameters (pinned
     where they lie, so that XLA keeps them so in the update's loop carry) sliced like the
@@ -90,13 +103,8 @@ def parameter_side(
     layout: mesh_lib.MeshLayout, state: TrainState, accumulating: bool
 ) -> TrainState:
     """After a ZeRO window's update: the parameters back where they lie (one all-gather) and
-    the optimizer state where it lies."""
-    params = mesh_lib.lay_out(state.params, layout.mesh, layout.global_specs(layout.param_dims))
-    opt: Any = state.opt_state
-    if accumulating:
-        opt = opt._replace(inner_tx_state=_planned(layout, opt.inner_tx_state))
-    else:
-        opt = _planned(layout, opt)
+    the optimizer state where it lies (`_laid_out_back`)."""
+    params, opt = _laid_out_back(layout, state.params, state.opt_state, accumulating)
     return state.replace(params=params, opt_state=opt)
 
 
@@ -131,9 +139,9 @@ def pinned(layout: mesh_lib.MeshLayout, params: Any) -> Any:
 
 def restore_layout(layout: mesh_lib.MeshLayout, fields: LoopCarry) -> LoopCarry:
     """``fields`` (a window close's `accumjax._loop.LoopCarry`) with the parameters where they
-    lie (one all-gather of a ZeRO update) and the optimizer state as planned."""
-    opt = fields.opt._replace(inner_tx_state=_planned(layout, fields.opt.inner_tx_state))
-    return fields._replace(params=_to_param_layout(layout, fields.params), opt=opt)
+    lie (one all-gather of a ZeRO update) and the optimizer state as planned (`_laid_out_back`)."""
+    params, opt = _laid_out_back(layout, fields.params, fields.opt, accumulating=True)
+    return fields._replace(params=params, opt=opt)
 
 
 def placed_zero(inner: Any, params: Any, layout: mesh_lib.MeshLayout) -> dict[Any, int | None]:

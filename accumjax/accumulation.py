@@ -33,6 +33,7 @@ from accumjax._config import (
     Schedule,
     SkipFn,
     check_microbatch_transform,
+    scheduled_k,
     transform_state,
 )
 from accumjax._control import run_once
@@ -59,9 +60,7 @@ __getattr__ = forward_moved(__name__)
 def _check_every_k(every_k: Any) -> int | Schedule:
     if not callable(every_k):
         return check_int("every_k", every_k)
-    first = jnp.asarray(every_k(jnp.zeros((), jnp.int32)))
-    if not jnp.issubdtype(first.dtype, jnp.integer):
-        raise TypeError(f"every_k schedule must return an integer K, got dtype {first.dtype}.")
+    first = scheduled_k(every_k, jnp.zeros((), jnp.int32))
     value = scaling_lib.concrete_value(first)
     if value is not None:
         check_int("every_k schedule's K at step 0", int(value))

@@ -167,8 +167,7 @@ def accumulated_gradients(state: Any) -> Any:
     denom = jax.lax.switch(
         state.scaling_code, [functools.partial(by, s) for s in scaling_lib.SCALINGS]
     )
-    safe = jnp.where(denom > 0, denom, 1.0)
-    return jax.tree.map(lambda a: a / safe.astype(a.dtype), total)
+    return window_lib.divided(total, window_lib.nonzero_denominator(denom))
 
 
 def reset(state: Any) -> Any:

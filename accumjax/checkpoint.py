@@ -33,7 +33,7 @@ from accumjax._state import every_k_changed, every_k_of_tag
 __all__ = ["restore_checkpoint"]
 
 _WINDOWS = (window_lib.Window, window_lib.DeviceWindow)
-_SUMS = ("grad_sum", "partial_sums")
+_SUMS = tuple(window_lib.sums_name(cls) for cls in _WINDOWS)
 
 
 def _is_window(x: Any) -> bool:
@@ -129,10 +129,13 @@ class _Plan:
 
     def window(self, path: tuple[Any, ...], target: Any) -> Callable[[Any], Any]:
         stored = _stored_at(self.stored, path)
-        counts = {name: self.leaf((*path, _Attr(name)), getattr(target, name)) for name in _COUNTS}
+        counts = {
+            name: self.leaf((*path, _Attr(name)), getattr(target, name))
+            for name in window_lib.COUNTERS
+        }
         name = next((n for n in _SUMS if stored.get(n) is not None), None)
         sums_path = (*path, _Attr(name)) if name else None
-        target_sums = target[0]
+        target_sums = window_lib.sums_of(target)
         sums: Callable[[Any], Any]
         if target_sums is None:  # scan mode: no window to move (checked open below)
             sums = lambda read: None
@@ -152,7 +155,7 @@ class _Plan:
                         "stream step) and finish the window, or use a checkpoint saved at a "
                         "window boundary."
                     )
-            return type(target)(sums(read), **values)
+            return window_lib.retyped(target._replace(**values), type(target), sums(read))
 
         return build
 
@@ -174,7 +177,7 @@ class _Plan:
         full = (*path, *sub)
         stored = _stored_at(self.stored, full)
         stored_shape = tuple(stored.shape)
-        stored_shards = name == "partial_sums"
+        stored_shards = name == window_lib.sums_name(window_lib.DeviceWindow)
         old, full_shape = _held(stored_shape, stored_shards)
         new, target_full_shape = _held(shape, per_shard)
         if full_shape != target_full_shape:
@@ -199,9 +202,6 @@ class _Plan:
             return jax.device_put(grouped.astype(target.dtype), sharding)
 
         return move
-
-
-_COUNTS = ("weight_sum", "micro_step", "window_nonfinite", "window_skipped")
 
 
 def _held(shape: tuple[int, ...], per_shard: bool) -> tuple[int, tuple[int, ...]]:

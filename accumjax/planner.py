@@ -351,9 +351,7 @@ def scan_step_for_k(
     """
     k = check_int("k", k)
     _check_state(state)
-    for name in ("accum_steps", "mode"):
-        if name in make_train_step_kwargs:
-            raise TypeError(f"scan_step_for_k sets {name}; do not pass {name}=.")
+    _refuse_set_here("scan_step_for_k sets", make_train_step_kwargs)
     build = make_nnx_train_step if isinstance(state, NNXTrainState) else make_train_step
     step = build(loss_fn, mode="scan", **make_train_step_kwargs)
     return step, _as_initialized(loss_fn, state, _tx_for(state.tx, k), make_train_step_kwargs)
@@ -501,19 +499,14 @@ def plan_microbatches(
             "rng=jax.random.key(0) (only its shape and dtype matter), so that the planned "
             "step draws the same random masks as training."
         )
-    for name in ("accum_steps", "mode"):
-        if name in make_train_step_kwargs:
-            raise TypeError(f"plan_microbatches chooses {name}; do not pass {name}=.")
+    _refuse_set_here("plan_microbatches chooses", make_train_step_kwargs)
     layouts = _check_layouts(optimizer_shardings, make_train_step_kwargs)
     batch_size = _batch_size(batch)
     abstract_batch = _abstract(batch)
     shards = _data_shards(state, abstract_batch, make_train_step_kwargs)
     advice = split_advice(batch_size, 1, shards)
     if advice is not None:
-        raise ValueError(
-            f"the batch's {batch_size} rows do not split over the {shards} devices the step "
-            f"runs on: use {advice}."
-        )
+        raise ValueError(f"the batch does not split over the devices the step runs on: {advice}.")
     if candidates is None:
         candidates = _divisors(batch_size // shards)
     sorted_candidates = _check_candidates(candidates)
@@ -523,11 +516,8 @@ def plan_microbatches(
         if split_advice(batch_size, every_k, shards) is not None
     ]
     if bad:
-        raise ValueError(
-            f"candidates {bad} do not divide the batch: {batch_size} rows on {shards} "
-            f"device(s) need devices x K to divide {batch_size} (K must divide the "
-            f"{batch_size // shards} rows each device gets)."
-        )
+        advice = split_advice(batch_size, bad[0], shards)
+        raise ValueError(f"candidates {bad} do not split the batch: for K={bad[0]}, {advice}.")
     if memory_budget is None:
         budget = _device_budget()
     else:
@@ -562,6 +552,18 @@ def plan_microbatches(
 
 
 _SHARDING = "optimizer_sharding"
+
+
+def _refuse_set_here(who: str, kwargs: Any) -> None:
+    """A ``TypeError`` when ``kwargs`` (for ``make_train_step``) pass ``accum_steps`` or
+    ``mode``, which the planner sets itself (``who``: the caller and its verb).
+
+    Example:
+      >>> _refuse_set_here("scan_step_for_k sets", {"donate": True})
+    """
+    for name in ("accum_steps", "mode"):
+        if name in kwargs:
+            raise TypeError(f"{who} {name}; do not pass {name}=.")
 
 
 def _check_layouts(layouts: Any, kwargs: Any) -> tuple[str, ...] | None:

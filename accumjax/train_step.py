@@ -46,7 +46,9 @@ __all__ = ["TrainStep", "make_train_step"]
 
 
 _PRECISIONS = {None: None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_GATHER = ("window", "microbatch")
+#: When an FSDP collective runs (``gather_params``, ``reduce_scatter``): once a window, or once
+#: a microbatch.
+_FSDP_TIMINGS = ("window", "microbatch")
 
 LossFn = Callable[..., Any]
 
@@ -58,17 +60,18 @@ AGC_REPLACEMENT = (
     "chain, accumulate(optax.chain(accumjax.adaptive_clip(clip_factor, eps, mask, "
     "axis=axis), inner), K)"
 )
-_REMOVED_IN = "removed in accumjax 0.4 (docs/guides/migrating.md)"
+#: What the removed arguments' messages start with: when they went, and where to read why.
+_GONE_SINCE = "removed in accumjax 0.4 (docs/guides/migrating.md)"
 _AGC_PART = (
-    f"{_REMOVED_IN} with use_agc: it is accumjax.adaptive_clip's {{arg}}, and adaptive "
+    f"{_GONE_SINCE} with use_agc: it is accumjax.adaptive_clip's {{arg}}, and adaptive "
     "clipping is the optimizer's, {where}."
 )
 
 #: The arguments accumjax 0.4 removed from the step, and what to write instead.
 _REMOVED = {
-    "accum_steps": f"{_REMOVED_IN}: K is stated once, in the optimizer: "
+    "accum_steps": f"{_GONE_SINCE}: K is stated once, in the optimizer: "
     "step.init(params, accumjax.accumulate(inner, K)).",
-    "use_agc": f"{_REMOVED_IN}: adaptive gradient clipping is the optimizer's, "
+    "use_agc": f"{_GONE_SINCE}: adaptive gradient clipping is the optimizer's, "
     f"{AGC_REPLACEMENT}. With use_agc=False leave it out.",
     **{
         name: _AGC_PART.format(arg=arg, where=AGC_REPLACEMENT)
@@ -228,11 +231,11 @@ def make_train_step(
         weight_fn=check_callable("weight_fn", weight_fn),
         f16=mixed_precision == "float16",
         unroll=_check_unroll(unroll),
-        gather_params=check_choice("gather_params", gather_params, _GATHER),
+        gather_params=check_choice("gather_params", gather_params, _FSDP_TIMINGS),
         reduce_scatter=_check_scan_only(
             "reduce_scatter",
-            check_choice("reduce_scatter", reduce_scatter, _GATHER),
-            _GATHER[1],
+            check_choice("reduce_scatter", reduce_scatter, _FSDP_TIMINGS),
+            _FSDP_TIMINGS[1],
             mode,
         ),
         optimizer_sharding=_check_zero_on_a_mesh(optimizer_sharding, axis_name, mesh),
