@@ -288,18 +288,19 @@ class TrainStep:
         return None if layout is None else self._optimizer_plan(layout, state)
 
     def _optimizer_plan(self, layout: mesh_lib.MeshLayout, state: Any) -> mesh_lib.MeshLayout:
-        """``layout`` with its optimizer plan: ZeRO where ``optimizer_sharding`` says so, or
-        where the optimizer state lies split over the data axis beside replicated parameters
-        (`accumjax._zero.placed_zero`); a stream state without a per-shard window stays
-        replicated."""
+        """``layout`` with its optimizer plan: ZeRO where ``optimizer_sharding`` says so (scan
+        mode, a stream state with a per-shard window), else where the optimizer state lies
+        split over the data axis beside replicated parameters (`accumjax._zero.placed_zero`:
+        a state the user placed, a plain optimizer's that ``step.init`` split)."""
         choice = self._setup.optimizer_sharding
         opt = getattr(state, "opt_state", None)
         inner = getattr(opt, "inner_tx_state", opt)
-        placed = placed_zero(inner, state.params, layout) if choice == "replicated" else None
+        per_shard = isinstance(getattr(opt, "window", None), window_lib.DeviceWindow)
+        by_choice = choice != "replicated" and (self._scan or per_shard)
+        placed = None if by_choice else placed_zero(inner, state.params, layout)
         if placed:
             choice = "zero1"
-        per_shard = isinstance(getattr(opt, "window", None), window_lib.DeviceWindow)
-        if choice == "replicated" or not (self._scan or per_shard):
+        if not (by_choice or placed):
             return layout
         mine = tuple(getattr(mesh_lib.sharding_of(x), "spec", None) for x in jax.tree.leaves(inner))
         key = (id(state.tx), layout, choice, mine if placed else None)

@@ -285,6 +285,29 @@ def test_an_optimizer_state_the_user_split_runs_as_zero1_and_keeps_every_layout(
         np.testing.assert_allclose(state.params[key], want[key], rtol=FLOAT32, atol=FLOAT32 * scale)
 
 
+@pytest.mark.parametrize("zero", ["zero1", "zero2"])
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_plain_optimizer_in_stream_mode_keeps_the_zero_state_step_init_split(kind, zero):
+    # A plain optax optimizer: each call is a window of one microbatch, its state split over
+    # the data axis by step.init and updated where it lies (an Explicit mesh refused the
+    # update's branches when the call planned it replicated).
+    params, batch = reference.problem(N * K * 2)
+    call = reference.microbatches(batch, K)[0]
+    mesh = _mesh(N, kind)
+    step = accumjax.make_train_step(reference.loss, mode="stream", optimizer_sharding=zero)
+    tx = optax.sgd(LR, momentum=0.9)
+    state = step.init(jax.device_put(params, NamedSharding(mesh, P())), tx)
+    assert state.opt_state[0].trace["w"].sharding.spec[0] == "data"
+    before = _specs(state)
+    state, metrics = step(state, jax.device_put(call, NamedSharding(mesh, P("data"))))
+    _same_layout(before, _specs(state))
+    assert bool(metrics["updated"])
+    want = reference.window(params, [call]).params_after(params, LR)
+    for key in params:
+        scale = np.abs(want[key]).max()
+        np.testing.assert_allclose(state.params[key], want[key], rtol=FLOAT32, atol=FLOAT32 * scale)
+
+
 def test_zero_memory_per_device_holds_no_copy_of_the_parameters_more():
     # 4 kernels of 128x128 (P = 256 KiB of parameters), Adam, 2 devices. Per device,
     # arguments + temp in units of P: replicated 3P of state + 2P of temp (a full-size sum,
