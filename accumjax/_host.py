@@ -101,6 +101,12 @@ def _made_here(opt_state: Any, returned: Any) -> bool:
     return every_k is not None and every_k is getattr(returned, "every_k", None)
 
 
+def _static_every_k(config: Any) -> int | None:
+    """K as the step runs ``config`` (an `accumjax._config.Config`, or None: a plain
+    optimizer, a window of one microbatch); None for a schedule."""
+    return 1 if config is None else config.static_every_k
+
+
 def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
     """``num_real_microbatches`` only in scan mode; a Python int within ``[0, K]``."""
     if n is None:
@@ -110,8 +116,8 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
             "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
             "into K microbatches; a stream-mode call is one microbatch."
         )
-    every_k = 1 if config is None else config.static_every_k
-    real_microbatches(n, every_k)  # the Python-side checks (a traced value is clipped in the step)
+    # The Python-side checks (a traced value is clipped in the step).
+    real_microbatches(n, _static_every_k(config))
 
 
 def _microbatch_weights(
@@ -265,7 +271,7 @@ class TrainStep:
         if layout is not None:
             config = config_of(state.tx)
             scan = self._scan and setup.batch_axis == 0  # else refused in the step
-            every_k = (1 if config is None else config.static_every_k) if scan else None
+            every_k = _static_every_k(config) if scan else None
             _check_rows(batch, layout, every_k)
         if layout is not None and isinstance(layout.mesh, Mesh):  # what is off the mesh, on it
             _warn_if_replicated(state.params, layout.mesh)
@@ -375,7 +381,7 @@ class TrainStep:
         """Refuses a short batch whose real rows are not where the strided rule puts them,
         where the step can tell: ``n`` real microbatches of K given, and a ``weight_fn``
         that weighs a microbatch after them more than 0 (one small program, run here)."""
-        setup, every_k = self._setup, 1 if config is None else config.static_every_k
+        setup, every_k = self._setup, _static_every_k(config)
         scan_only = self._scan and not self._pmapped
         if not scan_only or n is None or setup.weight_fn is None or every_k is None:
             return

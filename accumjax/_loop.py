@@ -118,8 +118,9 @@ class Context(NamedTuple):
 
     Attributes:
       setup: the `Setup`.
-      config: the optimizer's `accumjax._config.Config` (K, the window's policy; the step
-        reads the data axis from ``setup`` and ``layout``, never the config's).
+      config: the optimizer's `accumjax._config.Config` (K, the window's policy; the step's
+        data axis is ``setup``'s or ``layout``'s, never the config's, which
+        `accumjax._step_checks.check_accumulate` only compares with it).
       accumulating: whether the optimizer is an ``accumulate`` (else a plain optimizer, run as a
         window of one microbatch whose counters are not kept).
       loss_scale: the dynamic loss scale (float16), or None.

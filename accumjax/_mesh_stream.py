@@ -90,8 +90,8 @@ def _check_shards(window: window_lib.DeviceWindow, layout: mesh_lib.MeshLayout |
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from accumjax._window import DeviceWindow
-      >>> two_shards = DeviceWindow({"w": jnp.zeros((2, 3))}, *jnp.zeros(4))
+      >>> from accumjax._window import DeviceWindow, init_window, retyped
+      >>> two_shards = retyped(init_window({"w": jnp.zeros((2, 3))}), DeviceWindow)
       >>> try:
       ...     _check_shards(two_shards, None)
       ... except ValueError as e:

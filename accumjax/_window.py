@@ -197,7 +197,8 @@ def window_sum(window: Any) -> Any:
     Example:
       >>> import jax.numpy as jnp
       >>> import accumjax._window as window
-      >>> w = window.DeviceWindow({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}, *jnp.zeros(4))
+      >>> sums = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}
+      >>> w = window.retyped(window.init_window(sums), window.DeviceWindow, sums)
       >>> window.window_sum(w)["w"]
       Array([4., 6.], dtype=float32)
     """
