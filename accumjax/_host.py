@@ -116,8 +116,9 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
             "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
             "into K microbatches; a stream-mode call is one microbatch."
         )
-    # The Python-side checks (a traced value is clipped in the step).
-    real_microbatches(n, _static_every_k(config))
+    every_k = _static_every_k(config)
+    assert every_k is not None  # a schedule in scan mode is refused first (`check_accumulate`)
+    real_microbatches(n, every_k)  # the Python-side checks (a traced value is clipped later)
 
 
 def _microbatch_weights(
