@@ -20,13 +20,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
-from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout, reduced_into_one_sum, window_layouts
-from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin, loss_mean
+from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin
 from accumjax._reduction import reduce_leaves
 from accumjax._scan import (
-    accepted_loss,
+    close_pass,
     decide_window,
     real_microbatches,
     scan_finish,
@@ -254,30 +253,14 @@ def _window_on_device(
     if first.aux is not None:
         aux_rows, aux_means = split_aux(first.aux, rows, aux_structure)
     every_k = window_every_k(ctx, ctx.every_k)
-
-    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Outcome]:
-        # What the pass produced and the devices sum: its loss parts, aux means and losses.
-        parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
-        scalars = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
-        closed = window_lib.close_window(
-            config,
-            carry.window,
-            every_k,
-            layout.axis,
-            layouts,
-            extras=jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), scalars),
-            global_counts=global_counts,
-            decisions=decisions,
-        )
-        summed: Outcome = closed.extras
-        if summed.losses is None:  # the window's loss metric, from the devices' parts
-            loss = loss_mean(summed.carry.loss_sum, summed.carry.loss_weight)
-        else:
-            loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
-        model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-        ended = Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=summed.aux)
-        return closed._replace(extras=None), ended
-
+    close = partial(
+        close_pass,
+        ctx,
+        every_k,
+        layouts=layouts,
+        global_counts=global_counts,
+        aux_means=aux_means,
+    )
     closed, ended = decide_window(ctx, first, run, close)
     return closed._replace(accepted=None), ended._replace(aux=(aux_rows, ended.aux))
 
