@@ -284,7 +284,7 @@ def _sum_layout(
     sum_dims = tuple(leaf.accumulator for leaf in layouts)
     if config.reads:
         ctx = ctx._replace(whole_gradient_layouts=layouts)
-    elif any(d is not None for d in sum_dims):
+    else:
         ctx = ctx._replace(reduce=reduce_gradient(layout, replicated=False))
     return ctx, layouts, global_counts, sum_dims
 
