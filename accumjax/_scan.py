@@ -86,7 +86,7 @@ def real_microbatches(n: Any, every_k: int) -> jax.Array | None:
 
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
-    rows = strided_microbatches(batch, ctx.every_k, ctx.setup.batch_axis)
+    rows = strided_microbatches(batch, ctx.static_every_k, ctx.setup.batch_axis)
     gathered = ctx.materialize or (lambda p, i: p)
     return lambda i: (gathered(params, i), rows(i))
 
@@ -183,11 +183,12 @@ def _loop_over(
     ``ctx.n_real``, a loop that stops after the real microbatches and stacks their outputs
     into K slots (zeros in the padded ones)."""
     if ctx.n_real is None:
-        index = jnp.asarray(np.arange(ctx.every_k, dtype=np.int32))  # a constant, not a kernel
+        # A constant, not a kernel.
+        index = jnp.asarray(np.arange(ctx.static_every_k, dtype=np.int32))
         return jax.lax.scan(body, init, index, unroll=ctx.setup.unroll)
     body = jax.jit(body)  # traced once: for the outputs' shapes, then in the loop
     shapes = jax.eval_shape(body, init, jnp.zeros((), jnp.int32))[1]
-    stacked = jax.tree.map(lambda s: jnp.zeros((ctx.every_k, *s.shape), s.dtype), shapes)
+    stacked = jax.tree.map(lambda s: jnp.zeros((ctx.static_every_k, *s.shape), s.dtype), shapes)
 
     def step(i: jax.Array, val: tuple[Any, Any]) -> tuple[Any, Any]:
         carry, ys = body(val[0], i)
@@ -227,14 +228,14 @@ def _microbatch_loop(
     activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
     loop) both microbatches' activations are alive at once.
     """
-    if ctx.every_k == 1 and ctx.n_real is None:
+    if ctx.static_every_k == 1 and ctx.n_real is None:
         p, mb = take(jnp.zeros((), jnp.int32))
         first = ctx.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
         outcome = run_microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
         return _pass(outcome.carry, marks)
-    gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
+    gates = jnp.ones(ctx.static_every_k, bool) if gate is None else gate
     reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
     def body(carry: LoopCarry, i: jax.Array) -> tuple[LoopCarry, Any]:
@@ -367,7 +368,7 @@ def decide_added(
     """
     closed, ended = close(first.carry, first.decision, first.losses)
     skips = ctx.config.on_nonfinite == "skip_microbatch"
-    if first.decision is None or not (skips or read) or ctx.every_k == 1:
+    if first.decision is None or not (skips or read) or ctx.static_every_k == 1:
         return closed, ended
     all_finite = closed.nonfinite_count == 0
 
@@ -444,7 +445,7 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         state: TrainState, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
-        ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
+        ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.static_every_k))
         params = mark_varying(state.params, setup.pmap_axis)
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)

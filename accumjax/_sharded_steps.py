@@ -177,7 +177,7 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
                 "put the batch axis first, or run the step on unsharded arrays."
             )
         ctx, acc = begin(setup, state, rng)
-        ctx = ctx._replace(n_real=real_microbatches(n, ctx.every_k))
+        ctx = ctx._replace(n_real=real_microbatches(n, ctx.static_every_k))
         aux_structure: dict[str, Any] = {}
         local_state = state.replace(opt_state=None)
         closed_specs = mesh_lib.field_specs(window_lib.Closed, layout.optimizer_specs())
@@ -243,7 +243,7 @@ def _window_on_device(
     aux_rows, aux_means = [], []
     if first.aux is not None:
         aux_rows, aux_means = split_aux(first.aux, rows, aux_structure)
-    every_k = window_every_k(ctx, ctx.every_k)
+    every_k = window_every_k(ctx, ctx.static_every_k)
     close = partial(
         close_pass,
         ctx,
