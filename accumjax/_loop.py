@@ -182,7 +182,7 @@ class Context(NamedTuple):
         return key
 
     @property
-    def every_k(self) -> int:
+    def static_every_k(self) -> int:
         """The optimizer's int K (scan mode; `begin` refuses a schedule there)."""
         return cast(int, self.config.static_every_k)
 
@@ -192,7 +192,7 @@ class Context(NamedTuple):
         window's end (`accumjax._window.close_window`'s decisions): every policy that does not
         read the gradient's values, in a window of more than one microbatch (one microbatch's
         gradient is the window's sum: it is decided about as it comes)."""
-        return self.setup.mode == "scan" and not self.config.reads and self.every_k > 1
+        return self.setup.mode == "scan" and not self.config.reads and self.static_every_k > 1
 
     @property
     def sum_can_decide(self) -> bool:

@@ -10,7 +10,7 @@ the optimizer state under ZeRO, and a stream-mode window kept per data shard
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.core
@@ -25,9 +25,11 @@ from accumjax._reduction import gathered
 __all__ = [
     "MeshLayout",
     "ONE_MESH",
+    "REPLICATED_SPEC",
     "check_one_mesh",
     "data_axis",
     "device_window",
+    "field_specs",
     "gather_params",
     "layout_of",
     "mesh_difference",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 AnyMesh = Mesh | AbstractMesh
+T = TypeVar("T")
+#: The ``shard_map`` spec of a value every device holds whole.
+REPLICATED_SPEC = PartitionSpec()
 
 #: The rule a step's refusals of arrays on several meshes state (`check_one_mesh` and the step
 #: object's checks of where its inputs lie, `accumjax._host`).
@@ -127,16 +132,28 @@ class MeshLayout(NamedTuple):
 
     def window_specs(self) -> window_lib.DeviceWindow:
         """The ``shard_map`` specs of a `accumjax.window.DeviceWindow`: each device its own
-        partial sums (a parameter split over the axis: its shard of the one reduced sum)."""
+        partial sums (a parameter split over the axis: its shard of the one reduced sum), its
+        counters replicated (`field_specs`)."""
         sums = [
             PartitionSpec(self.axis) if d is None else _spec(d + 1, self.axis)
             for d in self.accumulator_dims
         ]
-        counters = window_lib.DeviceWindow._fields[1:]
-        return window_lib.DeviceWindow(
-            partial_sums=jax.tree.unflatten(self.treedef, sums),
-            **{name: cast(Any, PartitionSpec()) for name in counters},
-        )
+        return field_specs(window_lib.DeviceWindow, jax.tree.unflatten(self.treedef, sums))
+
+
+def field_specs(cls: type[T], first: Any, rest: Any = REPLICATED_SPEC) -> T:
+    """The ``shard_map`` specs of a NamedTuple ``cls`` whose first field is a sum (a
+    `accumjax._window.Window`, `accumjax._window.DeviceWindow` or `accumjax._window.Closed`):
+    ``first`` for it, ``rest`` for every other field, by name.
+
+    Example:
+      >>> from accumjax._window import Window
+      >>> field_specs(Window, "split", "replicated")  # doctest: +NORMALIZE_WHITESPACE
+      Window(grad_sum='split', weight_sum='replicated', micro_step='replicated',
+             window_nonfinite='replicated', window_skipped='replicated')
+    """
+    fields = cast(Any, cls)._fields
+    return cls(**{fields[0]: first}, **dict.fromkeys(fields[1:], rest))
 
 
 def _spec(dim: int | None, axis: str) -> PartitionSpec:

@@ -39,12 +39,11 @@ from accumjax._loop import (
     stream_close,
     stream_step,
 )
+from accumjax._mesh import REPLICATED_SPEC
 from accumjax._reduction import psum_together
 from accumjax._scaling import device_losses_add, share_divisor
 from accumjax._sharded_steps import (
-    REPLICATED_SPEC,
     data_shard_map,
-    field_specs,
     join_aux,
     local_context,
     reduce_gradient,
@@ -135,7 +134,7 @@ def _mesh_call(
     if per_shard:
         window_specs = layout.window_specs()
     else:
-        window_specs = field_specs(window_lib.Window, layout.accumulator_specs())
+        window_specs = mesh_lib.field_specs(window_lib.Window, layout.accumulator_specs())
     local_state = state.replace(opt_state=None)
     aux_specs = (PartitionSpec(layout.axis), REPLICATED_SPEC)  # `split_aux`'s rows and means
     outcome_specs = Outcome(
@@ -280,6 +279,6 @@ def _close_device_window(ctx: Context, layout: mesh_lib.MeshLayout, fields: Loop
         local,
         layout,
         in_specs=(layout.window_specs(), REPLICATED_SPEC),
-        out_specs=field_specs(window_lib.Closed, layout.optimizer_specs()),
+        out_specs=mesh_lib.field_specs(window_lib.Closed, layout.optimizer_specs()),
     )(fields.opt.window, fields.opt.every_k)
     return close_fields(ctx, fields, closed)

@@ -8,7 +8,8 @@ neither computed nor counted, and nothing recompiles.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, cast
 
 import jax
@@ -21,6 +22,7 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._control import run_once
 from accumjax._decision import MicrobatchDecision, sum_decision
+from accumjax._layout import LeafLayout
 from accumjax._loop import (
     Context,
     LoopCarry,
@@ -45,6 +47,7 @@ __all__ = [
     "Close",
     "Run",
     "accepted_loss",
+    "close_pass",
     "real_microbatches",
     "sum_decided",
     "scan_finish",
@@ -83,7 +86,7 @@ def real_microbatches(n: Any, every_k: int) -> jax.Array | None:
 
 def _microbatches(ctx: Context, params: Any, batch: Any) -> Take:
     """``i -> (params, rows)`` of microbatch ``i`` (the parameters as its gradient sees them)."""
-    rows = strided_microbatches(batch, ctx.every_k, ctx.setup.batch_axis)
+    rows = strided_microbatches(batch, ctx.static_every_k, ctx.setup.batch_axis)
     gathered = ctx.materialize or (lambda p, i: p)
     return lambda i: (gathered(params, i), rows(i))
 
@@ -180,11 +183,12 @@ def _loop_over(
     ``ctx.n_real``, a loop that stops after the real microbatches and stacks their outputs
     into K slots (zeros in the padded ones)."""
     if ctx.n_real is None:
-        index = jnp.asarray(np.arange(ctx.every_k, dtype=np.int32))  # a constant, not a kernel
+        # A constant, not a kernel.
+        index = jnp.asarray(np.arange(ctx.static_every_k, dtype=np.int32))
         return jax.lax.scan(body, init, index, unroll=ctx.setup.unroll)
     body = jax.jit(body)  # traced once: for the outputs' shapes, then in the loop
     shapes = jax.eval_shape(body, init, jnp.zeros((), jnp.int32))[1]
-    stacked = jax.tree.map(lambda s: jnp.zeros((ctx.every_k, *s.shape), s.dtype), shapes)
+    stacked = jax.tree.map(lambda s: jnp.zeros((ctx.static_every_k, *s.shape), s.dtype), shapes)
 
     def step(i: jax.Array, val: tuple[Any, Any]) -> tuple[Any, Any]:
         carry, ys = body(val[0], i)
@@ -224,14 +228,14 @@ def _microbatch_loop(
     activations are not shared with the loop's, and at K=2 (where XLA inlines a one-trip
     loop) both microbatches' activations are alive at once.
     """
-    if ctx.every_k == 1 and ctx.n_real is None:
+    if ctx.static_every_k == 1 and ctx.n_real is None:
         p, mb = take(jnp.zeros((), jnp.int32))
         first = ctx.reduce is None  # a reduced accumulator is not shaped like a gradient
         start = start if first else _empty(ctx, start)
         outcome = run_microbatch(ctx, start, p, mb, 0, first=first)
         marks = jax.tree.map(lambda a: a[None], _marks(ctx, outcome))
         return _pass(outcome.carry, marks)
-    gates = jnp.ones(ctx.every_k, bool) if gate is None else gate
+    gates = jnp.ones(ctx.static_every_k, bool) if gate is None else gate
     reads = jnp.asarray(reading)  # traced: every pass runs the same loop body
 
     def body(carry: LoopCarry, i: jax.Array) -> tuple[LoopCarry, Any]:
@@ -262,6 +266,67 @@ Close = Callable[
     [LoopCarry, MicrobatchDecision | None, jax.Array | None],
     tuple[window_lib.Closed, Outcome],
 ]
+
+
+def close_pass(
+    ctx: Context,
+    every_k: Any,
+    carry: LoopCarry,
+    decisions: MicrobatchDecision | None,
+    losses: jax.Array | None,
+    *,
+    layouts: Sequence[LeafLayout] | None = None,
+    global_counts: bool = False,
+    aux_means: Any = None,
+) -> tuple[window_lib.Closed, Outcome]:
+    """A pass's window closed (`accumjax._window.close_window`, along ``ctx``'s axis) and
+    decided: ``(closed, ended)``, as a `Close` returns them, ``closed`` without extras
+    (``partial(close_pass, ctx, every_k)`` is a `Close`).
+
+    Inside a call's ``shard_map`` (``ctx.layout``) the pass's loss parts, its per-microbatch
+    ``losses`` and ``aux_means`` travel in the window's one reduction, summed over the
+    devices, and the window is reduced as ``layouts`` and ``global_counts`` say; elsewhere
+    (one device, ``pmap``) the loss metric is this device's and there are no aux means.
+
+    Args:
+      ctx: the step's `accumjax._loop.Context`.
+      every_k: the K the window is closed with (`window_every_k`).
+      carry: the pass's carry (its window, loss parts and model state).
+      decisions: the pass's stacked microbatch decisions, or None.
+      losses: each microbatch's loss parts (`accumjax._loop.Outcome.losses`), or None.
+      layouts: each leaf's `accumjax._layout.LeafLayout` as the close reduces it, or None.
+      global_counts: the window's counts are whole-batch values already.
+      aux_means: the aux leaves the devices average (`accumjax._sharded_steps.split_aux`).
+
+    Returns:
+      The closed window and an `accumjax._loop.Outcome` of its closed model state, loss
+      metric and summed aux means.
+    """
+    axis = ctx.axis_name
+    scalars = Outcome(carry=carry, loss=None, aux=aux_means, losses=losses)
+    extras = None
+    if ctx.layout is not None:  # what the pass produced and the devices sum
+        parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
+        scalars = scalars._replace(carry=parts)
+        extras = jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), scalars)
+    closed = window_lib.close_window(
+        ctx.config,
+        carry.window,
+        every_k,
+        axis,
+        layouts,
+        extras=extras,
+        global_counts=global_counts,
+        decisions=decisions,
+    )
+    summed: Outcome = scalars if extras is None else closed.extras
+    if summed.losses is None:  # the window's loss metric, from the (devices') parts
+        loss = loss_mean(summed.carry.loss_sum, summed.carry.loss_weight)
+    else:
+        loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
+    model_state = close_model_state(carry.model_state, closed.apply, axis)
+    ended = Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=summed.aux)
+    return closed._replace(extras=None), ended
 
 
 def decide_window(
@@ -303,7 +368,7 @@ def decide_added(
     """
     closed, ended = close(first.carry, first.decision, first.losses)
     skips = ctx.config.on_nonfinite == "skip_microbatch"
-    if first.decision is None or not (skips or read) or ctx.every_k == 1:
+    if first.decision is None or not (skips or read) or ctx.static_every_k == 1:
         return closed, ended
     all_finite = closed.nonfinite_count == 0
 
@@ -380,28 +445,14 @@ def scan_step(setup: loop_lib.Setup) -> Step:
         state: TrainState, batch: Any, rng: Any = None, num_real_microbatches: Any = None
     ) -> tuple[TrainState, dict]:
         ctx, acc = begin(setup, state, rng)
-        ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.every_k))
+        ctx = ctx._replace(n_real=real_microbatches(num_real_microbatches, ctx.static_every_k))
         params = mark_varying(state.params, setup.pmap_axis)
-        axis, config = ctx.axis_name, ctx.config
         run = window_loop(ctx, params, start_carry(state, acc), batch)
         first = run(None)
         # The state's K (traced): with a constant K, XLA:CPU moves the division by it into a
         # gradient-sized buffer of its own (docs/limits.md).
         every_k = window_every_k(ctx, acc.every_k)
-
-        def close(
-            carry: LoopCarry, decisions: Any, losses: Any
-        ) -> tuple[window_lib.Closed, Outcome]:
-            closed = window_lib.close_window(
-                config, carry.window, every_k, axis, decisions=decisions
-            )
-            loss = loss_mean(carry.loss_sum, carry.loss_weight)
-            if losses is not None:
-                loss = accepted_loss(losses, cast(jax.Array, closed.accepted))
-            model_state = close_model_state(carry.model_state, closed.apply, axis)
-            return closed, Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=None)
-
-        closed, ended = decide_window(ctx, first, run, close)
+        closed, ended = decide_window(ctx, first, run, partial(close_pass, ctx, every_k))
         model_state = ended.carry.model_state
         return scan_finish(
             ctx, state, acc, closed, model_state=model_state, loss=ended.loss, aux=first.aux

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +20,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
-from accumjax._batch_norm_windows import close_model_state
 from accumjax._config import Config
 from accumjax._layout import LeafLayout, reduced_into_one_sum, window_layouts
-from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin, loss_mean
+from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin
+from accumjax._mesh import REPLICATED_SPEC
 from accumjax._reduction import reduce_leaves
 from accumjax._scan import (
-    accepted_loss,
+    close_pass,
     decide_window,
     real_microbatches,
     scan_finish,
@@ -38,9 +38,7 @@ from accumjax._zero import optimizer_side, parameter_side, split_params
 from accumjax.train_state import TrainState
 
 __all__ = [
-    "REPLICATED_SPEC",
     "data_shard_map",
-    "field_specs",
     "join_aux",
     "local_context",
     "reduce_gradient",
@@ -48,9 +46,6 @@ __all__ = [
     "split_aux",
     "step_specs",
 ]
-
-REPLICATED_SPEC = PartitionSpec()
-T = TypeVar("T")
 
 
 def step_specs(layout: mesh_lib.MeshLayout, state: Any, more: Any) -> tuple[Any, ...]:
@@ -66,21 +61,6 @@ def step_specs(layout: mesh_lib.MeshLayout, state: Any, more: Any) -> tuple[Any,
         REPLICATED_SPEC,
         more,
     )
-
-
-def field_specs(cls: type[T], first: Any, rest: Any = REPLICATED_SPEC) -> T:
-    """The ``shard_map`` specs of a NamedTuple ``cls`` whose first field is a sum (a
-    `accumjax._window.Window`, `accumjax._window.DeviceWindow` or `accumjax._window.Closed`):
-    ``first`` for it, ``rest`` for every other field, by name.
-
-    Example:
-      >>> from accumjax._window import Window
-      >>> field_specs(Window, "split", "replicated")  # doctest: +NORMALIZE_WHITESPACE
-      Window(grad_sum='split', weight_sum='replicated', micro_step='replicated',
-             window_nonfinite='replicated', window_skipped='replicated')
-    """
-    fields = cast(Any, cls)._fields
-    return cls(**{fields[0]: first}, **dict.fromkeys(fields[1:], rest))
 
 
 def data_shard_map(
@@ -141,7 +121,17 @@ def split_aux(
     (averaged over the devices); its structure goes into ``aux_structure`` (by name: its
     ``treedef``, which leaves have rows, their dtypes) for `join_aux`, which runs outside the
     ``shard_map`` the split ran in. The ``shard_map`` spec of a split is a pair too, one spec
-    for each list."""
+    for each list.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> structure = {}
+      >>> rows, means = split_aux({"loss": jnp.float32(3), "y": jnp.ones((2, 5))}, 0, structure)
+      >>> [x.shape for x in rows], [x.shape for x in means]
+      ([(2, 5)], [()])
+      >>> join_aux((rows, means), structure, shards=2)["loss"]
+      Array(1.5, dtype=float32)
+    """
     leaves, treedef = jax.tree.flatten(aux)
     has_rows = [jnp.ndim(x) > row_axis for x in leaves]
     dtypes = [jnp.result_type(x) for x in leaves]
@@ -187,10 +177,10 @@ def sharded_scan_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
                 "put the batch axis first, or run the step on unsharded arrays."
             )
         ctx, acc = begin(setup, state, rng)
-        ctx = ctx._replace(n_real=real_microbatches(n, ctx.every_k))
+        ctx = ctx._replace(n_real=real_microbatches(n, ctx.static_every_k))
         aux_structure: dict[str, Any] = {}
         local_state = state.replace(opt_state=None)
-        closed_specs = field_specs(window_lib.Closed, layout.optimizer_specs())
+        closed_specs = mesh_lib.field_specs(window_lib.Closed, layout.optimizer_specs())
         row_spec = PartitionSpec(*([None] * _aux_row_axis(setup)), layout.axis)
         ended_specs = Outcome(
             carry=LoopCarry(model_state=REPLICATED_SPEC),
@@ -253,31 +243,15 @@ def _window_on_device(
     aux_rows, aux_means = [], []
     if first.aux is not None:
         aux_rows, aux_means = split_aux(first.aux, rows, aux_structure)
-    every_k = window_every_k(ctx, ctx.every_k)
-
-    def close(carry: LoopCarry, decisions: Any, losses: Any) -> tuple[window_lib.Closed, Outcome]:
-        # What the pass produced and the devices sum: its loss parts, aux means and losses.
-        parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
-        scalars = Outcome(carry=parts, loss=None, aux=aux_means, losses=losses)
-        closed = window_lib.close_window(
-            config,
-            carry.window,
-            every_k,
-            layout.axis,
-            layouts,
-            extras=jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), scalars),
-            global_counts=global_counts,
-            decisions=decisions,
-        )
-        summed: Outcome = closed.extras
-        if summed.losses is None:  # the window's loss metric, from the devices' parts
-            loss = loss_mean(summed.carry.loss_sum, summed.carry.loss_weight)
-        else:
-            loss = accepted_loss(summed.losses, cast(jax.Array, closed.accepted))
-        model_state = close_model_state(carry.model_state, closed.apply, layout.axis)
-        ended = Outcome(carry=LoopCarry(model_state=model_state), loss=loss, aux=summed.aux)
-        return closed._replace(extras=None), ended
-
+    every_k = window_every_k(ctx, ctx.static_every_k)
+    close = partial(
+        close_pass,
+        ctx,
+        every_k,
+        layouts=layouts,
+        global_counts=global_counts,
+        aux_means=aux_means,
+    )
     closed, ended = decide_window(ctx, first, run, close)
     return closed._replace(accepted=None), ended._replace(aux=(aux_rows, ended.aux))
 
@@ -301,7 +275,7 @@ def _sum_layout(
     sum_dims = tuple(leaf.accumulator for leaf in layouts)
     if config.reads:
         ctx = ctx._replace(whole_gradient_layouts=layouts)
-    elif any(d is not None for d in sum_dims):
+    else:
         ctx = ctx._replace(reduce=reduce_gradient(layout, replicated=False))
     return ctx, layouts, global_counts, sum_dims
 
