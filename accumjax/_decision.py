@@ -334,8 +334,8 @@ def whole_gradient(
     leaves, summed_decision = reduce_leaves(leaves, axis_name, plan, own, per_microbatch=True)
     divisor = share_divisor(scaling, jax.lax.axis_size(axis_name))
     by = summed_decision.weight if divisor is None else jnp.float32(divisor)
-    by = jnp.where(by > 0, by, 1.0)
-    whole = jax.tree.map(lambda g: g / by.astype(g.dtype), jax.tree.unflatten(treedef, leaves))
+    by = scaling_lib.nonzero_denominator(by)
+    whole = scaling_lib.divided(jax.tree.unflatten(treedef, leaves), by)
     return whole, summed_decision
 
 

@@ -167,7 +167,7 @@ def accumulated_gradients(state: Any) -> Any:
     denom = jax.lax.switch(
         state.scaling_code, [functools.partial(by, s) for s in scaling_lib.SCALINGS]
     )
-    return window_lib.divided(total, window_lib.nonzero_denominator(denom))
+    return scaling_lib.divided(total, scaling_lib.nonzero_denominator(denom))
 
 
 def reset(state: Any) -> Any:
