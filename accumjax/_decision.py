@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import accumjax._scaling as scaling_lib
 from accumjax._config import Config, transformed_gradient
-from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
+from accumjax._layout import REPLICATED, LeafLayout, optimizer_dims, reduced_per_microbatch
 from accumjax._norms import global_norm
 from accumjax._reduction import gathered, own_shard, reduce_leaves, sharded_norm
 from accumjax._scaling import Scaling, share_divisor
@@ -147,7 +147,7 @@ def inspect_microbatch(
     if config.microbatch_transform is not None:
         transformed = transformed_gradient(config.microbatch_transform, seen, params)
         if whole is not None:  # in the whole gradient's layout: this device's shards
-            whole, transformed = own_shard(transformed, axis_name, _shard_dims(layouts)), None
+            whole, transformed = own_shard(transformed, axis_name, optimizer_dims(layouts)), None
     factor = w if config.scaling == "weighted" else None
     if config.max_norm is not None and norm is not None:
         tiny = jnp.finfo(jnp.float32).tiny
@@ -230,17 +230,12 @@ def agreed(
     if not reads:
         return grads, None, accepted(config.scaling, jax.lax.psum(mine, axis_name)), weight, None
     whole, summed = whole_gradient(config.scaling, grads, weight, axis_name, mine, layouts)
-    dims = _shard_dims(layouts)
+    dims = optimizer_dims(layouts)
     norm = sharded_norm(whole, axis_name, dims)
     reader = config.skip_fn is not None or config.microbatch_transform is not None
     seen = gathered(whole, axis_name, dims) if reader else whole
     finite = _finite_norm(config, accepted(config.scaling, summed), norm)
     return seen, norm, finite, summed.weight if weighted else weight, whole
-
-
-def _shard_dims(layouts: Sequence[LeafLayout] | None) -> list[int | None] | None:
-    """Per leaf, the dimension its reduced gradient is split on (None: every leaf whole)."""
-    return None if layouts is None else [leaf.optimizer for leaf in layouts]
 
 
 def _finite_norm(config: Config, finite: jax.Array, norm: jax.Array) -> jax.Array:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from accumjax._checks import check_choice
 
@@ -42,6 +42,7 @@ __all__ = [
     "check_optimizer_sharding",
     "partial_sums_layout",
     "leaf_layout",
+    "optimizer_dims",
     "partial_sum_count",
     "reduced_into_one_sum",
     "reduced_per_microbatch",
@@ -95,6 +96,22 @@ class LeafLayout(NamedTuple):
 
 #: A leaf replicated over the data axis, its gradient all-reduced once a window.
 REPLICATED = LeafLayout(None, None, None, Reduction.ALL_REDUCE)
+
+
+@overload
+def optimizer_dims(layouts: Sequence[LeafLayout]) -> tuple[int | None, ...]: ...
+@overload
+def optimizer_dims(layouts: None) -> None: ...
+def optimizer_dims(layouts: Sequence[LeafLayout] | None) -> tuple[int | None, ...] | None:
+    """Per leaf of ``layouts``, the dimension its reduced gradient (and its optimizer state)
+    is split on, None where replicated; None for no ``layouts`` (every leaf whole).
+
+    Example:
+      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
+      >>> optimizer_dims([zero1, REPLICATED]), optimizer_dims(None)
+      ((0, None), None)
+    """
+    return None if layouts is None else tuple(leaf.optimizer for leaf in layouts)
 
 
 def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:

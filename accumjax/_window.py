@@ -27,7 +27,7 @@ from accumjax._decision import (
     weigh,
     window_decisions,
 )
-from accumjax._layout import REPLICATED, LeafLayout, window_layouts
+from accumjax._layout import REPLICATED, LeafLayout, optimizer_dims, window_layouts
 from accumjax._reduction import cross_device_reduce, sharded_norm
 from accumjax._scaling import divided, nonzero_denominator
 
@@ -466,8 +466,7 @@ def close_window(
         nonfinite = skipped = rejected
     safe = nonzero_denominator(denominator(config.scaling, every_k, weight_sum, devices))
     # The scaled gradient's norm, without materializing the scaled gradient.
-    dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
-    norm = sharded_norm(grad_sum, axis_name, dims) / safe
+    norm = sharded_norm(grad_sum, axis_name, optimizer_dims(layouts)) / safe
     apply = weight_sum > 0
     if config.detects:
         apply = apply & jnp.isfinite(norm)
