@@ -30,7 +30,7 @@ from accumjax._step_checks import (
     check_accumulate,
     check_layout,
     check_step_inputs,
-    check_weight,
+    microbatch_weight_of,
 )
 from accumjax._window_end import check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
@@ -303,11 +303,9 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
 
 
 def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | None:
-    """The microbatch's scalar weight from ``weight_fn`` (`check_weight`), float32, or None
-    without one."""
-    if weight_fn is None:
-        return None
-    return check_weight(jnp.asarray(weight_fn(batch))).astype(jnp.float32)
+    """The microbatch's scalar weight from ``weight_fn`` (`microbatch_weight_of`), float32,
+    or None without one."""
+    return None if weight_fn is None else microbatch_weight_of(weight_fn, batch)
 
 
 def loss_and_grads(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
