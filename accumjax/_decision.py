@@ -38,6 +38,7 @@ __all__ = [
     "rows_decision",
     "sum_decision",
     "weigh",
+    "weight_or_one",
     "whole_gradient",
     "window_decisions",
 ]
@@ -266,8 +267,18 @@ def rows_decision(scaling: Scaling, m: Microbatch, weight: jax.Array | None) -> 
       >>> float(mine.rejected), float(mine.weight)
       (1.0, 1.0)
     """
-    w = jnp.ones((), jnp.float32) if weight is None else weight
-    return device_decision(scaling, ~m.added, w)
+    return device_decision(scaling, ~m.added, weight_or_one(weight))
+
+
+def weight_or_one(weight: jax.Array | None) -> jax.Array:
+    """A microbatch's (or a device's rows') ``weight``, float32, and 1 where it has none (an
+    unweighted scaling, or no ``weight_fn``).
+
+    Example:
+      >>> float(weight_or_one(None)), float(weight_or_one(jnp.float32(3.0)))
+      (1.0, 3.0)
+    """
+    return jnp.ones((), jnp.float32) if weight is None else weight
 
 
 def accepted(scaling: Scaling, summed: MicrobatchDecision) -> jax.Array:

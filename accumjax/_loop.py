@@ -19,7 +19,13 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state, warn_plain_batch_norm
 from accumjax._config import Config
 from accumjax._control import run_once
-from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
+from accumjax._decision import (
+    Microbatch,
+    MicrobatchDecision,
+    decide_microbatch,
+    weigh,
+    weight_or_one,
+)
 from accumjax._layout import LeafLayout
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._mesh import MeshLayout
@@ -424,7 +430,7 @@ def follow_decision(
     model_state = new_state if pooled else carry.model_state
     if model_state is not None and not pooled:
         model_state = optax.tree.where(added, new_state, model_state)
-    w = jnp.where(added, 1.0 if weight is None else weight, 0.0)
+    w = jnp.where(added, weight_or_one(weight), 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_part, weight_part = loss_parts(ctx, w, loss)

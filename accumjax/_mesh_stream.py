@@ -24,7 +24,7 @@ from accumjax._batch_norm_windows import (
     pooled_model_state,
 )
 from accumjax._config import Config
-from accumjax._decision import Microbatch, pooled_decision, rows_decision
+from accumjax._decision import Microbatch, pooled_decision, rows_decision, weight_or_one
 from accumjax._layout import partial_sum_count, partial_sums_layout
 from accumjax._loop import (
     Context,
@@ -220,7 +220,7 @@ def _pool(
     non-finite."""
     loss, new_state, aux = produced.loss, produced.carry.model_state, produced.aux
     config = ctx.config
-    weighs = jnp.ones((), jnp.float32) if weight is None else weight
+    weighs = weight_or_one(weight)
     mine = rows_decision(config.scaling, m, weight)
     m = _share(config, m, layout)
     aux_rows, aux_means = split_aux(aux, 0, aux_structure) if aux is not None else ([], [])
