@@ -313,9 +313,8 @@ def whole_gradient(
     gradient of its rows, as one device would compute it: their mean (``"mean"``,
     ``"sum_over_k"``), sum (``"sum"``) or weighted mean (``"weighted"``; a device of weight 0 adds
     nothing), the summed parts divided by `accumjax._scaling.share_divisor` (or the summed
-    weight). The devices' shares are summed in the accumulator's precision (at least
-    float32: float16 shares that are each finite stay finite), with the decisions in the same
-    reduction.
+    weight). Each share is summed in its own dtype widened to at least float32 (float16
+    shares that are each finite stay finite), with the decisions in the same reduction.
 
     Args:
       scaling: the window's scaling.
