@@ -38,17 +38,20 @@ from accumjax._checks import check_choice
 
 __all__ = [
     "OPTIMIZER_SHARDINGS",
+    "REPLICATED",
+    "LeafLayout",
+    "Reduction",
     "accumulator_bytes",
     "check_optimizer_sharding",
-    "partial_sums_layout",
     "leaf_layout",
     "optimizer_dims",
     "partial_sum_count",
+    "partial_sums_layout",
     "reduced_into_one_sum",
     "reduced_per_microbatch",
     "window_layouts",
-    "zero_layout",
     "zero_dim",
+    "zero_layout",
 ]
 
 OPTIMIZER_SHARDINGS = ("replicated", "zero1", "zero2")

@@ -47,8 +47,8 @@ __all__ = [
     "check_key_argument",
     "check_step_inputs",
     "check_weight",
-    "microbatch_weight_of",
     "init_call",
+    "microbatch_weight_of",
     "positional_limit",
     "requires_key",
 ]
