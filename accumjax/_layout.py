@@ -24,7 +24,7 @@ splits; a leaf with none stays replicated.
 A window kept per data shard between calls (`accumjax.window.DeviceWindow`) holds, per leaf,
 as many partial sums as its row's accumulator says (`partial_sum_count`: one per device for a
 full-size accumulator, one split over the devices for a split one), on a leading axis
-(`partial_sums_layout` reads a leaf's shape back; `accumulator_bytes` sizes them).
+(`partial_sums_shape` reads a leaf's shape back; `accumulator_bytes` sizes them).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = [
     "leaf_layout",
     "optimizer_dims",
     "partial_sum_count",
-    "partial_sums_layout",
+    "partial_sums_shape",
     "reduced_into_one_sum",
     "reduced_per_microbatch",
     "window_layouts",
@@ -277,12 +277,12 @@ def partial_sum_count(accumulator: int | None, shards: int) -> int:
     return shards if accumulator is None else 1
 
 
-def partial_sums_layout(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+def partial_sums_shape(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """A `accumjax.window.DeviceWindow` leaf's shape read as the plan laid it out: how many
     sums it holds (`partial_sum_count`) and the parameter's shape.
 
     Example:
-      >>> partial_sums_layout((8, 4, 3))
+      >>> partial_sums_shape((8, 4, 3))
       (8, (4, 3))
     """
     return int(shape[0]), tuple(int(n) for n in shape[1:])

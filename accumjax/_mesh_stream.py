@@ -25,7 +25,7 @@ from accumjax._batch_norm_windows import (
 )
 from accumjax._config import Config
 from accumjax._decision import Microbatch, pooled_decision, rows_decision, weight_or_one
-from accumjax._layout import partial_sum_count, partial_sums_layout
+from accumjax._layout import partial_sum_count, partial_sums_shape
 from accumjax._loop import (
     Context,
     LoopCarry,
@@ -102,7 +102,7 @@ def _check_shards(window: window_lib.DeviceWindow, layout: mesh_lib.MeshLayout |
     dims = (None,) * len(jax.tree.leaves(window.partial_sums))
     dims = dims if layout is None else layout.accumulator_dims
     for leaf, dim in zip(jax.tree.leaves(window.partial_sums), dims, strict=True):
-        held = partial_sums_layout(leaf.shape)[0]
+        held = partial_sums_shape(leaf.shape)[0]
         if held != partial_sum_count(dim, want):  # the sums the plan lays out for this leaf
             where = "one device" if layout is None else f"{want} data shards ({layout.axis!r})"
             raise ValueError(
