@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import accumjax._scaling as scaling_lib
 from accumjax._config import Config, transformed_gradient
-from accumjax._layout import REPLICATED, LeafLayout, reduced_per_microbatch
+from accumjax._layout import REPLICATED, LeafLayout, optimizer_dims, reduced_per_microbatch
 from accumjax._norms import global_norm
 from accumjax._reduction import gathered, own_shard, reduce_leaves, sharded_norm
 from accumjax._scaling import Scaling, share_divisor
@@ -38,6 +38,7 @@ __all__ = [
     "rows_decision",
     "sum_decision",
     "weigh",
+    "weight_or_one",
     "whole_gradient",
     "window_decisions",
 ]
@@ -147,7 +148,7 @@ def inspect_microbatch(
     if config.microbatch_transform is not None:
         transformed = transformed_gradient(config.microbatch_transform, seen, params)
         if whole is not None:  # in the whole gradient's layout: this device's shards
-            whole, transformed = own_shard(transformed, axis_name, _shard_dims(layouts)), None
+            whole, transformed = own_shard(transformed, axis_name, optimizer_dims(layouts)), None
     factor = w if config.scaling == "weighted" else None
     if config.max_norm is not None and norm is not None:
         tiny = jnp.finfo(jnp.float32).tiny
@@ -230,17 +231,12 @@ def agreed(
     if not reads:
         return grads, None, accepted(config.scaling, jax.lax.psum(mine, axis_name)), weight, None
     whole, summed = whole_gradient(config.scaling, grads, weight, axis_name, mine, layouts)
-    dims = _shard_dims(layouts)
+    dims = optimizer_dims(layouts)
     norm = sharded_norm(whole, axis_name, dims)
     reader = config.skip_fn is not None or config.microbatch_transform is not None
     seen = gathered(whole, axis_name, dims) if reader else whole
     finite = _finite_norm(config, accepted(config.scaling, summed), norm)
     return seen, norm, finite, summed.weight if weighted else weight, whole
-
-
-def _shard_dims(layouts: Sequence[LeafLayout] | None) -> list[int | None] | None:
-    """Per leaf, the dimension its reduced gradient is split on (None: every leaf whole)."""
-    return None if layouts is None else [leaf.optimizer for leaf in layouts]
 
 
 def _finite_norm(config: Config, finite: jax.Array, norm: jax.Array) -> jax.Array:
@@ -271,8 +267,18 @@ def rows_decision(scaling: Scaling, m: Microbatch, weight: jax.Array | None) -> 
       >>> float(mine.rejected), float(mine.weight)
       (1.0, 1.0)
     """
-    w = jnp.ones((), jnp.float32) if weight is None else weight
-    return device_decision(scaling, ~m.added, w)
+    return device_decision(scaling, ~m.added, weight_or_one(weight))
+
+
+def weight_or_one(weight: jax.Array | None) -> jax.Array:
+    """A microbatch's (or a device's rows') ``weight``, float32, and 1 where it has none (an
+    unweighted scaling, or no ``weight_fn``).
+
+    Example:
+      >>> float(weight_or_one(None)), float(weight_or_one(jnp.float32(3.0)))
+      (1.0, 3.0)
+    """
+    return jnp.ones((), jnp.float32) if weight is None else weight
 
 
 def accepted(scaling: Scaling, summed: MicrobatchDecision) -> jax.Array:
@@ -307,9 +313,8 @@ def whole_gradient(
     gradient of its rows, as one device would compute it: their mean (``"mean"``,
     ``"sum_over_k"``), sum (``"sum"``) or weighted mean (``"weighted"``; a device of weight 0 adds
     nothing), the summed parts divided by `accumjax._scaling.share_divisor` (or the summed
-    weight). The devices' shares are summed in the accumulator's precision (at least
-    float32: float16 shares that are each finite stay finite), with the decisions in the same
-    reduction.
+    weight). Each share is summed in its own dtype widened to at least float32 (float16
+    shares that are each finite stay finite), with the decisions in the same reduction.
 
     Args:
       scaling: the window's scaling.
@@ -334,8 +339,8 @@ def whole_gradient(
     leaves, summed_decision = reduce_leaves(leaves, axis_name, plan, own, per_microbatch=True)
     divisor = share_divisor(scaling, jax.lax.axis_size(axis_name))
     by = summed_decision.weight if divisor is None else jnp.float32(divisor)
-    by = jnp.where(by > 0, by, 1.0)
-    whole = jax.tree.map(lambda g: g / by.astype(g.dtype), jax.tree.unflatten(treedef, leaves))
+    by = scaling_lib.nonzero_denominator(by)
+    whole = scaling_lib.divided(jax.tree.unflatten(treedef, leaves), by)
     return whole, summed_decision
 
 

@@ -29,7 +29,12 @@ from accumjax._scan import real_microbatches, scan_step
 from accumjax._sharded_steps import sharded_scan_step
 from accumjax._split import split_advice, strided_microbatches
 from accumjax._state import config_of
-from accumjax._step_checks import check_accumulate, check_init_inputs, check_weight, init_call
+from accumjax._step_checks import (
+    check_accumulate,
+    check_init_inputs,
+    init_call,
+    microbatch_weight_of,
+)
 from accumjax._window_end import check_state
 from accumjax._zero import as_placed, placed_zero
 from accumjax.distributed import replicate
@@ -126,7 +131,7 @@ def _microbatch_weights(
 ) -> jax.Array:
     """Each of the ``every_k`` strided microbatches' ``weight_fn``, float32 ``(every_k,)``."""
     rows = strided_microbatches(batch, every_k, batch_axis)
-    weigh = lambda i: check_weight(jnp.asarray(weight_fn(rows(i)), jnp.float32))
+    weigh = lambda i: microbatch_weight_of(weight_fn, rows(i))
     return jax.lax.map(weigh, jnp.arange(every_k))
 
 

@@ -24,7 +24,7 @@ splits; a leaf with none stays replicated.
 A window kept per data shard between calls (`accumjax.window.DeviceWindow`) holds, per leaf,
 as many partial sums as its row's accumulator says (`partial_sum_count`: one per device for a
 full-size accumulator, one split over the devices for a split one), on a leading axis
-(`partial_sums_layout` reads a leaf's shape back; `accumulator_bytes` sizes them).
+(`partial_sums_shape` reads a leaf's shape back; `accumulator_bytes` sizes them).
 """
 
 from __future__ import annotations
@@ -32,22 +32,26 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from accumjax._checks import check_choice
 
 __all__ = [
     "OPTIMIZER_SHARDINGS",
+    "REPLICATED",
+    "LeafLayout",
+    "Reduction",
     "accumulator_bytes",
     "check_optimizer_sharding",
-    "partial_sums_layout",
     "leaf_layout",
+    "optimizer_dims",
     "partial_sum_count",
+    "partial_sums_shape",
     "reduced_into_one_sum",
     "reduced_per_microbatch",
     "window_layouts",
-    "zero_layout",
     "zero_dim",
+    "zero_layout",
 ]
 
 OPTIMIZER_SHARDINGS = ("replicated", "zero1", "zero2")
@@ -95,6 +99,22 @@ class LeafLayout(NamedTuple):
 
 #: A leaf replicated over the data axis, its gradient all-reduced once a window.
 REPLICATED = LeafLayout(None, None, None, Reduction.ALL_REDUCE)
+
+
+@overload
+def optimizer_dims(layouts: Sequence[LeafLayout]) -> tuple[int | None, ...]: ...
+@overload
+def optimizer_dims(layouts: None) -> None: ...
+def optimizer_dims(layouts: Sequence[LeafLayout] | None) -> tuple[int | None, ...] | None:
+    """Per leaf of ``layouts``, the dimension its reduced gradient (and its optimizer state)
+    is split on, None where replicated; None for no ``layouts`` (every leaf whole).
+
+    Example:
+      >>> zero1 = LeafLayout(None, None, 0, Reduction.REDUCE_SCATTER_WINDOW)
+      >>> optimizer_dims([zero1, REPLICATED]), optimizer_dims(None)
+      ((0, None), None)
+    """
+    return None if layouts is None else tuple(leaf.optimizer for leaf in layouts)
 
 
 def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
@@ -257,12 +277,12 @@ def partial_sum_count(accumulator: int | None, shards: int) -> int:
     return shards if accumulator is None else 1
 
 
-def partial_sums_layout(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+def partial_sums_shape(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """A `accumjax.window.DeviceWindow` leaf's shape read as the plan laid it out: how many
     sums it holds (`partial_sum_count`) and the parameter's shape.
 
     Example:
-      >>> partial_sums_layout((8, 4, 3))
+      >>> partial_sums_shape((8, 4, 3))
       (8, (4, 3))
     """
     return int(shape[0]), tuple(int(n) for n in shape[1:])

@@ -19,7 +19,13 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state, warn_plain_batch_norm
 from accumjax._config import Config
 from accumjax._control import run_once
-from accumjax._decision import Microbatch, MicrobatchDecision, decide_microbatch, weigh
+from accumjax._decision import (
+    Microbatch,
+    MicrobatchDecision,
+    decide_microbatch,
+    weigh,
+    weight_or_one,
+)
 from accumjax._layout import LeafLayout
 from accumjax._loss_adapter import GradFn, device_loss_scale
 from accumjax._mesh import MeshLayout
@@ -30,7 +36,7 @@ from accumjax._step_checks import (
     check_accumulate,
     check_layout,
     check_step_inputs,
-    check_weight,
+    microbatch_weight_of,
 )
 from accumjax._window_end import check_state, close_and_apply, init_state, window_closes
 from accumjax.accumulation_state import AccumulationState
@@ -304,11 +310,9 @@ def begin(setup: Setup, state: Any, rng: Any) -> tuple[Context, AccumulationStat
 
 
 def _weight(weight_fn: Callable[[Any], Any] | None, batch: Any) -> jax.Array | None:
-    """The microbatch's scalar weight from ``weight_fn`` (`check_weight`), float32, or None
-    without one."""
-    if weight_fn is None:
-        return None
-    return check_weight(jnp.asarray(weight_fn(batch))).astype(jnp.float32)
+    """The microbatch's scalar weight from ``weight_fn`` (`microbatch_weight_of`), float32,
+    or None without one."""
+    return None if weight_fn is None else microbatch_weight_of(weight_fn, batch)
 
 
 def loss_and_grads(ctx: Context, params: Any, model_state: Any, batch: Any, index: Any) -> Any:
@@ -427,7 +431,7 @@ def follow_decision(
     model_state = new_state if pooled else carry.model_state
     if model_state is not None and not pooled:
         model_state = optax.tree.where(added, new_state, model_state)
-    w = jnp.where(added, 1.0 if weight is None else weight, 0.0)
+    w = jnp.where(added, weight_or_one(weight), 0.0)
     loss = loss.astype(carry.loss_sum.dtype)
     # Rows that weigh nothing (a device's share, on a mesh) may have a NaN mean loss.
     loss_part, weight_part = loss_parts(ctx, w, loss)

@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import accumjax._window as window_lib
 from accumjax._checks import check_mesh_axis
-from accumjax._layout import LeafLayout, leaf_layout, partial_sum_count
+from accumjax._layout import LeafLayout, leaf_layout, optimizer_dims, partial_sum_count
 from accumjax._reduction import gathered
 
 __all__ = [
@@ -85,7 +85,7 @@ class MeshLayout(NamedTuple):
     @property
     def optimizer_dims(self) -> tuple[int | None, ...]:
         """Per leaf, the reduced gradient's and optimizer state's split dimension."""
-        return tuple(leaf.optimizer for leaf in self.leaves)
+        return optimizer_dims(self.leaves)
 
     @property
     def zero_sharded(self) -> bool:

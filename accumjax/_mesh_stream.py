@@ -24,8 +24,8 @@ from accumjax._batch_norm_windows import (
     pooled_model_state,
 )
 from accumjax._config import Config
-from accumjax._decision import Microbatch, pooled_decision, rows_decision
-from accumjax._layout import partial_sum_count, partial_sums_layout
+from accumjax._decision import Microbatch, pooled_decision, rows_decision, weight_or_one
+from accumjax._layout import partial_sum_count, partial_sums_shape
 from accumjax._loop import (
     Context,
     LoopCarry,
@@ -101,7 +101,7 @@ def _check_shards(window: window_lib.DeviceWindow, layout: mesh_lib.MeshLayout |
     dims = (None,) * len(jax.tree.leaves(window.partial_sums))
     dims = dims if layout is None else layout.accumulator_dims
     for leaf, dim in zip(jax.tree.leaves(window.partial_sums), dims, strict=True):
-        held = partial_sums_layout(leaf.shape)[0]
+        held = partial_sums_shape(leaf.shape)[0]
         if held != partial_sum_count(dim, want):  # the sums the plan lays out for this leaf
             where = "one device" if layout is None else f"{want} data shards ({layout.axis!r})"
             raise ValueError(
@@ -219,7 +219,7 @@ def _pool(
     non-finite."""
     loss, new_state, aux = produced.loss, produced.carry.model_state, produced.aux
     config = ctx.config
-    weighs = jnp.ones((), jnp.float32) if weight is None else weight
+    weighs = weight_or_one(weight)
     mine = rows_decision(config.scaling, m, weight)
     m = _share(config, m, layout)
     aux_rows, aux_means = split_aux(aux, 0, aux_structure) if aux is not None else ([], [])

@@ -49,11 +49,17 @@ def unpack_flat(flat: jax.Array, like: Any, dtype: Any = None) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _packed_dtype(*like: Any) -> jnp.dtype:
+    """The dtype values packed into one all-reduce travel in: the common type of ``like``
+    (arrays or dtypes), at least float32, so counts below 2**24 stay exact."""
+    return jnp.dtype(jnp.result_type(jnp.float32, *like))
+
+
 def psum_together(parts: dict[str, Any], axis: str) -> dict[str, Any]:
     """Sums the named ``parts`` (pytrees of arrays of any shapes) across ``axis`` in one
-    all-reduce: their leaves travel as one flat vector of their common type (at least
-    float32, so counts below 2**24 stay exact), in the dict's order, and come back under
-    their names in their own structures and (floating) types.
+    all-reduce: their leaves travel as one flat vector of their common type
+    (`_packed_dtype`), in the dict's order, and come back under their names in their own
+    structures and (floating) types.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -63,7 +69,7 @@ def psum_together(parts: dict[str, Any], axis: str) -> dict[str, Any]:
       (3.0, 6.0)
     """
     values = list(parts.values())
-    dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(values))
+    dtype = _packed_dtype(*jax.tree.leaves(values))
     return dict(
         zip(parts, unpack_flat(jax.lax.psum(pack_flat(values, dtype), axis), values), strict=True)
     )
@@ -74,9 +80,10 @@ def cross_device_reduce(
 ) -> tuple[Any, Any]:
     """The window's one reduction: `reduce_leaves` at the window's close, the leaves still
     partial on each device reduced as their `LeafLayout` says (a grouped ``psum`` with the
-    ``scalars``, a pytree of scalars and small arrays, which travel in the accumulator's
-    dtype when it is float32 or float64, so counts stay exact below 2**24; a
-    ``psum_scatter`` into shards), those reduced every microbatch left as they are.
+    ``scalars``, a pytree of scalars and small arrays, which travel in the all-reduced
+    leaves' dtype where they share one real floating dtype of 32 bits or more, else in
+    float32 (`_packed_dtype`); a ``psum_scatter`` into shards), those reduced every
+    microbatch left as they are.
     ``layouts``: each leaf's `LeafLayout`, in the order of ``jax.tree.leaves(grad_sum)``
     (None: every leaf all-reduced). Returns the reduced sum and the summed scalars (their
     structure and shapes, float32).
@@ -92,9 +99,10 @@ def cross_device_reduce(
     leaves, treedef = jax.tree.flatten(grad_sum)
     plan = [REPLICATED] * len(leaves) if layouts is None else list(layouts)
     dtypes = {jnp.dtype(leaves[i].dtype) for i in _all_reduced(plan, per_microbatch=False)}
-    dtype = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 4:
-        dtype = jnp.dtype(jnp.float32)
+    wide = len(dtypes) == 1 and all(
+        jnp.issubdtype(d, jnp.floating) and d.itemsize >= 4 for d in dtypes
+    )
+    dtype = _packed_dtype(*(dtypes if wide else ()))
     leaves, stacked = reduce_leaves(leaves, axis_name, plan, pack_flat(scalars, dtype))
     return jax.tree.unflatten(treedef, leaves), unpack_flat(stacked, scalars, jnp.float32)
 

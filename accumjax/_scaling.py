@@ -1,14 +1,15 @@
 """The scaling strategies' rules (internal): a strategy's name checked
 (`validate_scaling`), which stored strategies a state may resume under (`compatible`), a
 microbatch's weight validated (`microbatch_weight`), whether devices' losses add up
-(`device_losses_add`) and what one device's gradient counts for in a microbatch's
-(`share_divisor`). `accumjax.scaling` describes them.
+(`device_losses_add`), what one device's gradient counts for in a microbatch's
+(`share_divisor`), and a sum divided by its denominator (`nonzero_denominator`, `divided`: a
+window's and a microbatch's whole gradient). `accumjax.scaling` describes them.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,9 @@ __all__ = [
     "compatible",
     "concrete_value",
     "device_losses_add",
+    "divided",
     "microbatch_weight",
+    "nonzero_denominator",
     "share_divisor",
     "validate_scaling",
 ]
@@ -97,6 +100,21 @@ def compatible(stored: str, wanted: str) -> bool:
       (True, False)
     """
     return stored == wanted or (stored in _MEANS and wanted in _MEANS)
+
+
+def nonzero_denominator(denom: jax.Array) -> jax.Array:
+    """``denom`` where it is > 0, else 1 (a sum without weight, zero, stays zero).
+
+    Example:
+      >>> float(nonzero_denominator(jnp.float32(0.0))), float(nonzero_denominator(jnp.float32(4.0)))
+      (1.0, 4.0)
+    """
+    return jnp.where(denom > 0, denom, 1.0)
+
+
+def divided(sums: Any, denom: jax.Array) -> Any:
+    """Each leaf of ``sums`` divided by ``denom`` (a `nonzero_denominator`), in its own dtype."""
+    return jax.tree.map(lambda a: a / denom.astype(a.dtype), sums)
 
 
 def concrete_value(x: jax.typing.ArrayLike) -> float | None:

@@ -3,7 +3,8 @@ call that works (`init_call`), never a silently wrong run.
 
 `check_accumulate` refuses an `accumjax.accumulate` the step cannot run (another data axis, a
 schedule K in scan mode) at ``step.init``, before a call reads its concrete inputs, and at
-trace time; `check_weight` a ``weight_fn`` value that is not one scalar, at trace time.
+trace time; `check_weight` a ``weight_fn`` value that is not one scalar, at trace time
+(`microbatch_weight_of`: a microbatch's weight, checked).
 `check_step_inputs` runs once per trace, in every mode: an optimizer that
 accumulates where the step cannot see it (`check_composition`), an ``rng`` that is not one key
 or a loss that takes none (`check_key_argument`), self-closing BatchNorm layers, float16
@@ -47,6 +48,7 @@ __all__ = [
     "check_step_inputs",
     "check_weight",
     "init_call",
+    "microbatch_weight_of",
     "positional_limit",
     "requires_key",
 ]
@@ -165,6 +167,19 @@ def check_weight(weight: jax.Array) -> jax.Array:
             "-> e.g. its number of real tokens, jnp.sum(microbatch['mask'])."
         )
     return weight
+
+
+def microbatch_weight_of(weight_fn: Callable[[Any], Any], microbatch: Any) -> jax.Array:
+    """One microbatch's weight, ``weight_fn(microbatch)`` checked to be one scalar
+    (`check_weight`), as float32: the train step's (`accumjax._loop`) and the host's check of
+    a short batch's (`accumjax._host`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> microbatch_weight_of(lambda b: jnp.sum(b["mask"]), {"mask": jnp.ones(3, jnp.int32)})
+      Array(3., dtype=float32)
+    """
+    return check_weight(jnp.asarray(weight_fn(microbatch))).astype(jnp.float32)
 
 
 def init_call(f16: bool, first: str = "params") -> str:

@@ -27,8 +27,9 @@ from accumjax._decision import (
     weigh,
     window_decisions,
 )
-from accumjax._layout import REPLICATED, LeafLayout, window_layouts
+from accumjax._layout import REPLICATED, LeafLayout, optimizer_dims, window_layouts
 from accumjax._reduction import cross_device_reduce, sharded_norm
+from accumjax._scaling import divided, nonzero_denominator
 
 __all__ = [
     "COUNTERS",
@@ -39,12 +40,10 @@ __all__ = [
     "close_window",
     "count_microbatch",
     "denominator",
-    "divided",
     "emptied_window",
     "first_microbatch",
     "init_window",
     "local_window",
-    "nonzero_denominator",
     "retyped",
     "saturating_add",
     "scaled_gradient",
@@ -468,29 +467,13 @@ def close_window(
         nonfinite = skipped = rejected
     safe = nonzero_denominator(denominator(config.scaling, every_k, weight_sum, devices))
     # The scaled gradient's norm, without materializing the scaled gradient.
-    dims = None if layouts is None else [leaf.optimizer for leaf in layouts]
-    norm = sharded_norm(grad_sum, axis_name, dims) / safe
+    norm = sharded_norm(grad_sum, axis_name, optimizer_dims(layouts)) / safe
     apply = weight_sum > 0
     if config.detects:
         apply = apply & jnp.isfinite(norm)
     if config.on_nonfinite == "skip_window" or (decisions is not None and config.detects):
         apply = apply & (nonfinite == 0)
     return Closed(grad_sum, safe, apply, nonfinite, skipped, norm, extras, ok)
-
-
-def nonzero_denominator(denom: jax.Array) -> jax.Array:
-    """``denom`` where it is > 0, else 1 (a window without weight: its sum, zero, stays zero).
-
-    Example:
-      >>> float(nonzero_denominator(jnp.float32(0.0))), float(nonzero_denominator(jnp.float32(4.0)))
-      (1.0, 4.0)
-    """
-    return jnp.where(denom > 0, denom, 1.0)
-
-
-def divided(sums: Any, denom: jax.Array) -> Any:
-    """Each leaf of ``sums`` divided by ``denom`` (a `nonzero_denominator`), in its own dtype."""
-    return jax.tree.map(lambda a: a / denom.astype(a.dtype), sums)
 
 
 def scaled_gradient(closed: Closed) -> Any:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import accumjax._scaling as scaling_lib
 import accumjax._state as state_lib
 import accumjax._window as window_lib
-from accumjax._layout import REPLICATED, accumulator_bytes, partial_sums_layout
+from accumjax._layout import REPLICATED, accumulator_bytes, partial_sums_shape
 from accumjax._moved import REMOVED_IN, forward_moved
 from accumjax._state import AccumulationState
 
@@ -167,7 +167,7 @@ def accumulated_gradients(state: Any) -> Any:
     denom = jax.lax.switch(
         state.scaling_code, [functools.partial(by, s) for s in scaling_lib.SCALINGS]
     )
-    return window_lib.divided(total, window_lib.nonzero_denominator(denom))
+    return scaling_lib.divided(total, scaling_lib.nonzero_denominator(denom))
 
 
 def reset(state: Any) -> Any:
@@ -294,7 +294,7 @@ def _sizes(window: Any, params: Any, tx: Any, layout: Any) -> dict[str, int | No
     if window[0] is not None:
         per_shard = isinstance(window, window_lib.DeviceWindow)
         held = jax.tree.leaves(window[0])
-        shapes = [partial_sums_layout(x.shape)[1] if per_shard else tuple(x.shape) for x in held]
+        shapes = [partial_sums_shape(x.shape)[1] if per_shard else tuple(x.shape) for x in held]
         return {
             "num_parameters": sum(math.prod(shape) for shape in shapes),
             "memory_bytes": sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in held),

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 import accumjax._window as window_lib
-from accumjax._layout import partial_sums_layout
+from accumjax._layout import partial_sums_shape
 from accumjax._state import every_k_changed, every_k_of_tag
 
 __all__ = ["restore_checkpoint"]
@@ -206,9 +206,9 @@ class _Plan:
 
 def _held(shape: tuple[int, ...], per_shard: bool) -> tuple[int, tuple[int, ...]]:
     """How many sums a window's sum leaf holds and the parameter's shape: a per-shard
-    window's as the layout plan laid them out (`accumjax._layout.partial_sums_layout`), one
+    window's as the layout plan laid them out (`accumjax._layout.partial_sums_shape`), one
     otherwise."""
-    return partial_sums_layout(shape) if per_shard else (1, shape)
+    return partial_sums_shape(shape) if per_shard else (1, shape)
 
 
 class _Attr:
