@@ -100,15 +100,13 @@ def _devices_apart(state: Any, batch: Any) -> str | None:
 
 
 def _made_here(opt_state: Any, returned: Any) -> bool:
-    """Whether ``opt_state`` is the one the step returned last (its K array, the very object),
-    so it needs no check: only a state from elsewhere (a checkpoint) is read on the host."""
+    """Whether ``opt_state`` is the step's last (its very K array): no host-side check."""
     every_k = getattr(opt_state, "every_k", None)
     return every_k is not None and every_k is getattr(returned, "every_k", None)
 
 
 def _static_every_k(config: Any) -> int | None:
-    """K as the step runs ``config`` (an `accumjax._config.Config`, or None: a plain
-    optimizer, a window of one microbatch); None for a schedule."""
+    """K of ``config``: 1 for None (a plain optimizer), None for a schedule."""
     return 1 if config is None else config.static_every_k
 
 
@@ -121,9 +119,8 @@ def _check_real_microbatches(n: Any, scan: bool, config: Any) -> None:
             "num_real_microbatches is for make_train_step(mode='scan'), which splits a batch "
             "into K microbatches; a stream-mode call is one microbatch."
         )
-    every_k = _static_every_k(config)
-    assert every_k is not None  # a schedule in scan mode is refused first (`check_accumulate`)
-    real_microbatches(n, every_k)  # the Python-side checks (a traced value is clipped later)
+    # A schedule in scan mode was refused first (`check_accumulate`): K is an int.
+    real_microbatches(n, cast(int, _static_every_k(config)))
 
 
 def _microbatch_weights(
