@@ -218,19 +218,7 @@ def leaf_layout(
       'reduce-scatter per window'
     """
     if param_dim is not None:
-        if reduce_scatter == "microbatch":
-            return LeafLayout(
-                param=param_dim,
-                accumulator=param_dim,
-                optimizer=param_dim,
-                reduction=Reduction.REDUCE_SCATTER_MICROBATCH,
-            )
-        return LeafLayout(
-            param=param_dim,
-            accumulator=None,
-            optimizer=param_dim,
-            reduction=Reduction.REDUCE_SCATTER_WINDOW,
-        )
+        return _split_row(param_dim, param_dim, per_microbatch=reduce_scatter == "microbatch")
     dim = None if optimizer_sharding == "replicated" else zero_dim(shape, spec, shards)
     return zero_layout(dim, optimizer_sharding)
 
@@ -249,19 +237,18 @@ def zero_layout(optimizer_dim: int | None, optimizer_sharding: str = "zero1") ->
     """
     if optimizer_dim is None or optimizer_sharding == "replicated":
         return REPLICATED
-    if optimizer_sharding == "zero1":
-        return LeafLayout(
-            param=None,
-            accumulator=None,
-            optimizer=optimizer_dim,
-            reduction=Reduction.REDUCE_SCATTER_WINDOW,
-        )
-    return LeafLayout(
-        param=None,
-        accumulator=optimizer_dim,
-        optimizer=optimizer_dim,
-        reduction=Reduction.REDUCE_SCATTER_MICROBATCH,
-    )
+    return _split_row(None, optimizer_dim, per_microbatch=optimizer_sharding == "zero2")
+
+
+def _split_row(param: int | None, dim: int, *, per_microbatch: bool) -> LeafLayout:
+    """The row of a leaf whose gradient is reduce-scattered on ``dim`` (where its optimizer
+    state lies split; ``param``: its parameter's split dimension, or None): every microbatch
+    into an accumulator split like it, or once a window from a full-size one."""
+    if per_microbatch:
+        reduction, accumulator = Reduction.REDUCE_SCATTER_MICROBATCH, dim
+    else:
+        reduction, accumulator = Reduction.REDUCE_SCATTER_WINDOW, None
+    return LeafLayout(param=param, accumulator=accumulator, optimizer=dim, reduction=reduction)
 
 
 def partial_sum_count(accumulator: int | None, shards: int) -> int:
