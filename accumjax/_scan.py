@@ -8,7 +8,7 @@ neither computed nor counted, and nothing recompiles.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
 
@@ -22,7 +22,7 @@ import accumjax._window as window_lib
 from accumjax._batch_norm_windows import close_model_state
 from accumjax._control import run_once
 from accumjax._decision import MicrobatchDecision, sum_decision
-from accumjax._layout import LeafLayout
+from accumjax._layout import window_layouts
 from accumjax._loop import (
     Context,
     LoopCarry,
@@ -275,8 +275,6 @@ def close_pass(
     decisions: MicrobatchDecision | None,
     losses: jax.Array | None,
     *,
-    layouts: Sequence[LeafLayout] | None = None,
-    global_counts: bool = False,
     aux_means: Any = None,
 ) -> tuple[window_lib.Closed, Outcome]:
     """A pass's window closed (`accumjax._window.close_window`, along ``ctx``'s axis) and
@@ -285,8 +283,9 @@ def close_pass(
 
     Inside a call's ``shard_map`` (``ctx.layout``) the pass's loss parts, its per-microbatch
     ``losses`` and ``aux_means`` travel in the window's one reduction, summed over the
-    devices, and the window is reduced as ``layouts`` and ``global_counts`` say; elsewhere
-    (one device, ``pmap``) the loss metric is this device's and there are no aux means.
+    devices, and the window is reduced as the layout plan says for the policy
+    (`accumjax._layout.window_layouts`); elsewhere (one device, ``pmap``) the loss metric is
+    this device's and there are no aux means.
 
     Args:
       ctx: the step's `accumjax._loop.Context`.
@@ -294,8 +293,6 @@ def close_pass(
       carry: the pass's carry (its window, loss parts and model state).
       decisions: the pass's stacked microbatch decisions, or None.
       losses: each microbatch's loss parts (`accumjax._loop.Outcome.losses`), or None.
-      layouts: each leaf's `accumjax._layout.LeafLayout` as the close reduces it, or None.
-      global_counts: the window's counts are whole-batch values already.
       aux_means: the aux leaves the devices average (`accumjax._sharded_steps.split_aux`).
 
     Returns:
@@ -304,11 +301,12 @@ def close_pass(
     """
     axis = ctx.axis_name
     scalars = Outcome(carry=carry, loss=None, aux=aux_means, losses=losses)
-    extras = None
+    extras, layouts, global_counts = None, None, False
     if ctx.layout is not None:  # what the pass produced and the devices sum
         parts = LoopCarry(model_state=None, loss_sum=carry.loss_sum, loss_weight=carry.loss_weight)
         scalars = scalars._replace(carry=parts)
         extras = jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), scalars)
+        layouts, global_counts = window_layouts(ctx.layout.leaves, ctx.config.reads)
     closed = window_lib.close_window(
         ctx.config,
         carry.window,

@@ -20,8 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import accumjax._mesh as mesh_lib
 import accumjax._window as window_lib
-from accumjax._config import Config
-from accumjax._layout import LeafLayout, reduced_into_one_sum, window_layouts
+from accumjax._layout import reduced_into_one_sum, window_layouts
 from accumjax._loop import Context, LoopCarry, Outcome, Setup, begin
 from accumjax._mesh import REPLICATED_SPEC
 from accumjax._reduction import reduce_leaves
@@ -233,7 +232,7 @@ def _window_on_device(
             jax.lax.optimization_barrier((p, i))[0], layout
         )
         ctx = ctx._replace(materialize=gather)
-    ctx, layouts, global_counts, sum_dims = _sum_layout(ctx, layout, config)
+    ctx, sum_dims = _sum_layout(ctx, layout)
     shapes = layout.local_sums(state.params, sum_dims)
     like = window_lib.init_window(shapes, config.accumulator_dtype)
     start = LoopCarry(window=like, model_state=state.model_state, loss_sum=zero, loss_weight=zero)
@@ -244,25 +243,17 @@ def _window_on_device(
     if first.aux is not None:
         aux_rows, aux_means = split_aux(first.aux, rows, aux_structure)
     every_k = window_every_k(ctx, ctx.static_every_k)
-    close = partial(
-        close_pass,
-        ctx,
-        every_k,
-        layouts=layouts,
-        global_counts=global_counts,
-        aux_means=aux_means,
-    )
+    close = partial(close_pass, ctx, every_k, aux_means=aux_means)
     closed, ended = decide_window(ctx, first, run, close)
     return closed._replace(accepted=None), ended._replace(aux=(aux_rows, ended.aux))
 
 
 def _sum_layout(
-    ctx: Context, layout: mesh_lib.MeshLayout, config: Config
-) -> tuple[Context, tuple[LeafLayout, ...], bool, tuple[int | None, ...]]:
-    """Where a scan window's sum lives, from the layout plan: ``(ctx, layouts, global_counts,
-    dims)``, ``ctx`` with the per-microbatch reduction it runs, ``layouts`` each leaf's
-    `LeafLayout` as the window's close reads it (`accumjax._window.close_window`), ``dims``
-    each sum's dimension split over the data axis.
+    ctx: Context, layout: mesh_lib.MeshLayout
+) -> tuple[Context, tuple[int | None, ...]]:
+    """Where a scan window's sum lives, from the layout plan: ``(ctx, dims)``, ``ctx`` with
+    the per-microbatch reduction it runs and ``dims`` each sum's dimension split over the data
+    axis (the rows `accumjax._layout.window_layouts` gives, which the close reads too).
 
     A policy that reads the gradient reduces each microbatch's whole gradient (the leaves
     whose optimizer state is split over the data axis reduce-scattered into shards;
@@ -271,13 +262,14 @@ def _sum_layout(
     as it comes, a leaf reduced per window is a full-size sum reduce-scattered once at the
     end, and the others are all-reduced once.
     """
-    layouts, global_counts = window_layouts(layout.leaves, config.reads)
+    reads = ctx.config.reads
+    layouts, _ = window_layouts(layout.leaves, reads)
     sum_dims = tuple(leaf.accumulator for leaf in layouts)
-    if config.reads:
+    if reads:
         ctx = ctx._replace(whole_gradient_layouts=layouts)
     else:
         ctx = ctx._replace(reduce=reduce_gradient(layout, replicated=False))
-    return ctx, layouts, global_counts, sum_dims
+    return ctx, sum_dims
 
 
 def reduce_gradient(layout: mesh_lib.MeshLayout, replicated: bool) -> Callable[[Any], Any] | None:
