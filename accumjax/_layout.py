@@ -131,7 +131,7 @@ def reduced_per_microbatch(leaf: LeafLayout) -> LeafLayout:
     dim = leaf.optimizer
     if dim is None:
         return leaf._replace(accumulator=None, reduction=Reduction.ALL_REDUCE_MICROBATCH)
-    return leaf._replace(accumulator=dim, reduction=Reduction.REDUCE_SCATTER_MICROBATCH)
+    return _split_row(leaf.param, dim, per_microbatch=True)
 
 
 def window_layouts(
